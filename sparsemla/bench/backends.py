@@ -1,0 +1,222 @@
+"""The tools' view of the backend registry (``sparsemla.backends``) and of the public attention API.
+
+The CLI and the benchmark runner reach backends only through this module, so a registry or API that
+is missing (or broken) on some machine degrades to a clear one-line message instead of a traceback.
+
+Two ways to time a backend (``make_call``):
+
+* ``"runner"`` (default): the way an engine's ``SparseMLA`` runner calls it — ``make_workspace`` once,
+  ``plan`` on the host, then the timed call is ``backend.forward(..., workspace)`` with preallocated
+  outputs.  One-time host work (buffers, peers' plans) stays outside the timed region, as in serving.
+* ``"api"``: the public functional API, ``sparse_mla_decode(..., backend=name, out=out, check=False)`` /
+  ``sparse_mla_prefill`` (argument checks and backend selection on every call; the index-range check,
+  which reads indices on the host, is off).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..formats import KVFormat, get_format
+
+# Our own backends; anything else in the registry is a peer unless its ``is_peer`` says otherwise.
+OWN_BACKENDS = ("triton", "triton-staged", "reference")
+# Not performance paths: timed only when asked for by name.
+NOT_TIMED = ("reference",)
+# The PyTorch floor of benchmarking.md, provided by bench/baseline.py, not by the registry.
+TORCH_BASELINE = "torch-gather"
+CALL_PATHS = ("runner", "api")
+
+
+class Unavailable(RuntimeError):
+    """A part of the library the tools need is not importable (yet); the message says which."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One attention call as the tools describe it: kind (``decode``/``prefill``), format, H, K, T, device."""
+
+    kind: str
+    fmt: KVFormat
+    num_heads: int
+    topk: int
+    num_tokens: int
+    device: torch.device
+
+    def describe(self) -> str:
+        return (f"{self.kind} of {self.fmt.id}, {self.num_tokens} tokens x {self.num_heads} heads, "
+                f"top-k {self.topk}, on {self.device}")
+
+
+def make_problem(kind: str, fmt, num_heads: int, topk: int, num_tokens: int = 1, device=None) -> Problem:
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    return Problem(kind, get_format(fmt), int(num_heads), int(topk), int(num_tokens), device)
+
+
+# --- importing -----------------------------------------------------------------------------------------
+
+def _import(name: str):
+    try:
+        return importlib.import_module(name)
+    except Exception as e:  # ImportError, or an error inside a half-written module
+        raise Unavailable(f"{name} is not available ({type(e).__name__}: {e})") from e
+
+
+def registry():
+    """The ``sparsemla.backends`` module, or :class:`Unavailable`."""
+    return _import("sparsemla.backends")
+
+
+def attention_api():
+    """The ``sparsemla.attention`` module, or :class:`Unavailable`."""
+    return _import("sparsemla.attention")
+
+
+def registry_status() -> Tuple[bool, str]:
+    """(usable, a line saying what is missing when not)."""
+    try:
+        reg = registry()
+        missing = [n for n in ("list_backends", "get_backend", "select", "AttentionConfig") if not hasattr(reg, n)]
+        if missing:
+            return False, f"sparsemla.backends has no {', '.join(missing)}"
+        reg.list_backends()
+    except Exception as e:
+        return False, str(e) if isinstance(e, Unavailable) else f"sparsemla.backends failed: {type(e).__name__}: {e}"
+    return True, "sparsemla.backends"
+
+
+# --- what the registry knows ---------------------------------------------------------------------------
+
+def backend_names() -> List[str]:
+    """Every registered backend (ours and peers, installed or not), in the registry's order."""
+    return list(registry().list_backends().keys())
+
+
+def get_backend(name: str):
+    return registry().get_backend(name)
+
+
+def is_peer(name: str) -> bool:
+    """True for optional third-party backends (FlashMLA, FlashInfer) and the PyTorch floor."""
+    if name == TORCH_BASELINE:
+        return True
+    try:
+        v = getattr(get_backend(name), "is_peer", None)
+    except Exception:
+        v = None
+    return v if isinstance(v, bool) else name not in OWN_BACKENDS
+
+
+def describe(name: str) -> str:
+    if name == TORCH_BASELINE:
+        return "PyTorch gather + two bmm (the floor of docs/benchmarking.md; bf16 caches)"
+    try:
+        return str(getattr(get_backend(name), "description", "")) or name
+    except Exception:
+        return name
+
+
+def to_registry_config(problem: Problem):
+    """The registry's ``AttentionConfig`` for ``problem`` (paged cache, not under graph capture)."""
+    reg = registry()
+    dev = problem.device
+    cap = None
+    if dev.type == "cuda":
+        cap = tuple(torch.cuda.get_device_capability(dev))
+    return reg.AttentionConfig(mode=problem.kind, fmt=problem.fmt, num_heads=problem.num_heads, topk=problem.topk,
+                               device_type=dev.type, capability=cap)
+
+
+def probe(name: str) -> Optional[str]:
+    """None when backend ``name``'s code is usable on this machine, else why not."""
+    if name == TORCH_BASELINE:
+        return None
+    try:
+        return get_backend(name).probe(None)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def why_not(name: str, problem: Problem) -> Optional[str]:
+    """None when backend ``name`` can serve ``problem`` here, else its one-sentence reason."""
+    if name == TORCH_BASELINE:
+        from .baseline import why_not as baseline_why_not
+        return baseline_why_not(problem)
+    try:
+        return get_backend(name).why_not(to_registry_config(problem)) or None
+    except Exception as e:
+        return str(e) if isinstance(e, Unavailable) else f"why_not failed: {type(e).__name__}: {e}"
+
+
+def select(problem: Problem) -> Tuple[Optional[str], Dict[str, Optional[str]], Optional[str]]:
+    """(auto-selected backend or None, {backend: None if it could serve else why not}, error of select or None)."""
+    cfg = to_registry_config(problem)
+    reg = registry()
+    reasons = dict(reg.list_backends(cfg))
+    try:
+        return reg.select(cfg).name, reasons, None
+    except Exception as e:
+        return None, reasons, f"{type(e).__name__}: {e}"
+
+
+def priority(problem: Problem) -> Tuple[str, ...]:
+    """The registry's priority order for ``problem`` (empty when it has none to show)."""
+    reg = registry()
+    fn = getattr(reg, "priority_for", None) or getattr(getattr(reg, "registry", None), "priority_for", None)
+    try:
+        return tuple(fn(to_registry_config(problem))) if callable(fn) else ()
+    except Exception:
+        return ()
+
+
+# --- calling -------------------------------------------------------------------------------------------
+
+def make_call(name: str, kind: str, q, cache, indices, sm_scale: float, valid_counts=None, k_scale: float = 1.0,
+              *, path: str = "runner") -> Tuple[Callable[[], Tuple[torch.Tensor, torch.Tensor]], str]:
+    """(a zero-argument callable returning ``(out, lse)``, the path it uses).
+
+    ``path="runner"`` falls back to ``"api"`` for a backend without runner hooks; the returned path
+    says which one was taken.
+    """
+    if path not in CALL_PATHS:
+        raise ValueError(f"path: expected one of {CALL_PATHS}, got {path!r}")
+    if name == TORCH_BASELINE:
+        from .baseline import torch_gather_attention
+        return (lambda: torch_gather_attention(q, cache, indices, sm_scale, valid_counts, k_scale)), "torch"
+    t, h = q.shape[0], q.shape[1]
+    out = torch.empty((t, h, 512), dtype=q.dtype, device=q.device)
+    if path == "runner":
+        b = get_backend(name)
+        if callable(getattr(b, "forward", None)) and callable(getattr(b, "make_workspace", None)):
+            reg = registry()
+            lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
+            if valid_counts is None:
+                valid_counts = (indices >= 0).sum(dim=1).to(torch.int32)  # the workloads' indices are prefix-valid
+            spec = reg.RunnerSpec(max_tokens=t, num_heads=h, topk=indices.shape[1], fmt=cache.fmt, device=q.device,
+                                  block_size=cache.block_size, block_stride_rows=cache.block_stride_rows)
+            ws = b.make_workspace(spec)
+            host = reg.HostPlan(num_tokens=t, padded_num_tokens=t, num_decode_tokens=t if kind == "decode" else 0,
+                                host_counts=valid_counts.tolist(), valid_counts=valid_counts)
+            b.plan(ws, host)
+            return (lambda: b.forward(kind, q, cache, indices, sm_scale, valid_counts, k_scale, out, lse, ws)), "runner"
+    api = attention_api()
+    fn = api.sparse_mla_decode if kind == "decode" else api.sparse_mla_prefill
+    # check=False: the index-range check reads the indices on the host (a device sync) on every call;
+    # an engine validates once, so the timed call skips it.
+    return (lambda: fn(q, cache, indices, sm_scale, valid_counts, k_scale, backend=name, out=out,
+                       check=False)), "api"
+
+
+def auto_call(kind: str, q, cache, indices, sm_scale: float, valid_counts=None, k_scale: float = 1.0):
+    """The public API with ``backend="auto"`` (what a user gets)."""
+    api = attention_api()
+    fn = api.sparse_mla_decode if kind == "decode" else api.sparse_mla_prefill
+    return lambda: fn(q, cache, indices, sm_scale, valid_counts, k_scale, backend="auto")
+
+
+__all__ = ["Problem", "make_problem", "Unavailable", "registry", "attention_api", "registry_status",
+           "backend_names", "get_backend", "is_peer", "describe", "why_not", "probe", "select", "priority",
+           "make_call", "auto_call", "OWN_BACKENDS", "NOT_TIMED", "TORCH_BASELINE", "CALL_PATHS"]

@@ -1,0 +1,109 @@
+"""``sparsemla info``: what this machine has, and which backend a call would get.
+
+Prints the GPU and its compute capability, the versions of Python / PyTorch / Triton, the optional
+peers found, each backend's probe on this machine, and for one call (default: the D-h16 decode of
+an fp8_ds_mla cache) the backend ``backend="auto"`` picks and, for every other backend, why not.
+"""
+from __future__ import annotations
+
+import json
+
+from ..bench import backends as B
+from ..bench.env import PEER_PACKAGES, environment
+
+
+def add_parser(sub, name, help_):
+    p = sub.add_parser(name, help=help_, description=__doc__.split("\n\n")[0])
+    p.add_argument("--format", default="fp8_ds_mla", help="KV format of the example call (default fp8_ds_mla)")
+    p.add_argument("--heads", type=int, default=16, help="query heads of the example call (default 16)")
+    p.add_argument("--topk", type=int, default=2048, help="top-k width of the example call (default 2048)")
+    p.add_argument("--mode", choices=("decode", "prefill"), default="decode", help="kind of call (default decode)")
+    p.add_argument("--tokens", type=int, default=128, help="query tokens of the example call (default 128)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(run=run)
+    return p
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("sparsemla")
+    except Exception:
+        try:
+            import sparsemla
+            return str(getattr(sparsemla, "__version__", "source checkout"))
+        except Exception:
+            return "source checkout"
+
+
+def gather(args) -> dict:
+    """Everything ``info`` reports, as a dict (also the ``--json`` output)."""
+    env = environment()
+    info = {"sparsemla": _version(), **env, "backends": {}, "example": None}
+    ok, msg = B.registry_status()
+    info["registry"] = "ok" if ok else msg
+    if not ok:
+        return info
+    for name in B.backend_names():
+        info["backends"][name] = {"probe": B.probe(name), "peer": B.is_peer(name), "description": B.describe(name)}
+    problem = B.make_problem(args.mode, args.format, args.heads, args.topk, args.tokens)
+    chosen, reasons, err = B.select(problem)
+    info["example"] = {"call": problem.describe(), "chosen": chosen, "select_error": err,
+                       "priority": list(B.priority(problem)), "why_not": reasons}
+    return info
+
+
+def render(info: dict) -> str:
+    lines = [f"sparsemla {info['sparsemla']}" + (f" (commit {info['sparsemla_commit']})" if info.get("sparsemla_commit") else "")]
+    lines.append(f"python {info['python']}, torch {info['torch']} (CUDA {info.get('cuda_runtime') or 'none'}), "
+                 f"triton {info.get('triton') or 'not installed'}")
+    if info.get("cuda"):
+        lines.append(f"GPU: {info['name']}, compute capability {info['compute_capability']}, "
+                     f"{info['sm_count']} SMs, {info['memory_gib']} GiB, L2 {info['l2_mib']} MiB")
+    else:
+        interp = " (Triton kernels run in the interpreter: TRITON_INTERPRET=1)" if info.get("triton_interpret") \
+            not in ("", "0", None) else ""
+        lines.append(f"GPU: none — CPU only{interp}")
+    peers = info.get("peers", {})
+    lines.append("peers: " + "; ".join(f"{n} {'(' + v + ')' if v else 'not installed'} — {PEER_PACKAGES[n]}"
+                                        for n, v in peers.items()))
+    if info["registry"] != "ok":
+        lines.append(f"backends: unavailable — {info['registry']}")
+        return "\n".join(lines)
+    lines.append("backends (probe on this machine):")
+    for name, b in info["backends"].items():
+        state = "usable" if b["probe"] is None else f"unusable: {b['probe']}"
+        tag = " [peer]" if b["peer"] else ""
+        lines.append(f"  {name:<14}{tag:<7} {state}")
+        if b["description"] and b["description"] != name:
+            lines.append(f"  {'':<21} {b['description']}")
+    ex = info["example"]
+    lines.append(f"for a {ex['call']}:")
+    if ex["chosen"]:
+        lines.append(f"  backend=\"auto\" chooses: {ex['chosen']}")
+    else:
+        lines.append(f"  backend=\"auto\" finds no backend: {ex['select_error']}")
+    order = ex.get("priority") or []
+    for name, reason in ex["why_not"].items():
+        if name == ex["chosen"]:
+            continue
+        if reason is None:
+            if name in order and ex["chosen"] in order and order.index(name) > order.index(ex["chosen"]):
+                why = f"serves it, but comes after {ex['chosen']} in the priority order ({' > '.join(order)})"
+            elif order and name not in order:
+                why = "serves it, but is not in the automatic priority order here (it can be forced)"
+            else:
+                why = "serves it (not preferred)"
+        else:
+            why = reason
+        lines.append(f"  not {name}: {why}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    info = gather(args)
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+    else:
+        print(render(info))
+    return 0

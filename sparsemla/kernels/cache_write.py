@@ -1,0 +1,310 @@
+"""Cache write: quantize ``N`` tokens and scatter them into a paged KV cache, one Triton launch.
+
+For every format of ``docs/kv-formats.md`` (bf16, fp8, fp8_ds_mla, nvfp4_ds_mla; rope 64 or NoPE) the
+bytes written are identical to ``fmt.encode`` (``formats/_numerics.py`` gives the exact fp32 recipe).
+
+Tiling: one program = ``TOK`` tokens, each a whole row.  A token's 512 latent values are one
+``[TOK, 512]`` load (its per-tile / per-block amax is a reduction over a reshaped view, so there is no
+per-element loop), its RoPE one ``[TOK, 64]`` load, and its row is written with wide stores at byte
+offset ``row * bytes_per_token`` computed in int64 (caches above 2^31 bytes).  The kernel is bound by
+memory traffic (read 1152 B of bf16 input, write 288..1152 B per token), so it only needs enough
+tokens in flight; the arithmetic per element is a handful of integer / fp32 operations.
+
+Number conversions, and why there are two code paths (``EMULATE``):
+  On the GPU, Triton lowers fp32 -> float8e4nv to ``cvt.rn.satfinite.e4m3x2.f32`` (round to nearest
+  even, saturating to +-448, NaN -> 0x7F: exactly the contract) and fp32 -> bf16 to ``cvt.rn.bf16.f32``.
+  The Triton *interpreter* gets both wrong (its fp8 cast rounds half-up without carrying into the
+  exponent and does not saturate; its bf16 cast truncates), so under the interpreter the same
+  conversions are done with integer bit arithmetic, which is exact everywhere.  The GPU test suite
+  runs the emulated path on the GPU as well, so both paths are checked against ``fmt.encode``.
+Divisions are correctly rounded (``tl.math.div_rn``; plain ``/`` on fp32 is approximate), as the
+recipes require.  Division by a power of two is done as an exact multiply.
+
+The fp32 helpers here (``e4m3_codes``, ``bf16_bits``, ``k_scale_mode``, ``apply_inv_k_scale``) are also
+used by the staging kernels (``staging.py``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .._validate import check_k_scale, check_positive_int, check_tensor
+from ..formats import KVFormat, get_format
+from ._runtime import interpreting
+
+# Format ids seen by the kernels (a constexpr selects the code of one format).
+FMT_BF16, FMT_FP8, FMT_FP8_DS_MLA, FMT_NVFP4_DS_MLA = 0, 1, 2, 3
+_FMT_IDS = {"bf16": FMT_BF16, "fp8": FMT_FP8, "fp8_ds_mla": FMT_FP8_DS_MLA, "nvfp4_ds_mla": FMT_NVFP4_DS_MLA}
+
+# How ``x / k_scale`` is computed (constexpr): identity, an exact multiply by a power-of-two reciprocal,
+# or a correctly rounded division.  All three give the correctly rounded fp32 quotient.
+KS_ONE, KS_POW2, KS_DIV = 0, 1, 2
+
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Default tiling (see the module docstring).  4 tokens x 512 values with 4 warps is 16 fp32 values
+# per thread, which keeps registers low enough for many programs per SM (loads in flight).
+WRITE_TOKENS_PER_PROGRAM = 4
+WRITE_NUM_WARPS = 4
+
+
+def format_id(fmt: KVFormat) -> int:
+    return _FMT_IDS[fmt.name]
+
+
+def k_scale_mode(k_scale: float):
+    """``(mode, k_scale_fp32, inv_k_scale)`` for dividing by ``k_scale`` in a kernel (see KS_*)."""
+    ks = float(torch.tensor(k_scale, dtype=torch.float32))
+    if ks == 1.0:
+        return KS_ONE, ks, 1.0
+    mant, exp = math.frexp(ks)
+    inv = 1.0 / ks
+    # 1/ks is exact (and normal) for a power of two in this range; x * inv is then the rounded x / ks.
+    if mant == 0.5 and -125 <= exp <= 126:
+        return KS_POW2, ks, inv
+    return KS_DIV, ks, inv
+
+
+def use_emulation(emulate: Optional[bool]) -> bool:
+    """Bit-arithmetic conversions under the interpreter (or when a test forces them)."""
+    return interpreting() if emulate is None else bool(emulate)
+
+
+# --------------------------------------------------------------------------------------------------
+# fp32 conversions shared with staging.py
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def e4m3_codes(x, EMULATE: tl.constexpr):
+    """fp32 (any shape) -> uint8 e4m3 codes: round to nearest even, saturating to +-448, NaN -> 0x7F,
+    the sign kept for values that round to zero (``formats._numerics.e4m3_encode``)."""
+    if EMULATE:
+        bits = x.to(tl.uint32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        mag = bits & 0x7FFFFFFF
+        ax = mag.to(tl.float32, bitcast=True)
+        # |x| >= 2^-6 (normal e4m3): keep 3 mantissa bits, RNE (add 0x7FFFF plus the lowest kept bit;
+        # a carry moves into the exponent, which is what rounding up to the next binade means).
+        rnd = mag + 0x7FFFF + ((mag >> 20) & 1)
+        normal = (rnd >> 20) - (120 << 3)  # rebias the exponent: 127 (fp32) -> 7 (e4m3)
+        # |x| < 2^-6 (subnormal, step 2^-9): |x| * 2^9 rounded to an integer 0..8 by adding 2^23 (the
+        # fp32 add rounds to nearest even; 8 is the code of 2^-6, the smallest normal).
+        sub = (ax * 512.0 + 8388608.0).to(tl.uint32, bitcast=True) - 0x4B000000
+        code = tl.where(ax < 0.015625, sub, normal)
+        code = tl.where(ax > 448.0, 0x7E, code) | sign
+        code = tl.where(x != x, 0x7F, code)
+        return code.to(tl.uint8)
+    else:
+        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def bf16_bits(x, EMULATE: tl.constexpr):
+    """fp32 (any shape) -> uint16 bits of the bf16 value, round to nearest even (NaN -> 0x7FC0)."""
+    if EMULATE:
+        bits = x.to(tl.uint32, bitcast=True)
+        r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        r = tl.where(x != x, 0x7FC0, r)
+        return r.to(tl.uint16)
+    else:
+        return x.to(tl.bfloat16).to(tl.uint16, bitcast=True)
+
+
+@triton.jit
+def f32_from_e4m3(code, EMULATE: tl.constexpr):
+    """uint8 e4m3 codes -> fp32 (exact).  Emulated: the e4m3 bits shifted into an fp16 (same
+    mantissa position, exponent bias 15 instead of 7, subnormals included) times 2^8."""
+    if EMULATE:
+        c = code.to(tl.uint16)
+        h = ((c & 0x80) << 8) | ((c & 0x7F) << 7)
+        v = h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        return tl.where((c & 0x7F) == 0x7F, float("nan"), v)
+    else:
+        return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def apply_inv_k_scale(x, k_scale, inv_k_scale, KS_MODE: tl.constexpr):
+    """The correctly rounded fp32 ``x / k_scale`` (``KS_MODE`` picks the cheapest exact way)."""
+    if KS_MODE == 0:
+        return x
+    elif KS_MODE == 1:
+        return x * inv_k_scale
+    else:
+        return tl.math.div_rn(x, tl.zeros_like(x) + k_scale)
+
+
+@triton.jit
+def _e2m1_codes(x, sf):
+    """e2m1 codes 0..15 (int32) of ``RNE_saturating(x / sf)`` for fp32 ``x [TOK, NB, 16]`` and e4m3 scale
+    values ``sf [TOK, NB]`` -- without dividing.
+
+    The recipe rounds the correctly rounded quotient ``q = fl(x / sf)`` to e2m1: code ``m`` counts the
+    decision points below ``|q|`` (``> t`` for t in 0.25, 1.25, 2.5, 5 and ``>= t`` for 0.75, 1.75, 3.5:
+    ties go to the even code).  Because ``t`` has at most 3 significant bits and ``sf`` at most 4,
+    ``t * sf`` is exact in fp32, and for such ``sf`` rounding the quotient never moves it across a
+    decision point: ``fl(x/sf) >= t  <=>  |x| >= t*sf`` and ``fl(x/sf) > t  <=>  |x| > t*sf`` (a
+    neighbouring fp32 of ``t*sf``, divided by ``sf``, lies more than half an fp32 ulp away from ``t``;
+    tests/test_cache_write.py checks this against the division for every e4m3 scale).  So each element
+    costs three compares, found by a binary search over the eight codes: bit 2 (``>= 1.75 sf``), then
+    bit 1 (``>= 3.5 sf`` or ``>= 0.75 sf``), then bit 0 (``> 5, 2.5, 1.25 or 0.25 sf``).
+    The sign comes from the sign bit of ``x`` (``-0`` and negatives that round to 0 give code 8)."""
+    s = sf[:, :, None]
+    a = tl.abs(x)
+    b2 = a >= 1.75 * s
+    b1 = a >= tl.where(b2, 3.5 * s, 0.75 * s)
+    b0 = a > tl.where(b2, tl.where(b1, 5.0 * s, 2.5 * s), tl.where(b1, 1.25 * s, 0.25 * s))
+    # int32 arithmetic (8-bit integer ops cost byte permutes on the GPU)
+    sign = (x.to(tl.int32, bitcast=True) >> 28) & 8
+    return tl.where(b2, 4, 0) + tl.where(b1, 2, 0) + tl.where(b0, 1, 0) + sign
+
+
+# --------------------------------------------------------------------------------------------------
+# the kernel
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _cache_write_kernel(
+    rows_ptr,                       # uint8 [num_rows, BPT] (flat cache)
+    kv_ptr, kv_stride,              # [N, 512] fp32/bf16/fp16, unit column stride
+    pe_ptr, pe_stride,              # [N, ROPE] (unused when ROPE == 0)
+    slot_ptr,                       # int32/int64 [N], -1 = skip
+    N, block_stride_rows,
+    k_scale, inv_k_scale,
+    BLOCK_SIZE: tl.constexpr,        # constexpr: slot // BLOCK_SIZE is then a shift, not a 64-bit divide
+    FMT: tl.constexpr, ROPE: tl.constexpr, BPT: tl.constexpr,
+    ROPE_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
+    KS_MODE: tl.constexpr, EMULATE: tl.constexpr, TOK: tl.constexpr,
+):
+    D: tl.constexpr = 512
+    pid = tl.program_id(0)
+    tok = pid.to(tl.int64) * TOK + tl.arange(0, TOK)
+    in_range = tok < N
+    slot = tl.load(slot_ptr + tok, mask=in_range, other=-1).to(tl.int64)
+    live = slot >= 0
+    row = (slot // BLOCK_SIZE) * block_stride_rows + slot % BLOCK_SIZE
+    base = tl.where(live, row, 0) * BPT                       # int64 byte offset of each row
+    col = tl.arange(0, D)
+    m2 = live[:, None]
+    x = tl.load(kv_ptr + tok[:, None] * kv_stride + col[None, :], mask=m2, other=0.0).to(tl.float32)
+    if ROPE > 0:
+        rc = tl.arange(0, ROPE)
+        r = tl.load(pe_ptr + tok[:, None] * pe_stride + rc[None, :], mask=m2, other=0.0).to(tl.float32)
+
+    if FMT == 0:  # bf16: 512 (+ 64) bf16 values
+        p16 = rows_ptr.to(tl.pointer_type(tl.uint16))
+        base16 = base // 2
+        tl.store(p16 + base16[:, None] + col[None, :], bf16_bits(x, EMULATE), mask=m2)
+        if ROPE > 0:
+            tl.store(p16 + base16[:, None] + (D + rc)[None, :], bf16_bits(r, EMULATE), mask=m2)
+    elif FMT == 1:  # fp8: e4m3(x / k_scale) for all head dims
+        q = e4m3_codes(apply_inv_k_scale(x, k_scale, inv_k_scale, KS_MODE), EMULATE)
+        tl.store(rows_ptr + base[:, None] + col[None, :], q, mask=m2)
+        if ROPE > 0:
+            qr = e4m3_codes(apply_inv_k_scale(r, k_scale, inv_k_scale, KS_MODE), EMULATE)
+            tl.store(rows_ptr + base[:, None] + (D + rc)[None, :], qr, mask=m2)
+    elif FMT == 2:  # fp8_ds_mla: 4 tiles of 128 e4m3 with a power-of-two fp32 scale each, bf16 rope
+        t3 = tl.reshape(x, [TOK, 4, 128])
+        amax = tl.max(tl.abs(t3), axis=2)                                   # [TOK, 4]
+        rr = tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0), 1e-4)
+        # 2 ** ceil(log2(rr)) on the bits: adding a full mantissa carries into the exponent unless rr
+        # is already a power of two; the mask drops the mantissa.  1/s is a power of two as well.
+        s_bits = (rr.to(tl.uint32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+        s = s_bits.to(tl.float32, bitcast=True)
+        inv_s = (0x7F000000 - s_bits).to(tl.float32, bitcast=True)
+        q = e4m3_codes(t3 * inv_s[:, :, None], EMULATE)                    # exact x / s, then RNE
+        tl.store(rows_ptr + base[:, None] + col[None, :], tl.reshape(q, [TOK, D]), mask=m2)
+        pf = rows_ptr.to(tl.pointer_type(tl.float32))
+        sc = tl.arange(0, 4)
+        tl.store(pf + ((base + SCALE_OFF) // 4)[:, None] + sc[None, :], s, mask=m2)
+        if ROPE > 0:
+            p16 = rows_ptr.to(tl.pointer_type(tl.uint16))
+            tl.store(p16 + ((base + ROPE_OFF) // 2)[:, None] + rc[None, :], bf16_bits(r, EMULATE), mask=m2)
+    else:  # nvfp4_ds_mla: 32 blocks of 16 e2m1 with an e4m3 scale (rounded up), e4m3 rope
+        b3 = tl.reshape(x, [TOK, 32, 16])
+        amax = tl.max(tl.abs(b3), axis=2)                                   # [TOK, 32]
+        target = tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + 6.0), 0.001953125)
+        sf_code = e4m3_codes(target, EMULATE)
+        up = (f32_from_e4m3(sf_code, EMULATE) < target) & (sf_code < 0x7E)
+        sf_code = sf_code + up.to(tl.uint8)
+        sf = f32_from_e4m3(sf_code, EMULATE)
+        codes = _e2m1_codes(b3, sf)
+        lo, hi = tl.split(tl.reshape(codes, [TOK, 256, 2]))                # dim 2k low, 2k+1 high
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        bc = tl.arange(0, 256)
+        tl.store(rows_ptr + base[:, None] + bc[None, :], packed, mask=m2)
+        if ROPE > 0:
+            tl.store(rows_ptr + (base + ROPE_OFF)[:, None] + rc[None, :], e4m3_codes(r, EMULATE), mask=m2)
+        blk = tl.arange(0, 32)
+        perm = 8 * (blk % 4) + blk // 4                                     # block s -> its scale byte
+        tl.store(rows_ptr + (base + SCALE_OFF)[:, None] + perm[None, :], sf_code, mask=m2)
+
+
+def _prep_input(name: str, t: torch.Tensor) -> torch.Tensor:
+    # The kernel needs unit column stride (wide loads); a row stride is fine (e.g. a slice of a fused
+    # [N, 576] projection output).
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def cache_write(rows: torch.Tensor, fmt, kv_c: torch.Tensor, k_pe: Optional[torch.Tensor],
+                slot_mapping: torch.Tensor, block_size: int, block_stride_rows: int, k_scale: float = 1.0,
+                *, _config: Optional[dict] = None, _emulate: Optional[bool] = None) -> None:
+    """Quantize ``N`` tokens into a paged cache, in place, in one Triton launch.
+
+    Args:
+        rows: uint8 ``[num_rows, bytes_per_token]`` contiguous, the flat cache (``PagedKVCache.rows``).
+        fmt: :class:`KVFormat` or format name.
+        kv_c: ``[N, 512]`` bf16/fp16/fp32 latent values.
+        k_pe: ``[N, rope_dim]`` same kinds of dtype, or None for NoPE formats.
+        slot_mapping: int32/int64 ``[N]``; slot ``s`` goes to row
+            ``(s // block_size) * block_stride_rows + s % block_size``; -1 = skip the token.
+            Slots are not range-checked here (``PagedKVCache.write`` does that).
+        block_size, block_stride_rows: cache geometry.
+        k_scale: per-tensor scale (changes only the ``fp8`` format).
+
+    Bytes written equal ``fmt.encode(kv_c, k_pe, k_scale)`` for finite inputs (inf saturates like a
+    large value; ``fmt.encode`` rejects non-finite inputs).
+    """
+    fmt = get_format(fmt)
+    k_scale = check_k_scale(k_scale)
+    check_tensor("rows", rows, dtype=torch.uint8, ndim=2, contiguous=True)
+    if rows.shape[1] != fmt.bytes_per_token:
+        raise ValueError(f"rows: expected shape [num_rows, {fmt.bytes_per_token}] for {fmt.id}, "
+                         f"got {tuple(rows.shape)}")
+    dev = rows.device
+    check_tensor("kv_c", kv_c, dtypes=_INPUT_DTYPES, shape=(None, fmt.kv_lora_rank), device=dev)
+    n = kv_c.shape[0]
+    if fmt.rope_dim:
+        if k_pe is None:
+            raise ValueError(f"k_pe: format {fmt.id} stores {fmt.rope_dim} RoPE dims; got None")
+        check_tensor("k_pe", k_pe, dtypes=_INPUT_DTYPES, shape=(n, fmt.rope_dim), device=dev)
+    elif k_pe is not None and k_pe.numel() != 0:
+        raise ValueError(f"k_pe: format {fmt.id} has no RoPE part; expected None, got shape {tuple(k_pe.shape)}")
+    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int32, torch.int64), shape=(n,), device=dev,
+                 contiguous=True)
+    check_positive_int("block_size", block_size)
+    check_positive_int("block_stride_rows", block_stride_rows)
+    if block_stride_rows < block_size:
+        raise ValueError(f"block_stride_rows: expected >= block_size ({block_size}), got {block_stride_rows}")
+    if n == 0:
+        return
+    kv_c = _prep_input("kv_c", kv_c)
+    pe = _prep_input("k_pe", k_pe) if fmt.rope_dim else kv_c
+    mode, ks, inv = k_scale_mode(k_scale)
+    cfg = {"TOK": WRITE_TOKENS_PER_PROGRAM, "num_warps": WRITE_NUM_WARPS}
+    cfg.update(_config or {})
+    lay = fmt.layout
+    grid = (triton.cdiv(n, cfg["TOK"]),)
+    _cache_write_kernel[grid](
+        rows, kv_c, kv_c.stride(0), pe, pe.stride(0), slot_mapping,
+        n, block_stride_rows, ks, inv,
+        BLOCK_SIZE=block_size, FMT=format_id(fmt), ROPE=fmt.rope_dim, BPT=fmt.bytes_per_token,
+        ROPE_OFF=max(lay.rope_offset, 0), SCALE_OFF=max(lay.scale_offset, 0),
+        KS_MODE=mode, EMULATE=use_emulation(_emulate), TOK=cfg["TOK"], num_warps=cfg["num_warps"],
+    )
+
+
+__all__ = ["cache_write", "e4m3_codes", "bf16_bits", "f32_from_e4m3", "apply_inv_k_scale", "k_scale_mode",
+           "format_id", "use_emulation"]

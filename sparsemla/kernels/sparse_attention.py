@@ -1,0 +1,587 @@
+"""Sparse MLA attention forward (decode and prefill) reading every KV format natively.
+
+Math, per query token ``t`` and head ``h`` over the valid entries ``r`` of ``indices[t]``::
+
+    s_r = sm_scale * q[t, h, :D] . K[r, :D]      lse = log sum_r exp(s_r)      out = sum_r exp(s_r - lse) V[r]
+
+with ``V[r] = K[r, :512]`` (one KV head; absorbed MLA).  Rows are read straight out of the paged cache
+(``PagedKVCache.rows``, uint8 ``[num_rows, bytes_per_token]``) and dequantized in registers: no staging copy.
+
+Tiling: one program = one query token x one block of ``HB`` heads x one split of its top-k list.  It walks
+its split in tiles of ``BN`` gathered rows; per tile it does ``S = Q K^T`` and ``O += P V`` with tensor-core
+dots and an online softmax (base 2, ``sm_scale * log2(e)`` folded in).  Splits (split-KV) let a small batch
+fill all SMs; their normalized partial outputs and lse are merged by ``_combine_kernel``.
+
+Number formats on the tensor cores, and why:
+- e4m3 -> fp16 is exact and is one packed ``cvt.rn.f16x2.e4m3x2`` per two values (e4m3 -> bf16 costs two more
+  conversions), so every FP8 and FP4 format multiplies in fp16.  The query is brought into fp16 range by a
+  per-token power of two (exact), which is divided back out of the scores.
+- fp8_ds_mla: the four per-128-dim fp32 tile scales are never applied per element.  QK is four 128-deep dots,
+  each scaled per column (per row of the cache); for PV, P is multiplied per column by ``scale / tile_max``
+  (a ratio <= 1, exactly a power of two for the pow2 writer) and the dot by ``tile_max``.
+- nvfp4_ds_mla: an e2m1 value times its e4m3 block scale has at most 5 significant bits and lies in
+  [2^-13, 2688], so the product is exact in fp16.  Byte k holds dims 2k (low nibble) and 2k+1 (high nibble):
+  rather than interleaving them, the 512 dims are handled as an "even" and an "odd" half, each a 256-deep dot,
+  with q and the output split the same way (once per program, not per tile).
+- bf16 rows multiply in bf16.
+Under the Triton interpreter ``tl.dot`` on bf16 operands is wrong (it multiplies the raw bits), so with
+``INTERP`` the bf16 operands are widened to fp32 first (fp16 and fp8 are fine there).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import KVFormat, get_format
+from ._runtime import interpreting
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+V_DIM = 512
+_NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max, so exp2(m_old - m_new) never sees inf - inf
+
+
+# --------------------------------------------------------------------------------------------------------
+# shared pieces
+# --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _program_coords(H, K, vc_ptr, rows_per_split, NUM_SPLITS: tl.constexpr, NG: tl.constexpr,
+                    HB: tl.constexpr, HAS_VC: tl.constexpr):
+    """Program id -> (token, split, head offsets, head mask, first and end position of this split).
+
+    Head groups vary fastest so the programs that read the same rows run next to each other (L2 reuse)."""
+    pid = tl.program_id(0)
+    g = pid % NG
+    ts = pid // NG
+    s = ts % NUM_SPLITS
+    t = ts // NUM_SPLITS
+    n = K
+    if HAS_VC:
+        # A 1-element vector load + reduce, not a scalar load: the interpreter returns scalar loads as
+        # shape-(1,) arrays, which `range` cannot take.
+        n = tl.minimum(tl.maximum(tl.max(tl.load(vc_ptr + t + tl.arange(0, 1)), 0), 0), K)
+    k_begin = s * rows_per_split
+    k_end = tl.minimum(k_begin + rows_per_split, n)
+    heads = g * HB + tl.arange(0, HB)
+    return t, s, heads, heads < H, k_begin, k_end
+
+
+@triton.jit
+def _tile_rows(idx_ptr, t, stride_it, k0, k_end, K, BN: tl.constexpr, STAGED: tl.constexpr):
+    """Rows of the tile starting at position k0: (row int64 [BN] (0 where invalid), valid bool [BN])."""
+    offs = k0 + tl.arange(0, BN)
+    idx = tl.load(idx_ptr + t.to(tl.int64) * stride_it + offs, mask=offs < k_end, other=-1)
+    valid = idx >= 0
+    if STAGED:
+        # Staged rows are stored per (token, position): row = t * K + position.
+        row = t.to(tl.int64) * K + offs
+    else:
+        row = idx.to(tl.int64)
+    row = tl.where(valid, row, 0)
+    return row, valid
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    """Online softmax in base 2: returns (p, alpha, m_new, l_new)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_new
+
+
+@triton.jit
+def _pow2_fp16_scale(amax):
+    """A power of two c with amax * c in [2^13, 2^15) (inside fp16 range; 1 when amax == 0)."""
+    e = tl.floor(tl.log2(tl.maximum(amax, 1e-30)))
+    c = tl.exp2(13.0 - e)
+    return tl.where(amax > 0, c, 1.0)
+
+
+@triton.jit
+def _store_chunk(o_ptr, t, s, heads, hm, cols, val, stride_ot, stride_os, stride_oh):
+    ptr = o_ptr + t.to(tl.int64) * stride_ot + s * stride_os + heads[:, None] * stride_oh + cols[None, :]
+    tl.store(ptr, val.to(o_ptr.dtype.element_ty), mask=hm[:, None])
+
+
+@triton.jit
+def _finish(l_i, m_i):
+    """(1/l with 0 for empty rows, natural-log lse with -inf for empty rows)."""
+    has = l_i > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    return inv_l, lse
+
+
+# --------------------------------------------------------------------------------------------------------
+# fp8_ds_mla: 512 e4m3 + 4 fp32 tile scales (+ 64 bf16 rope)
+# --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_fp8ds_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+                      o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
+                      sm_scale_log2, H, K, rows_per_split,
+                      BPT: tl.constexpr, ROPE: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
+                      NUM_SPLITS: tl.constexpr, NG: tl.constexpr, HAS_VC: tl.constexpr, INTERP: tl.constexpr):
+    t, s, heads, hm, k_begin, k_end = _program_coords(H, K, vc_ptr, rows_per_split, NUM_SPLITS, NG, HB, HAS_VC)
+    d = tl.arange(0, 128)
+    q_row = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    q0 = tl.load(q_row, mask=hm[:, None], other=0.0).to(tl.float32)
+    q1 = tl.load(q_row + 128, mask=hm[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(q_row + 256, mask=hm[:, None], other=0.0).to(tl.float32)
+    q3 = tl.load(q_row + 384, mask=hm[:, None], other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0)), tl.max(tl.abs(q1))),
+                      tl.maximum(tl.max(tl.abs(q2)), tl.max(tl.abs(q3))))
+    c = _pow2_fp16_scale(amax)
+    q0 = (q0 * c).to(tl.float16)
+    q1 = (q1 * c).to(tl.float16)
+    q2 = (q2 * c).to(tl.float16)
+    q3 = (q3 * c).to(tl.float16)
+    nope_scale = sm_scale_log2 / c
+    if ROPE:
+        r = tl.arange(0, 64)
+        qpe = tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + 512 + r[None, :],
+                      mask=hm[:, None], other=0.0)
+        if INTERP:
+            qpe = qpe.to(tl.float32)
+
+    m_i = tl.full([HB], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([HB], tl.float32)
+    acc0 = tl.zeros([HB, 128], tl.float32)
+    acc1 = tl.zeros([HB, 128], tl.float32)
+    acc2 = tl.zeros([HB, 128], tl.float32)
+    acc3 = tl.zeros([HB, 128], tl.float32)
+    for k0 in range(k_begin, k_end, BN):
+        row, valid = _tile_rows(idx_ptr, t, stride_it, k0, k_end, K, BN, False)
+        # Rows are 16-byte multiples and the cache is 16-byte aligned; Triton cannot see that through a
+        # gathered index, and without the hint every load is one byte wide.
+        base = tl.multiple_of(kv_ptr + row * BPT, 16)
+        vmask = valid[:, None]
+        kp = (base[:, None] + d[None, :]).to(tl.pointer_type(tl.float8e4nv))
+        k_0 = tl.load(kp, mask=vmask, other=0.0).to(tl.float16)
+        k_1 = tl.load(kp + 128, mask=vmask, other=0.0).to(tl.float16)
+        k_2 = tl.load(kp + 256, mask=vmask, other=0.0).to(tl.float16)
+        k_3 = tl.load(kp + 384, mask=vmask, other=0.0).to(tl.float16)
+        sp = (base + 512).to(tl.pointer_type(tl.float32))
+        sc0 = tl.load(sp, mask=valid, other=0.0)
+        sc1 = tl.load(sp + 1, mask=valid, other=0.0)
+        sc2 = tl.load(sp + 2, mask=valid, other=0.0)
+        sc3 = tl.load(sp + 3, mask=valid, other=0.0)
+        sc = (tl.dot(q0, tl.trans(k_0)) * sc0[None, :] + tl.dot(q1, tl.trans(k_1)) * sc1[None, :]
+              + tl.dot(q2, tl.trans(k_2)) * sc2[None, :] + tl.dot(q3, tl.trans(k_3)) * sc3[None, :]) * nope_scale
+        if ROPE:
+            kpe = tl.load((base + 528).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], mask=vmask, other=0.0)
+            if INTERP:
+                kpe = kpe.to(tl.float32)
+            sc += tl.dot(qpe, tl.trans(kpe)) * sm_scale_log2
+        sc = tl.where(valid[None, :], sc, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
+        # Per-column value scales go into P as ratios <= 1 (fp16-safe); the tile max multiplies the dot.
+        mx0 = tl.maximum(tl.max(sc0), 1e-30)
+        mx1 = tl.maximum(tl.max(sc1), 1e-30)
+        mx2 = tl.maximum(tl.max(sc2), 1e-30)
+        mx3 = tl.maximum(tl.max(sc3), 1e-30)
+        acc0 = acc0 * alpha[:, None] + tl.dot((p * (sc0 / mx0)[None, :]).to(tl.float16), k_0) * mx0
+        acc1 = acc1 * alpha[:, None] + tl.dot((p * (sc1 / mx1)[None, :]).to(tl.float16), k_1) * mx1
+        acc2 = acc2 * alpha[:, None] + tl.dot((p * (sc2 / mx2)[None, :]).to(tl.float16), k_2) * mx2
+        acc3 = acc3 * alpha[:, None] + tl.dot((p * (sc3 / mx3)[None, :]).to(tl.float16), k_3) * mx3
+
+    inv_l, lse = _finish(l_i, m_i)
+    _store_chunk(o_ptr, t, s, heads, hm, d, acc0 * inv_l[:, None], stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, d + 128, acc1 * inv_l[:, None], stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, d + 256, acc2 * inv_l[:, None], stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, d + 384, acc3 * inv_l[:, None], stride_ot, stride_os, stride_oh)
+    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=hm)
+
+
+# --------------------------------------------------------------------------------------------------------
+# nvfp4_ds_mla: 256 B of packed e2m1 (+ 64 e4m3 rope) + 32 permuted e4m3 block scales
+# --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _e2m1_to_fp16(code):
+    """4-bit e2m1 codes (int32) -> fp16, exactly.  Magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6: code c >= 2 is the
+    fp16 pattern (c << 9) + 0x3800 (exponent and mantissa bit line up, bias moved), c = 1 is 0.5 = 0x3800."""
+    mag = code & 7
+    bits = tl.where(mag < 2, mag * 0x3800, (mag << 9) + 0x3800) | ((code & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _fwd_nvfp4_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+                      o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
+                      sm_scale_log2, H, K, rows_per_split,
+                      BPT: tl.constexpr, ROPE: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
+                      NUM_SPLITS: tl.constexpr, NG: tl.constexpr, HAS_VC: tl.constexpr, INTERP: tl.constexpr):
+    SCALE_OFF: tl.constexpr = 320 if ROPE else 256
+    t, s, heads, hm, k_begin, k_end = _program_coords(H, K, vc_ptr, rows_per_split, NUM_SPLITS, NG, HB, HAS_VC)
+    j = tl.arange(0, 256)  # byte index = even dim / 2 = odd dim / 2
+    q_row = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+    qe = tl.load(q_row + 2 * j[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
+    qo = tl.load(q_row + 2 * j[None, :] + 1, mask=hm[:, None], other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(qe)), tl.max(tl.abs(qo)))
+    if ROPE:
+        r = tl.arange(0, 64)
+        qpe = tl.load(q_row + 512 + r[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(qpe)))
+    c = _pow2_fp16_scale(amax)
+    qe = (qe * c).to(tl.float16)
+    qo = (qo * c).to(tl.float16)
+    if ROPE:
+        qpe = (qpe * c).to(tl.float16)
+    score_scale = sm_scale_log2 / c
+    # Scale of 16-dim block b sits at byte SCALE_OFF + 8 * (b % 4) + b // 4; byte j belongs to block j // 8.
+    blk = tl.arange(0, 32)
+    sc_off = SCALE_OFF + 8 * (blk % 4) + blk // 4
+
+    m_i = tl.full([HB], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([HB], tl.float32)
+    acc_e = tl.zeros([HB, 256], tl.float32)
+    acc_o = tl.zeros([HB, 256], tl.float32)
+    for k0 in range(k_begin, k_end, BN):
+        row, valid = _tile_rows(idx_ptr, t, stride_it, k0, k_end, K, BN, False)
+        # Rows are 16-byte multiples and the cache is 16-byte aligned; Triton cannot see that through a
+        # gathered index, and without the hint every load is one byte wide.
+        base = tl.multiple_of(kv_ptr + row * BPT, 16)
+        vmask = valid[:, None]
+        packed = tl.load(base[:, None] + j[None, :], mask=vmask, other=0).to(tl.int32)
+        sf = tl.load((base[:, None] + sc_off[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=vmask, other=0.0)
+        sf = tl.reshape(tl.broadcast_to(sf.to(tl.float16)[:, :, None], [BN, 32, 8]), [BN, 256])
+        k_e = _e2m1_to_fp16(packed & 15) * sf
+        k_o = _e2m1_to_fp16(packed >> 4) * sf
+        sc = tl.dot(qe, tl.trans(k_e)) + tl.dot(qo, tl.trans(k_o))
+        if ROPE:
+            kpe = tl.load((base + 256).to(tl.pointer_type(tl.float8e4nv))[:, None] + r[None, :],
+                          mask=vmask, other=0.0).to(tl.float16)
+            sc += tl.dot(qpe, tl.trans(kpe))
+        sc = tl.where(valid[None, :], sc * score_scale, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
+        p16 = p.to(tl.float16)
+        acc_e = acc_e * alpha[:, None] + tl.dot(p16, k_e)
+        acc_o = acc_o * alpha[:, None] + tl.dot(p16, k_o)
+
+    inv_l, lse = _finish(l_i, m_i)
+    _store_chunk(o_ptr, t, s, heads, hm, 2 * j, acc_e * inv_l[:, None], stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, 2 * j + 1, acc_o * inv_l[:, None], stride_ot, stride_os, stride_oh)
+    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=hm)
+
+
+# --------------------------------------------------------------------------------------------------------
+# bf16 rows, plain fp8 rows (per-tensor k_scale) and staged fp8 rows [T, K, D]
+# --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_plain_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+                      o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
+                      sm_scale_log2, k_scale, H, K, rows_per_split,
+                      FP8: tl.constexpr, STAGED: tl.constexpr, ROPE: tl.constexpr, HB: tl.constexpr,
+                      BN: tl.constexpr, NUM_SPLITS: tl.constexpr, NG: tl.constexpr, HAS_VC: tl.constexpr,
+                      INTERP: tl.constexpr):
+    D: tl.constexpr = 512 + ROPE
+    t, s, heads, hm, k_begin, k_end = _program_coords(H, K, vc_ptr, rows_per_split, NUM_SPLITS, NG, HB, HAS_VC)
+    d = tl.arange(0, 128)
+    q_row = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    q0 = tl.load(q_row, mask=hm[:, None], other=0.0)
+    q1 = tl.load(q_row + 128, mask=hm[:, None], other=0.0)
+    q2 = tl.load(q_row + 256, mask=hm[:, None], other=0.0)
+    q3 = tl.load(q_row + 384, mask=hm[:, None], other=0.0)
+    if ROPE:
+        r = tl.arange(0, 64)
+        qpe = tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + 512 + r[None, :],
+                      mask=hm[:, None], other=0.0)
+    if FP8:
+        amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0.to(tl.float32))), tl.max(tl.abs(q1.to(tl.float32)))),
+                          tl.maximum(tl.max(tl.abs(q2.to(tl.float32))), tl.max(tl.abs(q3.to(tl.float32)))))
+        if ROPE:
+            amax = tl.maximum(amax, tl.max(tl.abs(qpe.to(tl.float32))))
+        c = _pow2_fp16_scale(amax)
+        q0 = (q0.to(tl.float32) * c).to(tl.float16)
+        q1 = (q1.to(tl.float32) * c).to(tl.float16)
+        q2 = (q2.to(tl.float32) * c).to(tl.float16)
+        q3 = (q3.to(tl.float32) * c).to(tl.float16)
+        if ROPE:
+            qpe = (qpe.to(tl.float32) * c).to(tl.float16)
+        score_scale = sm_scale_log2 * k_scale / c
+    else:
+        if INTERP:
+            q0 = q0.to(tl.float32)
+            q1 = q1.to(tl.float32)
+            q2 = q2.to(tl.float32)
+            q3 = q3.to(tl.float32)
+            if ROPE:
+                qpe = qpe.to(tl.float32)
+        score_scale = sm_scale_log2
+
+    m_i = tl.full([HB], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([HB], tl.float32)
+    acc0 = tl.zeros([HB, 128], tl.float32)
+    acc1 = tl.zeros([HB, 128], tl.float32)
+    acc2 = tl.zeros([HB, 128], tl.float32)
+    acc3 = tl.zeros([HB, 128], tl.float32)
+    for k0 in range(k_begin, k_end, BN):
+        row, valid = _tile_rows(idx_ptr, t, stride_it, k0, k_end, K, BN, STAGED)
+        vmask = valid[:, None]
+        if FP8:
+            rp = tl.multiple_of(kv_ptr.to(tl.pointer_type(tl.float8e4nv)) + row * D, 16)
+            kp = rp[:, None] + d[None, :]
+            k_0 = tl.load(kp, mask=vmask, other=0.0).to(tl.float16)
+            k_1 = tl.load(kp + 128, mask=vmask, other=0.0).to(tl.float16)
+            k_2 = tl.load(kp + 256, mask=vmask, other=0.0).to(tl.float16)
+            k_3 = tl.load(kp + 384, mask=vmask, other=0.0).to(tl.float16)
+        else:
+            rp = tl.multiple_of(kv_ptr.to(tl.pointer_type(tl.bfloat16)) + row * D, 16)
+            kp = rp[:, None] + d[None, :]
+            k_0 = tl.load(kp, mask=vmask, other=0.0)
+            k_1 = tl.load(kp + 128, mask=vmask, other=0.0)
+            k_2 = tl.load(kp + 256, mask=vmask, other=0.0)
+            k_3 = tl.load(kp + 384, mask=vmask, other=0.0)
+            if INTERP:
+                k_0 = k_0.to(tl.float32)
+                k_1 = k_1.to(tl.float32)
+                k_2 = k_2.to(tl.float32)
+                k_3 = k_3.to(tl.float32)
+        sc = tl.dot(q0, tl.trans(k_0)) + tl.dot(q1, tl.trans(k_1)) + tl.dot(q2, tl.trans(k_2)) \
+            + tl.dot(q3, tl.trans(k_3))
+        if ROPE:
+            kpe = tl.load(rp[:, None] + 512 + r[None, :], mask=vmask, other=0.0)
+            if FP8:
+                kpe = kpe.to(tl.float16)
+            elif INTERP:
+                kpe = kpe.to(tl.float32)
+            sc += tl.dot(qpe, tl.trans(kpe))
+        sc = tl.where(valid[None, :], sc * score_scale, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
+        if FP8:
+            pc = p.to(tl.float16)
+        elif INTERP:
+            pc = p
+        else:
+            pc = p.to(tl.bfloat16)
+        acc0 = acc0 * alpha[:, None] + tl.dot(pc, k_0)
+        acc1 = acc1 * alpha[:, None] + tl.dot(pc, k_1)
+        acc2 = acc2 * alpha[:, None] + tl.dot(pc, k_2)
+        acc3 = acc3 * alpha[:, None] + tl.dot(pc, k_3)
+
+    inv_l, lse = _finish(l_i, m_i)
+    if FP8:
+        inv_l = inv_l * k_scale  # values were stored divided by k_scale
+    _store_chunk(o_ptr, t, s, heads, hm, d, acc0 * inv_l[:, None], stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, d + 128, acc1 * inv_l[:, None], stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, d + 256, acc2 * inv_l[:, None], stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, d + 384, acc3 * inv_l[:, None], stride_ot, stride_os, stride_oh)
+    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=hm)
+
+
+# --------------------------------------------------------------------------------------------------------
+# combine split partials
+# --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _combine_kernel(op_ptr, lp_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, H,
+                    NUM_SPLITS: tl.constexpr, SP: tl.constexpr, HB: tl.constexpr):
+    """out[t, h] = sum_s exp(lse_s - lse) o_s,  lse = log sum_s exp(lse_s).  Partials: o [T, S, H, 512] fp32
+    (normalized), lse [T, S, H] fp32 natural log (-inf for an empty split)."""
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    heads = hb * HB + tl.arange(0, HB)
+    hm = heads < H
+    sp = tl.arange(0, SP)
+    sm = sp < NUM_SPLITS
+    lp = tl.load(lp_ptr + (t.to(tl.int64) * NUM_SPLITS + sp[:, None]) * H + heads[None, :],
+                 mask=sm[:, None] & hm[None, :], other=float("-inf"))  # [SP, HB]
+    mx = tl.max(lp, 0)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp(lp - mx_safe[None, :])  # 0 for empty splits
+    tot = tl.sum(w, 0)
+    has = tot > 0
+    inv = tl.where(has, 1.0 / tl.where(has, tot, 1.0), 0.0)
+    lse = tl.where(has, mx_safe + tl.log(tl.where(has, tot, 1.0)), float("-inf"))
+    w = w * inv[None, :]
+    d = tl.arange(0, 128)
+    for c in tl.static_range(4):
+        acc = tl.zeros([HB, 128], tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            ws = tl.sum(tl.where(sp[:, None] == s, w, 0.0), 0)  # [HB]
+            part = tl.load(op_ptr + ((t.to(tl.int64) * NUM_SPLITS + s) * H + heads[:, None]) * 512
+                           + c * 128 + d[None, :], mask=hm[:, None] & (ws[:, None] > 0), other=0.0)
+            acc += part * ws[:, None]
+        tl.store(o_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + c * 128 + d[None, :],
+                 acc.to(o_ptr.dtype.element_ty), mask=hm[:, None])
+    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + heads * stride_lh, lse, mask=hm)
+
+
+# --------------------------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------------------------
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _NUM_SMS:
+        _NUM_SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _NUM_SMS[key]
+
+
+def head_block(num_heads: int) -> int:
+    """Heads per program: the next power of two >= H, at least 16 (the smallest tensor-core M), at most 64."""
+    hb = 16
+    while hb < num_heads and hb < 64:
+        hb *= 2
+    return hb
+
+
+def plan_splits(num_tokens: int, num_heads: int, topk: int, device=None, block_n: int = 64) -> int:
+    """Split-KV factor for ``num_tokens`` queries of ``num_heads`` heads over ``topk`` rows.
+
+    Aim for about two programs per SM (so loads of one overlap the math of the other) while every split
+    keeps at least two tiles of ``block_n`` rows; more splits cost partial-output traffic and a combine."""
+    sms = _num_sms(torch.device(device)) if device is not None else 132
+    groups = -(-num_heads // head_block(num_heads))
+    programs = max(1, num_tokens * groups)
+    want = max(1, (2 * sms) // programs)
+    max_by_len = max(1, topk // (2 * block_n))
+    s = max(1, min(want, max_by_len, 32))
+    return s
+
+
+def split_buffer_shapes(num_tokens: int, num_heads: int, num_splits: int):
+    """Shapes of the fp32 split partials: (o_part [T, S, H, 512], lse_part [T, S, H])."""
+    return (num_tokens, num_splits, num_heads, V_DIM), (num_tokens, num_splits, num_heads)
+
+
+def _check_common(q, indices, valid_counts, out, lse, head_dim):
+    if q.dim() != 3 or q.shape[2] != head_dim:
+        raise ValueError(f"q: expected [T, H, {head_dim}], got {tuple(q.shape)}")
+    if q.dtype != torch.bfloat16:
+        raise TypeError(f"q: expected dtype torch.bfloat16, got {q.dtype}")
+    if q.stride(2) != 1:
+        raise ValueError("q: the last dim must be contiguous")
+    t = q.shape[0]
+    if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != t or indices.stride(1) != 1:
+        raise ValueError(f"indices: expected int32 [T={t}, K] with contiguous rows, got {indices.dtype} "
+                         f"{tuple(indices.shape)}")
+    if valid_counts is not None and (valid_counts.dtype != torch.int32 or valid_counts.shape != (t,)
+                                     or not valid_counts.is_contiguous()):
+        raise ValueError(f"valid_counts: expected contiguous int32 [{t}], got {valid_counts.dtype} "
+                         f"{tuple(valid_counts.shape)}")
+    if out is not None and (out.shape != (t, q.shape[1], V_DIM) or out.stride(2) != 1):
+        raise ValueError(f"out: expected [{t}, {q.shape[1]}, 512] with a contiguous last dim, got {tuple(out.shape)}")
+    if lse is not None and (lse.shape != (t, q.shape[1]) or lse.dtype != torch.float32):
+        raise ValueError(f"lse: expected float32 [{t}, {q.shape[1]}], got {lse.dtype} {tuple(lse.shape)}")
+
+
+def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_scale, out, lse, num_splits,
+            split_buffers, block_n, num_warps, num_stages, head_block_size=None):
+    t, h, _ = q.shape
+    k = indices.shape[1]
+    dev = q.device
+    if out is None:
+        out = torch.empty((t, h, V_DIM), dtype=q.dtype, device=dev)
+    if lse is None:
+        lse = torch.empty((t, h), dtype=torch.float32, device=dev)
+    if t == 0:
+        return out, lse
+    hb = head_block_size or head_block(h)
+    ng = -(-h // hb)
+    interp = interpreting()
+    if block_n is None:
+        block_n = 16 if interp else 64
+    if num_splits is None:
+        num_splits = plan_splits(t, h, k, dev, block_n)
+    num_splits = max(1, min(int(num_splits), max(1, -(-k // block_n))))
+    rows_per_split = -(-(-(-k // num_splits)) // block_n) * block_n
+    num_splits = max(1, -(-k // rows_per_split)) if k else 1
+    if num_splits > 1:
+        if split_buffers is None:
+            o_shape, l_shape = split_buffer_shapes(t, h, num_splits)
+            o_part = torch.empty(o_shape, dtype=torch.float32, device=dev)
+            l_part = torch.empty(l_shape, dtype=torch.float32, device=dev)
+        else:
+            o_part, l_part = split_buffers
+            if o_part.numel() < t * num_splits * h * V_DIM or l_part.numel() < t * num_splits * h:
+                raise ValueError("split_buffers: too small for this call's tokens x splits x heads")
+        o_dst, l_dst = o_part, l_part
+        o_strides = (num_splits * h * V_DIM, h * V_DIM, V_DIM)
+        l_strides = (num_splits * h, h, 1)
+    else:
+        o_dst, l_dst = out, lse
+        o_strides = (out.stride(0), 0, out.stride(1))
+        l_strides = (lse.stride(0), 0, lse.stride(1))
+    vc = valid_counts if valid_counts is not None else indices  # dummy pointer when absent
+    sm_scale_log2 = float(sm_scale) * LOG2E
+    grid = (t * num_splits * ng,)
+    common = dict(HB=hb, BN=block_n, NUM_SPLITS=num_splits, NG=ng, HAS_VC=valid_counts is not None,
+                  INTERP=interp, num_warps=num_warps, num_stages=num_stages)
+    args = (q, q.stride(0), q.stride(1), kv, indices, indices.stride(0), vc,
+            o_dst, *o_strides, l_dst, *l_strides, sm_scale_log2)
+    rope = fmt.rope_dim
+    if kind == "fp8_ds_mla":
+        _fwd_fp8ds_kernel[grid](*args, h, k, rows_per_split, BPT=fmt.bytes_per_token, ROPE=rope, **common)
+    elif kind == "nvfp4_ds_mla":
+        _fwd_nvfp4_kernel[grid](*args, h, k, rows_per_split, BPT=fmt.bytes_per_token, ROPE=rope, **common)
+    else:
+        _fwd_plain_kernel[grid](*args, float(k_scale), h, k, rows_per_split, FP8=kind in ("fp8", "staged"),
+                                STAGED=kind == "staged", ROPE=rope, **common)
+    if num_splits > 1:
+        hbc = min(hb, 16)
+        _combine_kernel[(t, -(-h // hbc))](o_part, l_part, out, out.stride(0), out.stride(1), lse, lse.stride(0),
+                                           lse.stride(1), h, NUM_SPLITS=num_splits,
+                                           SP=triton.next_power_of_2(num_splits), HB=hbc, num_warps=4)
+    return out, lse
+
+
+def sparse_mla_fwd(q: torch.Tensor, kv_rows: torch.Tensor, fmt, indices: torch.Tensor, sm_scale: float,
+                   valid_counts: Optional[torch.Tensor] = None, k_scale: float = 1.0,
+                   out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+                   num_splits: Optional[int] = None, split_buffers=None, *, block_n: Optional[int] = None,
+                   num_warps: int = 4, num_stages: int = 2) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA forward over rows of any KV format, dequantized in registers.
+
+    Args:
+        q: bf16 ``[T, H, D]``, D = ``fmt.head_dim`` (576, or 512 for NoPE).
+        kv_rows: uint8 ``[num_rows, fmt.bytes_per_token]`` (``PagedKVCache.rows``; a bf16 workspace
+            ``ws [rows, D]`` is passed as ``ws.view(torch.uint8)`` with the ``bf16`` format).
+        fmt: the rows' :class:`KVFormat` (or its name).
+        indices: int32 ``[T, K]`` rows of ``kv_rows``, -1 = no token.  Entries at or past
+            ``valid_counts[t]`` are never read.  Not range-checked here (the public API does that).
+        sm_scale: softmax scale; k_scale: the ``fp8`` format's per-tensor scale (ignored by the others).
+        out, lse: optional outputs (bf16 ``[T, H, 512]``, fp32 ``[T, H]``).
+        num_splits: split-KV factor (default :func:`plan_splits`); split_buffers: preallocated
+            ``(o_part, lse_part)`` of :func:`split_buffer_shapes` (needed for CUDA-graph capture).
+
+    Returns ``(out, lse)``: lse is the natural log including sm_scale; an empty row gives 0 / -inf.
+    """
+    fmt = get_format(fmt)
+    _check_common(q, indices, valid_counts, out, lse, fmt.head_dim)
+    if kv_rows.dtype != torch.uint8 or kv_rows.dim() != 2 or kv_rows.shape[1] != fmt.bytes_per_token \
+            or not kv_rows.is_contiguous():
+        raise ValueError(f"kv_rows: expected contiguous uint8 [rows, {fmt.bytes_per_token}] for {fmt.id}, "
+                         f"got {kv_rows.dtype} {tuple(kv_rows.shape)}")
+    return _launch(fmt.name, q, kv_rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, num_splits,
+                   split_buffers, block_n, num_warps, num_stages)
+
+
+def sparse_mla_fwd_staged(q: torch.Tensor, staged: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                          valid_counts: Optional[torch.Tensor] = None, k_scale: float = 1.0,
+                          out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+                          num_splits: Optional[int] = None, split_buffers=None, *, block_n: Optional[int] = None,
+                          num_warps: int = 4, num_stages: int = 2) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA forward over FP8 rows staged per query (``kernels.staging.gather_topk_fp8``).
+
+    staged: float8_e4m3fn ``[T, K, D]`` holding ``e4m3(dequant / k_scale)``; entry ``[t, k]`` is read only
+    where ``indices[t, k] >= 0`` and ``k < valid_counts[t]``.  Uses the ``fp8`` bmm scales (k_scale).
+    """
+    t = q.shape[0]
+    d = q.shape[2]
+    if staged.dtype != torch.float8_e4m3fn or staged.dim() != 3 or staged.shape[0] != t \
+            or staged.shape[1] != indices.shape[1] or staged.shape[2] != d or not staged.is_contiguous():
+        raise ValueError(f"staged: expected contiguous float8_e4m3fn [T, K, {d}] matching indices, "
+                         f"got {staged.dtype} {tuple(staged.shape)}")
+    fmt = get_format("fp8", d - V_DIM)
+    _check_common(q, indices, valid_counts, out, lse, fmt.head_dim)
+    return _launch("staged", q, staged.view(torch.uint8), fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
+                   num_splits, split_buffers, block_n, num_warps, num_stages)

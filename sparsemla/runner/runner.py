@@ -1,0 +1,338 @@
+"""``SparseMLA``: the stateful, CUDA-graph-safe runner an inference engine calls every step.
+
+Split in two, as CUDA graphs need:
+
+- ``plan(metadata)`` runs on the host, outside graph capture (it raises ``RuntimeError`` inside one).  It
+  copies the batch (request boundaries, sequence lengths, block tables) into buffers the runner owns,
+  and computes each query token's valid count on the device from the device's sequence lengths:
+  ``min(context, index_topk)``, or ``index_topk + context % kpool`` for pooled indexers
+  (kv-formats.md §7).  With asynchronous scheduling the host knows only upper bounds of the sequence
+  lengths (``seq_lens_upper_bound``); the exact counts still come from the device tensors, and nothing
+  is copied back to the host.
+- ``run(q, cache, topk_local)`` converts request-local top-k positions to cache rows (into an owned
+  buffer) and launches the decode and prefill kernels into owned output buffers: no host sync, no
+  allocation (native backend), so a decode step can be captured once and replayed with new contents.
+
+Every device buffer is allocated at construction, sized by the maxima given there.
+
+Engine loop (sketch)::
+
+    attn = SparseMLA(max_tokens=256, max_requests=256, max_blocks_per_request=512, num_heads=16,
+                     head_dim=576, topk=2048, fmt="fp8_ds_mla", sm_scale=scale, device="cuda")
+    md = BatchMetadata.from_lists(query_lens, seq_lens, block_tables, device="cuda")
+    attn.plan(md)                        # host side, every step, before the (captured) forward
+    out, lse = attn.run(q, cache, topk)  # inside the model's forward, once per layer
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import List, Optional, Sequence
+
+import torch
+
+from .._validate import check_k_scale, check_positive_int, check_sm_scale, check_tensor, same_device
+from ..backends import registry
+from ..backends.registry import AttentionConfig, HostPlan, RunnerSpec
+from ..cache import PagedKVCache
+from ..formats import KVFormat, get_format
+from ..indices import convert_indices
+from .metadata import BatchMetadata
+
+V_DIM = 512
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _convert_takes_out() -> bool:
+    try:
+        return "out" in inspect.signature(convert_indices).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class SparseMLA:
+    """Plan/run sparse MLA attention for batches of decode and prefill tokens.
+
+    Args:
+        max_tokens: most query tokens in one step (decode + prefill, padding included).
+        max_requests: most requests in one step.
+        max_blocks_per_request: width of the block table buffer.
+        num_heads: query heads H (1..128); head_dim: 576 (RoPE) or 512 (NoPE).
+        topk: width K of the top-k rows ``run`` receives.
+        fmt: the cache's KV format (name or :class:`KVFormat`); a bare name takes its rope dim from head_dim.
+        backend: ``"auto"`` or a backend name, for decode and prefill (``prefill_backend`` overrides prefill).
+        block_size, block_stride_rows: the cache geometry (``PagedKVCache.block_size`` / ``.block_stride_rows``).
+        device: where the buffers live.
+        sm_scale: softmax scale (default ``head_dim ** -0.5``; a model usually has its own: pass it).
+        index_topk: the indexer's top-k (default ``topk``); kpool: its pool size (1 = not pooled).
+        graph_capture: whether ``run`` will be captured in CUDA graphs (default: on CUDA).  Only
+            capturable backends are chosen then.
+    """
+
+    def __init__(self, max_tokens: int, max_requests: int, max_blocks_per_request: int, num_heads: int,
+                 head_dim: int, topk: int, fmt, backend="auto", block_size: int = 64, device=None, *,
+                 block_stride_rows: Optional[int] = None, sm_scale: Optional[float] = None,
+                 index_topk: Optional[int] = None, kpool: int = 1, prefill_backend=None,
+                 graph_capture: Optional[bool] = None):
+        self.max_tokens = check_positive_int("max_tokens", max_tokens)
+        self.max_requests = check_positive_int("max_requests", max_requests)
+        self.max_blocks_per_request = check_positive_int("max_blocks_per_request", max_blocks_per_request)
+        self.num_heads = check_positive_int("num_heads", num_heads)
+        if num_heads > registry.MAX_HEADS:
+            raise ValueError(f"num_heads: expected 1..{registry.MAX_HEADS}, got {num_heads}")
+        check_positive_int("head_dim", head_dim)
+        if head_dim not in (576, 512):
+            raise ValueError(f"head_dim: expected 576 (RoPE) or 512 (NoPE), got {head_dim}")
+        self.topk = check_positive_int("topk", topk)
+        if isinstance(fmt, str) and not fmt.endswith("-nope"):
+            fmt = get_format(fmt, head_dim - V_DIM)
+        self.fmt: KVFormat = get_format(fmt)
+        if self.fmt.head_dim != head_dim:
+            raise ValueError(f"fmt: format {self.fmt.id} has head_dim {self.fmt.head_dim}, but head_dim is {head_dim}")
+        self.head_dim = head_dim
+        self.block_size = check_positive_int("block_size", block_size)
+        if block_stride_rows is None:
+            block_stride_rows = block_size
+        check_positive_int("block_stride_rows", block_stride_rows)
+        if block_stride_rows < block_size:
+            raise ValueError(f"block_stride_rows: expected >= block_size ({block_size}), got {block_stride_rows}")
+        self.block_stride_rows = block_stride_rows
+        self.sm_scale = check_sm_scale(head_dim ** -0.5 if sm_scale is None else sm_scale)
+        self.index_topk = check_positive_int("index_topk", topk if index_topk is None else index_topk)
+        self.kpool = check_positive_int("kpool", kpool)
+        if self.index_topk % self.kpool:
+            raise ValueError(f"index_topk: expected a multiple of kpool ({kpool}), got {self.index_topk}")
+        if self.index_topk + self.kpool - 1 > topk:
+            raise ValueError(f"topk: a row holds up to index_topk + kpool - 1 = {self.index_topk + self.kpool - 1} "
+                             f"entries, so topk must be at least that, got {topk}")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.graph_capture = (self.device.type == "cuda") if graph_capture is None else bool(graph_capture)
+
+        # --- backends: chosen once, for this runner's shape --------------------------------------
+        dev_type, cap = registry.device_capability(self.device)
+
+        def config(mode):
+            return AttentionConfig(mode, self.fmt, num_heads, topk, dev_type, cap, "cache", self.graph_capture,
+                                   True, runner=True)
+        self._decode_config = config("decode")
+        self._prefill_config = config("prefill")
+        self.decode_backend = registry.select(self._decode_config, backend)
+        self.prefill_backend = registry.select(self._prefill_config,
+                                               backend if prefill_backend is None else prefill_backend)
+
+        # --- buffers ------------------------------------------------------------------------------
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self._query_start_loc = torch.zeros(max_requests + 1, **i32)
+        self._seq_lens = torch.zeros(max_requests, **i32)
+        self._block_table = torch.full((max_requests, max_blocks_per_request), -1, **i32)
+        self._req_id = torch.zeros(max_tokens, **i32)
+        self._valid_counts = torch.zeros(max_tokens, **i32)
+        self._rows = torch.full((max_tokens, topk), -1, **i32)
+        self._out = torch.zeros((max_tokens, num_heads, V_DIM), dtype=torch.bfloat16, device=self.device)
+        self._lse = torch.zeros((max_tokens, num_heads), dtype=torch.float32, device=self.device)
+        self._token_ids = torch.arange(max_tokens, **i32)
+        spec = RunnerSpec(max_tokens, num_heads, topk, self.fmt, self.device, block_size, block_stride_rows,
+                          self.sm_scale)
+        self._decode_ws = self.decode_backend.make_workspace(spec)
+        self._prefill_ws = (self._decode_ws if self.prefill_backend is self.decode_backend
+                            else self.prefill_backend.make_workspace(spec))
+        self._convert_out = _convert_takes_out()
+        self._planned: Optional[HostPlan] = None
+
+    # ------------------------------------------------------------------------------------------------
+    def plan(self, metadata: BatchMetadata, seq_lens_upper_bound: Optional[Sequence[int]] = None, *,
+             num_tokens_padded: Optional[int] = None) -> None:
+        """Prepare one step (host side; never inside CUDA-graph capture).
+
+        Args:
+            metadata: the step's :class:`BatchMetadata` (on the runner's device, or on the CPU).
+            seq_lens_upper_bound: with asynchronous scheduling, host upper bounds of ``seq_lens`` (R ints).
+                The exact valid counts are then computed on the device from ``metadata.seq_lens`` (no
+                device-to-host copy); backends that plan lengths on the host decline this.
+            num_tokens_padded: the token count ``run`` will get when it exceeds the real one (a captured
+                graph of a larger batch); the extra tokens have no valid entry.  Default: the real count.
+        """
+        if _capturing(self.device):
+            raise RuntimeError("SparseMLA.plan() was called during CUDA-graph capture: plan on the host before "
+                               "capturing or replaying; only run() may be captured")
+        if not isinstance(metadata, BatchMetadata):
+            raise TypeError(f"metadata: expected a BatchMetadata, got {type(metadata).__name__}")
+        md = metadata
+        t, r, width = md.num_tokens, md.num_requests, md.block_table.shape[1]
+        if t > self.max_tokens:
+            raise ValueError(f"metadata: {t} query tokens exceed max_tokens ({self.max_tokens})")
+        if r > self.max_requests:
+            raise ValueError(f"metadata: {r} requests exceed max_requests ({self.max_requests})")
+        if width > self.max_blocks_per_request:
+            raise ValueError(f"metadata: block_table has {width} columns, more than max_blocks_per_request "
+                             f"({self.max_blocks_per_request})")
+        if not (same_device(md.device, self.device) or md.device.type == "cpu"):
+            raise ValueError(f"metadata: expected tensors on {self.device} or the CPU, got {md.device}")
+        padded = t if num_tokens_padded is None else check_positive_int("num_tokens_padded", num_tokens_padded,
+                                                                        minimum=0)
+        if not t <= padded <= self.max_tokens:
+            raise ValueError(f"num_tokens_padded: expected {t}..{self.max_tokens} (real tokens..max_tokens), "
+                             f"got {padded}")
+        exact = seq_lens_upper_bound is None
+        if not exact:
+            bounds = _host_ints("seq_lens_upper_bound", seq_lens_upper_bound, r)
+            if md.query_lens_host is not None and any(b < q for b, q in zip(bounds, md.query_lens_host)):
+                raise ValueError("seq_lens_upper_bound: each bound must be >= its request's query length")
+            for b in {id(self.decode_backend): self.decode_backend,
+                      id(self.prefill_backend): self.prefill_backend}.values():
+                reason = b.why_not(dataclasses.replace(self._decode_config, exact_host_lengths=False))
+                if reason is not None:
+                    raise ValueError(f"seq_lens_upper_bound: backend {b.name!r} cannot run from upper bounds: {reason}")
+        if md.query_lens_host is not None:
+            need = max([-(-s // self.block_size) for s in (md.seq_lens_host if exact else bounds)] + [0])
+            if need > self.max_blocks_per_request:
+                raise ValueError(f"metadata: a context needs {need} blocks of {self.block_size} tokens, more than "
+                                 f"max_blocks_per_request ({self.max_blocks_per_request})")
+
+        # --- the batch into owned buffers (async copies; pinned staging for host tensors) ------------
+        self._block_table.fill_(-1)
+        self._copy(self._block_table[:r, :width], md.block_table)
+        self._copy(self._query_start_loc[: r + 1], md.query_start_loc)
+        self._copy(self._seq_lens[:r], md.seq_lens)
+        self._req_id.zero_()
+        self._copy(self._req_id[:t], md.req_id_per_token)
+
+        # --- exact valid counts, on the device ------------------------------------------------------
+        # Token i of request q sees ctx = seq_len - (query_end - 1 - i) tokens; its row holds
+        # min(ctx, index_topk) entries, or index_topk + ctx % kpool past index_topk when pooled.
+        self._valid_counts.zero_()
+        if t:
+            req = self._req_id[:t].long()
+            q_end = self._query_start_loc[1:][req]
+            ctx = self._seq_lens[req] - (q_end - 1 - self._token_ids[:t])
+            counts = torch.where(ctx <= self.index_topk, ctx, self.index_topk + ctx % self.kpool)
+            self._valid_counts[:t].copy_(counts.clamp(0, self.topk))
+
+        host_counts = None
+        if exact:
+            ctx_host = md.context_lens_host()
+            if ctx_host is not None:
+                host_counts = [max(0, min(self.topk, c if c <= self.index_topk else self.index_topk + c % self.kpool))
+                               for c in ctx_host]
+        plan = HostPlan(t, padded, md.num_decode_tokens, host_counts, self._valid_counts)
+        self.decode_backend.plan(self._decode_ws, plan)
+        if self.prefill_backend is not self.decode_backend:
+            self.prefill_backend.plan(self._prefill_ws, plan)
+        self._planned = plan
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if src.device.type == "cpu" and self.device.type == "cuda":
+            # Pinned memory makes the copy truly asynchronous; PyTorch's pinned allocator keeps the block
+            # alive until the copy has run, so the host may go on to plan the next step.
+            src = src.pin_memory()
+        dst.copy_(src, non_blocking=True)
+
+    # ------------------------------------------------------------------------------------------------
+    def run(self, q: torch.Tensor, cache: PagedKVCache, topk_local: torch.Tensor, k_scale: float = 1.0, *,
+            out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None):
+        """Attention for the planned batch: device work only (capturable with the native backend).
+
+        Args:
+            q: bf16 ``[T, H, head_dim]`` (T = the planned token count, or ``num_tokens_padded``).
+            cache: the layer's :class:`PagedKVCache` (this runner's format and geometry).
+            topk_local: int32 ``[T, topk]`` request-local positions from the indexer, -1 padded.
+            k_scale: the layer's per-tensor fp8 scale (a Python float).
+            out, lse: optional destinations; default the runner's buffers (overwritten by the next run:
+                consume the result, or pass your own per layer).
+
+        Returns ``(out, lse)``: bf16 ``[T, H, 512]``, fp32 ``[T, H]``.
+        """
+        plan = self._planned
+        if plan is None:
+            raise RuntimeError("SparseMLA.run() before plan(): plan the step first")
+        check_tensor("q", q, dtype=torch.bfloat16, ndim=3, device=self.device)
+        t, h, d = q.shape
+        if h != self.num_heads or d != self.head_dim:
+            raise ValueError(f"q: expected [T, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}")
+        if q.stride(2) != 1:
+            raise ValueError(f"q: the last dim must be contiguous (strides {q.stride()})")
+        if not plan.num_tokens <= t <= self.max_tokens:
+            raise ValueError(f"q: expected {plan.num_tokens}..{self.max_tokens} tokens (the planned batch, or "
+                             f"padded to a captured size), got {t}")
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
+        if cache.fmt != self.fmt:
+            raise ValueError(f"cache: expected format {self.fmt.id} (this runner's), got {cache.fmt.id}")
+        if (cache.block_size, cache.block_stride_rows) != (self.block_size, self.block_stride_rows):
+            raise ValueError(f"cache: expected block_size {self.block_size} and block_stride_rows "
+                             f"{self.block_stride_rows}, got {cache.block_size} and {cache.block_stride_rows}")
+        if not same_device(cache.device, self.device):
+            raise ValueError(f"cache: expected it on {self.device}, got {cache.device}")
+        check_tensor("topk_local", topk_local, dtype=torch.int32, shape=(t, self.topk), device=self.device)
+        if isinstance(k_scale, torch.Tensor):
+            raise TypeError("k_scale: expected a Python float (reading a tensor would sync with the host)")
+        k_scale = check_k_scale(k_scale)
+        if out is None:
+            out = self._out[:t]
+        else:
+            check_tensor("out", out, dtype=torch.bfloat16, shape=(t, h, V_DIM), device=self.device)
+        if lse is None:
+            lse = self._lse[:t]
+        else:
+            check_tensor("lse", lse, dtype=torch.float32, shape=(t, h), device=self.device)
+
+        rows = self._rows[:t]
+        if self._convert_out:
+            convert_indices(topk_local, self._req_id[:t], self._block_table, self.block_size,
+                            self.block_stride_rows, check=False, out=rows)
+        else:  # until convert_indices takes out=: one temporary (served by the graph pool under capture)
+            rows.copy_(convert_indices(topk_local, self._req_id[:t], self._block_table, self.block_size,
+                                       self.block_stride_rows, check=False))
+        valid = self._valid_counts[:t]
+
+        # Decode tokens first; padding tokens (past the planned ones) join the last group.
+        nd = plan.num_decode_tokens if plan.num_tokens > plan.num_decode_tokens else t
+        same = self.decode_backend is self.prefill_backend and getattr(self.decode_backend, "mixed_batches", False)
+        parts = [("decode", 0, t)] if same else [("decode", 0, nd), ("prefill", nd, t)]
+        for mode, a, b in parts:
+            if a == b:
+                continue
+            backend, ws = ((self.decode_backend, self._decode_ws) if mode == "decode"
+                           else (self.prefill_backend, self._prefill_ws))
+            backend.forward(mode, q[a:b], cache, rows[a:b], self.sm_scale, valid[a:b], k_scale, out[a:b], lse[a:b],
+                            workspace=ws)
+        return out, lse
+
+    # ------------------------------------------------------------------------------------------------
+    @property
+    def valid_counts(self) -> torch.Tensor:
+        """int32 ``[max_tokens]``: the planned step's valid count per token (0 past the planned tokens)."""
+        return self._valid_counts
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """int32 ``[max_tokens, topk]``: cache rows of the last run's top-k."""
+        return self._rows
+
+    def __repr__(self) -> str:
+        return (f"SparseMLA({self.fmt.id}, H={self.num_heads}, topk={self.topk}, max_tokens={self.max_tokens}, "
+                f"decode={self.decode_backend.name}, prefill={self.prefill_backend.name}, device={self.device})")
+
+
+def _host_ints(name: str, v, n: int) -> List[int]:
+    if isinstance(v, torch.Tensor):
+        if v.device.type != "cpu":
+            raise ValueError(f"{name}: expected host values (a list or a CPU tensor), got a tensor on {v.device}")
+        v = v.tolist()
+    if not isinstance(v, (list, tuple)):
+        raise TypeError(f"{name}: expected a list of ints, got {type(v).__name__}")
+    if len(v) != n:
+        raise ValueError(f"{name}: expected {n} entries (one per request), got {len(v)}")
+    out = []
+    for i, x in enumerate(v):
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"{name}[{i}]: expected an int, got {type(x).__name__}")
+        out.append(x)
+    return out

@@ -1,0 +1,300 @@
+"""The benchmark harness: accounting math, configuration filtering, workload properties, timing, runner output.
+
+CPU only, tiny sizes.  Cache writes use the PyTorch encoders here (TRITON_INTERPRET unset per test):
+the harness is under test, not the write kernel, and the interpreter would make these tests slow.
+"""
+import csv
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from sparsemla.bench import accounting as A
+from sparsemla.bench.baseline import torch_gather_attention
+from sparsemla.bench.chart import write_svg
+from sparsemla.bench.configs import QUICK_NAMES, STANDARD_CONFIGS, BenchConfig, select_configs
+from sparsemla.bench.runner import (add_peer_ratios, compare_to_reference, format_table, resolve_formats,
+                                    run_benchmarks)
+from sparsemla.bench.timing import time_fn
+from sparsemla.bench.workload import (build_cache, build_queries, build_workload, heavy_tailed, make_layout,
+                                      random_topk_positions, source_tokens)
+from sparsemla.reference import sparse_mla
+
+
+@pytest.fixture
+def no_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+H200 = A.Ceilings(device="H200", copy_bytes_per_s=4.24e12, matmul_flop_per_s=769e12)
+
+
+# --- accounting -----------------------------------------------------------------------------------------
+
+def test_flops_formula():
+    # 2 * h * pairs * (d_qk + d_v): rope keys (576) and NoPE keys (512), values 512.
+    assert A.attention_flops(128, 262144, 576) == 2 * 128 * 262144 * 1088
+    assert A.attention_flops(16, 10, 512) == 2 * 16 * 10 * 1024
+
+
+def test_work_counts_valid_pairs_and_unique_rows():
+    q = torch.zeros(3, 2, 576, dtype=torch.bfloat16)
+    idx = torch.tensor([[5, 7, 7, -1],     # 3 valid pairs, rows {5, 7}
+                        [7, 9, 11, 13],    # valid count 2 below: pairs 7, 9 (11, 13 ignored)
+                        [-1, -1, -1, -1]], dtype=torch.int32)
+    vc = torch.tensor([4, 2, 4], dtype=torch.int32)
+    w = A.attention_work(q, idx, 656, vc)
+    assert w.valid_pairs == 5
+    assert w.unique_rows == 3  # {5, 7, 9}
+    assert w.flops == 2 * 2 * 5 * (576 + 512)
+    q_bytes = 3 * 2 * 576 * 2
+    out_bytes = 3 * 2 * 512 * 2
+    lse_bytes = 3 * 2 * 4
+    assert w.nbytes == 3 * 656 + q_bytes + out_bytes + lse_bytes
+    # Without valid counts every non-negative entry counts.
+    w2 = A.attention_work(q, idx, 656)
+    assert (w2.valid_pairs, w2.unique_rows) == (7, 5)
+
+
+def test_sol_matches_the_documented_anchors():
+    # D-h16 / D-h128: b 128, top-k 2048, all rows distinct (distinct positions, distinct requests).
+    pairs = 128 * 2048
+    for bpt, want_us in ((656, 41.0), (352, 22.0)):
+        q = torch.zeros(128, 16, 576, dtype=torch.bfloat16)
+        nbytes = pairs * bpt + q.numel() * 2 + 128 * 16 * 512 * 2 + 128 * 16 * 4
+        w = A.Work(flops=A.attention_flops(16, pairs, 576), nbytes=nbytes)
+        assert A.bound(w, H200) == "memory"
+        assert A.sol_seconds(w, H200) * 1e6 == pytest.approx(want_us, rel=0.05)  # the doc says "about"
+    w = A.Work(flops=A.attention_flops(128, pairs, 576), nbytes=pairs * 656)
+    assert A.bound(w, H200) == "compute"
+    assert A.sol_seconds(w, H200) == pytest.approx(2 * 128 * pairs * 1088 / 769e12)
+
+
+def test_achieved_rates():
+    w = A.Work(flops=int(1e12), nbytes=int(2e12))
+    r = A.achieved(1.0, w, H200)
+    assert r["tflops"] == pytest.approx(1.0) and r["tbps"] == pytest.approx(2.0)
+    sol = max(1e12 / 769e12, 2e12 / 4.24e12)
+    assert r["sol_us"] == pytest.approx(sol * 1e6)
+    assert r["pct_sol"] == pytest.approx(100 * sol)
+    with pytest.raises(ValueError, match="time_s"):
+        A.achieved(0.0, w, H200)
+
+
+def test_cache_write_bytes():
+    w = A.cache_write_work(65536, 576, 352)
+    assert w.nbytes == 65536 * (576 * 2 + 8 + 352) and w.flops == 0
+
+
+# --- configurations --------------------------------------------------------------------------------------
+
+def test_standard_table():
+    names = [c.name for c in STANDARD_CONFIGS]
+    assert len(names) == len(set(names)) == 18
+    by = {c.name: c for c in STANDARD_CONFIGS}
+    assert (by["D-h16"].batch, by["D-h16"].s_q, by["D-h16"].num_heads, by["D-h16"].topk) == (128, 1, 16, 2048)
+    assert by["D-h128-mtp"].s_q == 2 and by["D-h128-mtp"].num_tokens == 256
+    assert by["P-32k"].kind == "prefill" and by["P-32k"].s_q == 4096 and by["P-32k"].context == 32768
+    assert by["W"].kind == "write" and by["W"].tokens == 65536
+    assert all(c.context == 32768 for c in STANDARD_CONFIGS if c.kind != "write")
+
+
+def test_filtering():
+    assert [c.name for c in select_configs("D-small")] == [
+        "D-small-b1-h16", "D-small-b1-h128", "D-small-b4-h16", "D-small-b4-h128", "D-small-b16-h16",
+        "D-small-b16-h128"]
+    assert [c.name for c in select_configs("D-h*")] == ["D-h16", "D-h32", "D-h64", "D-h128", "D-h128-mtp"]
+    # Table order whatever the pattern order; duplicates once.
+    assert [c.name for c in select_configs(["W", "D-h16,D-h16"])] == ["D-h16", "W"]
+    assert {c.kind for c in select_configs(kinds=["prefill"])} == {"prefill"}
+    assert [c.name for c in select_configs(quick=True)] == list(QUICK_NAMES)
+    assert select_configs(None) == list(STANDARD_CONFIGS)
+    with pytest.raises(ValueError, match="'D-h7'"):
+        select_configs("D-h7")
+    with pytest.raises(ValueError, match="kinds"):
+        select_configs(kinds=["encode"])
+
+
+def test_scaled_down_keeps_structure():
+    mtp = select_configs("D-h128-mtp")[0].scaled_down()
+    assert mtp.scaled and mtp.s_q == 2 and mtp.topk < mtp.context
+    pre = select_configs("P-32k")[0].scaled_down()
+    assert pre.kind == "prefill" and pre.s_q > 1 and pre.batch == 1
+
+
+# --- workload ---------------------------------------------------------------------------------------------
+
+def test_topk_positions_distinct_in_range_and_padded():
+    g = torch.Generator().manual_seed(1)
+    visible = torch.tensor([1000, 30, 64, 1])
+    pos = random_topk_positions(visible, 64, generator=g)
+    assert pos.shape == (4, 64) and pos.dtype == torch.int32
+    for t, v in enumerate(visible.tolist()):
+        row = pos[t]
+        n = min(v, 64)
+        assert (row[:n] >= 0).all() and (row[n:] == -1).all()          # valid prefix, then -1
+        assert row[:n].unique().numel() == n                            # distinct
+        assert int(row[:n].max()) < v                                   # inside the visible context
+    # Random, not the first positions.
+    assert sorted(pos[0].tolist()) != list(range(64))
+
+
+def test_layout_blocks_shuffled_and_complete():
+    lay = make_layout([300, 64, 1000], block_size=64, seed=3, extra_blocks=5)
+    bt = lay.block_table
+    need = [5, 1, 16]
+    assert bt.shape == (3, 16)
+    used = torch.cat([bt[r, :n] for r, n in enumerate(need)])
+    assert (bt[0, 5:] == -1).all() and (bt[1, 1:] == -1).all()
+    assert used.unique().numel() == used.numel() == sum(need)
+    assert int(used.min()) >= 0 and int(used.max()) < lay.num_blocks == sum(need) + 5
+    assert not torch.equal(used, torch.sort(used).values)  # shuffled
+    slots = lay.token_slots()
+    assert slots.numel() == 1364 and slots.unique().numel() == 1364
+
+
+def test_workload_properties(no_interpreter):
+    cfg = BenchConfig("t", "t-decode", "decode", batch=3, s_q=2, num_heads=4, topk=64, context=512, scaled=True)
+    wl = build_workload(cfg, "fp8_ds_mla", context_lens=[512, 40, 200], seed=5)
+    assert wl.q.shape == (6, 4, 576) and wl.q.dtype == torch.bfloat16
+    assert wl.indices.shape == (6, 64) and wl.indices.dtype == torch.int32
+    # Query positions: the last s_q tokens of each request; causal visibility.
+    assert wl.query_pos.tolist() == [510, 511, 38, 39, 198, 199]
+    assert wl.valid_counts.tolist() == [64, 64, 39, 40, 64, 64]
+    for t in range(6):
+        n = int(wl.valid_counts[t])
+        assert (wl.indices[t, n:] == -1).all()
+        assert wl.indices[t, :n].unique().numel() == n
+        assert int(wl.topk_local[t, :n].max()) <= int(wl.query_pos[t])
+    # Rows hold the tokens at those positions: decode(row) == the value written at that position.
+    kv, slots = source_tokens(wl.layout, device="cpu", seed=5)
+    starts = torch.tensor([0, 512, 552])
+    t = 2  # request 1
+    pos = wl.topk_local[t, :10].long()
+    want = wl.cache.fmt.decode(wl.cache.fmt.encode(kv[starts[1] + pos, :512], kv[starts[1] + pos, 512:]))
+    got = wl.cache.read(wl.indices[t, :10])
+    assert torch.equal(got, want)
+    # Heavy-tailed, not constant.
+    x = kv.float()
+    assert x.std() > 0.5
+    kurt = float(((x - x.mean()) ** 4).mean() / x.var() ** 2)
+    assert kurt > 6  # a normal distribution has 3
+
+
+def test_workload_deterministic_and_shared_across_formats(no_interpreter):
+    cfg = BenchConfig("t", "t-decode", "decode", batch=2, s_q=1, num_heads=2, topk=64, context=256, scaled=True)
+    a = build_workload(cfg, "bf16", seed=1)
+    b = build_workload(cfg, "nvfp4_ds_mla", seed=1)
+    assert torch.equal(a.q, b.q) and torch.equal(a.indices, b.indices)
+    c = build_workload(cfg, "bf16", seed=2)
+    assert not torch.equal(a.q, c.q)
+    nope = build_queries(cfg, build_cache("bf16-nope", a.layout, device="cpu", seed=1), a.layout, seed=1)
+    assert nope.q.shape[-1] == 512 and torch.equal(nope.q, a.q[..., :512])
+
+
+def test_heavy_tailed_outlier_channels():
+    g = torch.Generator().manual_seed(0)
+    ch = torch.tensor([3, 7])
+    x = heavy_tailed((4096, 16), generator=g, device="cpu", dtype=torch.float32, channels=ch, channel_gain=8.0)
+    amp = x.abs().mean(0)
+    assert amp[ch].min() > 4 * amp[[i for i in range(16) if i not in (3, 7)]].max()
+
+
+# --- timing, baseline, runner --------------------------------------------------------------------------------
+
+def test_time_fn_cpu():
+    calls = []
+    t = time_fn(lambda: calls.append(1), device="cpu", reps=7, warmup=2)
+    assert len(calls) == 9 and t.reps == 7 and t.method == "perf_counter" and not t.l2_flushed
+    assert t.min_s <= t.p20_s <= t.median_s <= t.p80_s
+    with pytest.raises(ValueError, match="reps"):
+        time_fn(lambda: None, device="cpu", reps=0)
+
+
+def test_torch_floor_matches_reference(no_interpreter):
+    cfg = BenchConfig("t", "t", "decode", batch=3, s_q=1, num_heads=4, topk=64, context=256, scaled=True)
+    wl = build_workload(cfg, "bf16", context_lens=[256, 30, 100], seed=0)
+    vc = wl.valid_counts.clone()
+    vc[2] = 0
+    out, lse = torch_gather_attention(wl.q, wl.cache, wl.indices, wl.sm_scale, vc)
+    ref_out, ref_lse = sparse_mla(wl.q, wl.cache, wl.indices, wl.sm_scale, vc)
+    rel, lse_err = compare_to_reference(out, lse, ref_out, ref_lse)
+    assert rel < 1e-2 and lse_err < 1e-2
+    assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+
+
+def test_compare_to_reference_catches_nan_and_wrong_empty_rows():
+    ref = torch.ones(2, 2, 512)
+    ref_lse = torch.tensor([[0.0, 0.0], [float("-inf"), float("-inf")]])
+    bad = ref.clone()
+    bad[0, 0, 0] = float("nan")
+    assert math.isnan(compare_to_reference(bad, ref_lse, ref, ref_lse)[0])
+    assert compare_to_reference(ref, torch.zeros(2, 2), ref, ref_lse)[1] == float("inf")
+    assert compare_to_reference(ref, ref_lse, ref, ref_lse) == (0.0, 0.0)
+
+
+def test_resolve_formats():
+    assert resolve_formats(None) == ["bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla"]
+    assert len(resolve_formats("all")) == 8
+    assert resolve_formats("*-nope") == ["bf16-nope", "fp8-nope", "fp8_ds_mla-nope", "nvfp4_ds_mla-nope"]
+    with pytest.raises(ValueError, match="fp4"):
+        resolve_formats("fp4")
+
+
+def test_peer_ratios():
+    rs = [{"config": "c", "backend": "triton", "format": "fp8_ds_mla", "peer": False, "status": "ok", "time_us": 50.0},
+          {"config": "c", "backend": "flashinfer", "format": "bf16", "peer": True, "status": "ok", "time_us": 100.0},
+          {"config": "c", "backend": "flashmla", "format": "fp8_ds_mla", "peer": True, "status": "ok", "time_us": 120.0},
+          {"config": "c", "backend": "flashmla", "format": "bf16", "peer": True, "status": "skipped"}]
+    add_peer_ratios(rs)
+    assert rs[0]["vs_best_peer"] == pytest.approx(2.0) and rs[0]["best_peer"] == "flashinfer (bf16)"
+    assert rs[2]["vs_best_peer"] == pytest.approx(100 / 120)
+    assert "vs_best_peer" not in rs[3]
+
+
+def test_runner_cpu_end_to_end(tmp_path, no_interpreter):
+    cfgs = select_configs("D-h16,P-h16,W")
+    logs = []
+    rep = run_benchmarks(cfgs, "bf16,nvfp4_ds_mla", "torch-gather", out_dir=str(tmp_path), reps=2, warmup=0,
+                         show_progress=False, log=logs.append)
+    res = rep["results"]
+    assert any("scaled-down" in line for line in logs)
+    ok = [r for r in res if r["status"] == "ok"]
+    # The floor runs on bf16 only; writes run per format.
+    assert {(r["config"], r["format"], r["backend"]) for r in ok} == {
+        ("D-h16", "bf16", "torch-gather"), ("P-h16", "bf16", "torch-gather"),
+        ("W", "bf16", "cache.write"), ("W", "nvfp4_ds_mla", "cache.write")}
+    skipped = [r for r in res if r["status"] == "skipped"]
+    assert skipped and all("bf16" in r["reason"] for r in skipped)
+    for r in ok:
+        assert r["time_us"] > 0 and r["sol_us"] > 0 and 0 < r["pct_sol"]
+        if r["kind"] != "write":
+            assert r["rel_err"] < 1e-2 and r["flops"] > 0
+    d = next(r for r in ok if r["config"] == "D-h16")
+    assert d["scaled"] and d["num_heads"] == 4 and d["topk"] == 64
+    assert d["valid_pairs"] == 2 * 64
+    files = rep["files"]
+    assert set(files) >= {"json", "csv", "svg"}
+    saved = json.load(open(files["json"]))
+    assert saved["environment"]["torch"] == torch.__version__
+    assert saved["ceilings"]["copy_bytes_per_s"] > 0
+    assert len(saved["results"]) == len(res)
+    rows = list(csv.DictReader(open(files["csv"])))
+    assert len(rows) == len(res) and {"config", "time_us", "pct_sol", "vs_best_peer"} <= set(rows[0])
+    svg = open(files["svg"]).read()
+    assert svg.startswith("<svg") and "torch-gather" in svg and "D-h16" in svg
+    table = format_table(res)
+    assert "D-h16" in table and "skipped: torch-gather" in table
+
+
+def test_svg_chart(tmp_path):
+    rs = [{"config": c, "kind": "decode", "format": f, "backend": b, "status": "ok", "time_us": t, "sol_us": 20.0}
+          for c, f, b, t in (("D-h16", "fp8_ds_mla", "triton", 30.0), ("D-h16", "fp8_ds_mla", "flashmla", 121.0),
+                             ("D-h128", "nvfp4_ds_mla", "triton", 150.0))]
+    p = write_svg(rs, str(tmp_path / "c.svg"))
+    s = open(p).read()
+    assert s.count("<rect") >= 4 and "nvfp4_ds_mla" in s and "speed-of-light" in s
+    assert write_svg([], str(tmp_path / "none.svg")) is None
+    assert not os.path.exists(tmp_path / "none.svg")
