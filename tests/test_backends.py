@@ -9,6 +9,7 @@ from sparsemla.backends import (AttentionConfig, Backend, clear_selection_cache,
                                 make_config, register, select)
 from sparsemla.backends import registry
 from sparsemla.cache import PagedKVCache
+from sparsemla.indices import convert_indices_torch
 from sparsemla.formats import all_formats, get_format
 from sparsemla.reference import sparse_mla
 
@@ -300,3 +301,213 @@ def test_prefill_workspace_errors(kv, exc, pattern):
 def test_forced_backend_error_comes_from_the_functional_api():
     with pytest.raises(ValueError, match=r"backend 'flashinfer' cannot serve this call \(decode of fp8_ds_mla"):
         sparse_mla_decode(**_args(backend="flashinfer"))
+
+
+# --------------------------------------------------------------------------------------------------------
+# peers: the glue around FlashMLA and FlashInfer, exercised on CPU with stand-in libraries that follow their
+# documented conventions (head counts 64/128, slot numbering, +inf lse for empty queries, base-2 lse, page
+# tables).  The real libraries are checked against the native backend on the H200 (tests/gpu).
+# --------------------------------------------------------------------------------------------------------
+import math  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
+
+from sparsemla.backends.peer_flashinfer import FlashInferPeer  # noqa: E402
+from sparsemla.backends.peer_flashmla import FlashMLAPeer  # noqa: E402
+from sparsemla.formats import get_format as _gf  # noqa: E402
+
+LN2 = math.log(2.0)
+
+
+def _attend(q, ws, idx, sm_scale):
+    """(out float [T, H, 512], natural lse [T, H]) over float rows ``ws`` (reference math)."""
+    return sparse_mla(q.float(), ws.float(), idx, sm_scale)
+
+
+def _fake_flash_mla():
+    mod = types.ModuleType("flash_mla")
+    calls = []
+
+    def get_mla_metadata(*args, **kwargs):
+        return object(), None
+
+    def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                               num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False,
+                               indices=None, topk_length=None, kv_format=None, use_legacy=False):
+        b, s_q, h, d = q.shape
+        assert h in (64, 128) and is_fp8_kvcache and indices is not None and not causal and head_dim_v == 512
+        assert indices.shape[-1] % 64 == 0
+        calls.append(dict(use_legacy=use_legacy, kv_format=kv_format, h=h))
+        fmt = _gf("fp8_ds_mla", 0 if kv_format == "V32_NO_ROPE" else 64)
+        rows = k_cache.reshape(-1, k_cache.shape[-1])  # slot = page * page_size + offset
+        ws = fmt.decode(rows)
+        idx = indices.reshape(b * s_q, -1).clone()
+        if topk_length is not None:
+            idx[torch.arange(idx.shape[1])[None, :] >= topk_length[:, None]] = -1
+        o, l = _attend(q.reshape(b * s_q, h, d), ws, idx, softmax_scale)
+        l = torch.where(torch.isinf(l), torch.full_like(l, float("inf")), l)  # FlashMLA: +inf when empty
+        return o.to(torch.bfloat16).view(b, s_q, h, 512), l.view(b, s_q, h).transpose(1, 2)
+
+    def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+        s_q, h, d = q.shape
+        assert h in (64, 128) and kv.dtype == torch.bfloat16 and kv.shape[1] == 1
+        idx = indices[:, 0].clone()
+        if topk_length is not None:
+            idx[torch.arange(idx.shape[1])[None, :] >= topk_length[:, None]] = -1
+        o, l = _attend(q, kv[:, 0], idx, sm_scale)
+        l2 = torch.where(torch.isinf(l), torch.full_like(l, float("inf")), l / LN2)  # a base-2 lse build
+        return o.to(torch.bfloat16), torch.zeros_like(l), l2
+
+    mod.get_mla_metadata = get_mla_metadata
+    mod.flash_mla_with_kvcache = flash_mla_with_kvcache
+    mod.flash_mla_sparse_fwd = flash_mla_sparse_fwd
+    mod.calls = calls
+    return mod
+
+
+class _CpuFlashMLA(FlashMLAPeer):
+    name = "flashmla-cpu-standin"
+    device_types = ("cuda", "cpu")
+
+    def __init__(self):
+        super().__init__()
+        self._probe_device = "cpu"
+
+
+@pytest.mark.parametrize("fmt, heads", [("fp8_ds_mla", 16), ("fp8_ds_mla", 100), ("fp8_ds_mla-nope", 64)])
+def test_flashmla_glue_decode(monkeypatch, fmt, heads):
+    fake = _fake_flash_mla()
+    monkeypatch.setitem(sys.modules, "flash_mla", fake)
+    peer = _CpuFlashMLA()
+    assert peer.why_not(cfg(fmt, heads=heads, topk=128, cap=None)) is None  # includes the tiny call
+    cache = random_cache(fmt, num_blocks=3, stride=70)  # stride > block size: rows still equal slots
+    q = torch.randn(5, heads, cache.fmt.head_dim).bfloat16()
+    idx = random_rows(cache, 5, 128)
+    vc = torch.tensor([128, 0, 50, 128, 1], dtype=torch.int32)
+    o, l = peer.forward("decode", q, cache, idx, 0.06, vc, 1.0, None, None)
+    masked = idx.clone()
+    masked[torch.arange(128)[None, :] >= vc[:, None]] = -1
+    ro, rl = sparse_mla(q, cache, masked, 0.06)
+    assert ((o.float() - ro.float()).norm() / ro.float().norm()).item() < 1e-2
+    assert torch.allclose(l, rl, atol=1e-3, rtol=0) and l[1].eq(float("-inf")).all() and o[1].eq(0).all()
+    assert fake.calls[-1]["h"] == (64 if heads <= 64 else 128)
+    assert fake.calls[-1]["kv_format"] == (None if cache.fmt.rope_dim else "V32_NO_ROPE")
+
+
+def test_flashmla_glue_prefill_learns_a_base2_lse(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_mla", _fake_flash_mla())
+    peer = _CpuFlashMLA()
+    assert peer.why_not(cfg("bf16", "prefill", heads=64, topk=64, cap=None, kv_source="workspace")) is None
+    assert LN2 in peer._lse_scale.values()
+    ws = torch.randn(300, 576).bfloat16()
+    q = torch.randn(4, 64, 576).bfloat16()
+    idx = torch.randint(-1, 300, (4, 64), dtype=torch.int32)
+    o, l = peer.forward("prefill", q, ws, idx, 0.05, None, 1.0, None, None)
+    ro, rl = sparse_mla(q, ws, idx, 0.05)
+    assert ((o.float() - ro.float()).norm() / ro.float().norm()).item() < 1e-2
+    assert torch.allclose(l, rl, atol=1e-3, rtol=0)
+
+
+def test_flashmla_probe_reports_a_missing_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_mla", None)  # import raises ImportError
+    assert "sgl-flash-mla" in _CpuFlashMLA().why_not(cfg(cap=None, topk=128))
+
+
+def _fake_flashinfer():
+    pkg, mla = types.ModuleType("flashinfer"), types.ModuleType("flashinfer.mla")
+
+    class BatchMLAPagedAttentionWrapper:
+        def __init__(self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None, kv_indptr=None,
+                     kv_indices=None, kv_len_arr=None, backend="auto"):
+            assert backend == "fa3"
+            self.graph, self.kv_indices_buf = use_cuda_graph, kv_indices
+
+        def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe,
+                 page_size, causal, sm_scale, q_data_type, kv_data_type, use_profiler=False):
+            assert page_size == 1 and not causal and head_dim_ckv == 512 and q_data_type == torch.bfloat16
+            self.qo, self.kvp, self.lens = (x.cpu().tolist() for x in (qo_indptr, kv_indptr, kv_len_arr))
+            if self.graph:  # graph mode: the kernel reads the buffer given at construction
+                self.kv_indices_buf[: kv_indices.numel()].copy_(kv_indices)
+            else:
+                self.kv_indices_buf = kv_indices
+            self.sm_scale, self.kv_dtype = sm_scale, kv_data_type
+
+        def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False):
+            assert ckv_cache.dtype == self.kv_dtype and q_nope.is_contiguous() and q_pe.is_contiguous()
+            q = torch.cat([q_nope, q_pe], -1).double()
+            for b in range(len(self.qo) - 1):
+                a, e = self.qo[b], self.qo[b + 1]
+                pages = self.kv_indices_buf[self.kvp[b]: self.kvp[b] + self.lens[b]].long()
+                k = torch.cat([ckv_cache[pages, 0].double(), kpe_cache[pages, 0].double()], -1)
+                s = torch.einsum("thd,nd->thn", q[a:e], k) * self.sm_scale
+                l = torch.logsumexp(s, -1)
+                out[a:e] = torch.einsum("thn,nd->thd", torch.softmax(s, -1), k[:, :512]).to(out.dtype)
+                lse[a:e] = (l / LN2).float()  # a build without return_lse_base_on_e: base 2
+            return (out, lse) if return_lse else out
+
+    mla.BatchMLAPagedAttentionWrapper = BatchMLAPagedAttentionWrapper
+    pkg.mla = mla
+    return pkg, mla
+
+
+class _CpuFlashInfer(FlashInferPeer):
+    name = "flashinfer-cpu-standin"
+    device_types = ("cuda", "cpu")
+
+    def __init__(self):
+        super().__init__()
+        self._probe_device = "cpu"
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    pkg, mla = _fake_flashinfer()
+    monkeypatch.setitem(sys.modules, "flashinfer", pkg)
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
+    monkeypatch.setattr("sparsemla.backends.peer_flashinfer.FLOAT_WORKSPACE_BYTES", 1024)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8-nope"])
+def test_flashinfer_glue_functional(fake_flashinfer, fmt):
+    peer = _CpuFlashInfer()
+    assert peer.why_not(cfg(fmt, heads=8, topk=64, cap=None)) is None  # tiny call: learns the base-2 lse
+    cache = random_cache(fmt, num_blocks=3)
+    ks = 0.5 if fmt.startswith("fp8") else 1.0
+    q = torch.randn(4, 8, cache.fmt.head_dim).bfloat16()
+    idx = random_rows(cache, 4, 64)
+    vc = torch.tensor([64, 0, 33, 7], dtype=torch.int32)
+    o, l = peer.forward("decode", q, cache, idx, 0.06, vc, ks, None, None)
+    masked = idx.clone()
+    masked[torch.arange(64)[None, :] >= vc[:, None]] = -1
+    ro, rl = sparse_mla(q, cache, masked, 0.06, k_scale=ks)
+    assert ((o.float() - ro.float()).norm() / ro.float().norm()).item() < 2e-2
+    fin = torch.isfinite(rl)
+    assert torch.equal(torch.isfinite(l), fin) and torch.allclose(l[fin], rl[fin], atol=2e-2, rtol=0)
+    assert o[1].eq(0).all()
+
+
+def test_flashinfer_glue_in_the_runner(fake_flashinfer):
+    from sparsemla.runner import BatchMetadata, SparseMLA
+
+    peer = _CpuFlashInfer()
+    cache = random_cache("bf16", num_blocks=6, block_size=16)
+    runner = SparseMLA(8, 4, 8, 4, 576, 32, "bf16", backend=peer, block_size=16, sm_scale=0.07, device="cpu")
+    assert runner.decode_backend is peer and runner.prefill_backend is peer
+    md = BatchMetadata.from_lists([1, 1, 3], [40, 3, 20], [[5, 0, 2], [1], [3, 4]], block_size=16)
+    g = torch.Generator().manual_seed(0)
+    ctx = md.context_lens_host()
+    topk = torch.full((6, 32), -1, dtype=torch.int32)
+    for i, c in enumerate(ctx):
+        topk[i, : min(c, 32)] = torch.randperm(c, generator=g)[:32].to(torch.int32)
+    runner.plan(md, num_tokens_padded=6)
+    q = torch.randn(6, 4, 576, generator=g).bfloat16()
+    o, l = runner.run(q, cache, topk)
+    rows = convert_indices_torch(topk[:5], md.req_id_per_token, md.block_table, 16)
+    ro, rl = sparse_mla(q[:5], cache, rows, 0.07)
+    assert ((o[:5].float() - ro.float()).norm() / ro.float().norm()).item() < 2e-2
+    assert torch.allclose(l[:5], rl, atol=2e-2, rtol=0)
+    assert o[5].eq(0).all() and l[5].eq(float("-inf")).all()
+    dev_md = BatchMetadata.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, num_tokens=5,
+                                        num_decode_tokens=2, num_decode_requests=2)
+    with pytest.raises(ValueError, match="upper bounds"):
+        runner.plan(dev_md, seq_lens_upper_bound=[41, 4, 21])

@@ -1,5 +1,4 @@
 """torch.library custom ops: schemas and fake implementations (opcheck), and torch.compile(fullgraph=True) on CPU."""
-import pytest
 import torch
 
 from sparsemla import ops

@@ -38,6 +38,13 @@ def mask_past_counts(indices: torch.Tensor, valid_counts: Optional[torch.Tensor]
     return torch.where(k[None, :] < valid_counts[:, None], indices, torch.full_like(indices, -1))
 
 
-def device_index() -> int:
-    """The current CUDA device, or -1 on a machine without CUDA (probe results are cached per device)."""
+def device_index(device=None) -> int:
+    """Index of a CUDA device (default: the current one), -1 for the CPU or a machine without CUDA.
+    Probe results are cached per device index."""
+    if device is not None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return -1
+        if device.index is not None:
+            return device.index
     return torch.cuda.current_device() if torch.cuda.is_available() else -1

@@ -81,6 +81,7 @@ class FlashInferPeer(Backend):
 
     def __init__(self):
         super().__init__()
+        self._probe_device = None  # the device tiny calls run on (None: the current CUDA device)
         self._lse_scale: Dict[object, float] = {}
         self._eager_wrappers: Dict[int, object] = {}
 
@@ -93,7 +94,7 @@ class FlashInferPeer(Backend):
     def probe_key(self, config):
         if config is None:
             return None
-        return (config.fmt.id, device_index())
+        return (config.fmt.id, device_index(self._probe_device))
 
     def _module(self):
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
@@ -109,15 +110,16 @@ class FlashInferPeer(Backend):
                 return f"the installed BatchMLAPagedAttentionWrapper has no {attr}()"
         if config is None:
             return None
-        if not torch.cuda.is_available():
+        if self._probe_device is None and not torch.cuda.is_available():
             return "no CUDA device"
         return self._tiny_call(config)
 
-    def _tiny_call(self, config: AttentionConfig) -> Optional[str]:
+    def _tiny_call(self, config: AttentionConfig, device=None) -> Optional[str]:
         from ..cache import PagedKVCache
         from ..reference import sparse_mla
 
-        dev = torch.device("cuda", torch.cuda.current_device())
+        device = self._probe_device if device is None else device
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         g = torch.Generator(device="cpu").manual_seed(4321)
         fmt = config.fmt
         cache = PagedKVCache(fmt, 2, 64, dev)
@@ -134,7 +136,8 @@ class FlashInferPeer(Backend):
         self._lse_scale[key] = 1.0
         try:
             out, lse = self.forward("decode", q, cache, idx, sm_scale, None, 0.5, None, None)
-            torch.cuda.synchronize()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
         except Exception as exc:
             return f"a tiny call failed ({type(exc).__name__}: {exc})"
         ref_o, ref_l = sparse_mla(q, cache, idx, sm_scale, k_scale=0.5)
@@ -160,7 +163,8 @@ class FlashInferPeer(Backend):
 
     def _launch(self, wrapper, q, kv, out, lse, k_scale, is_fp8, key, empty_mask):
         ckv, kpe, _, _ = _kv_views(kv)
-        q_nope, q_pe = q[..., :512], q[..., 512:]
+        # Separate contiguous halves: the kernel takes q_nope and q_pe as two tensors.
+        q_nope, q_pe = q[..., :512].contiguous(), q[..., 512:].contiguous()
         wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=True, **self._run_kwargs())
         if is_fp8 and k_scale != 1.0:
             out.mul_(k_scale)  # values were stored divided by k_scale
@@ -183,7 +187,7 @@ class FlashInferPeer(Backend):
         _, _, kv_dtype, is_fp8 = _kv_views(kv)
         rows, counts = _compact(indices, valid_counts)
         lens = counts.clamp(min=1)  # an empty query is planned with one dummy page (row 0), then zeroed
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        idx = device_index(dev)
         if idx not in self._eager_wrappers:
             ws = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
             self._eager_wrappers[idx] = self._module()(ws, backend="fa3")
@@ -194,7 +198,7 @@ class FlashInferPeer(Backend):
         key = (kv_rows(kv)[1].id, idx)
         if is_fp8 and k_scale != 1.0:
             q = q * k_scale  # same convention as the runner path: the plan holds sm_scale, q carries k_scale
-        self._launch(wrapper, q.contiguous(), kv, out, lse, k_scale, is_fp8, key, counts == 0)
+        self._launch(wrapper, q, kv, out, lse, k_scale, is_fp8, key, counts == 0)
         return out, lse
 
     # --- runner path --------------------------------------------------------------------------------
@@ -237,7 +241,7 @@ class FlashInferPeer(Backend):
         if is_fp8 and k_scale != 1.0:
             # The plan holds sm_scale only; the fp8 score scale sm_scale * k_scale goes into q instead.
             q = q * k_scale
-        key = (state.spec.fmt.id, torch.cuda.current_device())
+        key = (state.spec.fmt.id, device_index(q.device))
         self._launch(state.wrappers[t], q, kv, out, lse, k_scale, is_fp8, key, state.empty[:t])
         return out, lse
 

@@ -58,6 +58,7 @@ class FlashMLAPeer(Backend):
 
     def __init__(self):
         super().__init__()
+        self._probe_device = None  # the device tiny calls run on (None: the current CUDA device)
         self._lse_scale: Dict[object, float] = {}  # probe key -> factor that turns its lse into a natural log
 
     # --- capability -------------------------------------------------------------------------
@@ -73,7 +74,7 @@ class FlashMLAPeer(Backend):
     def probe_key(self, config: Optional[AttentionConfig]):
         if config is None:
             return None
-        return (config.mode, config.fmt.id, device_index())
+        return (config.mode, config.fmt.id, device_index(self._probe_device))
 
     def _features(self):
         import flash_mla  # noqa: F401  (ImportError -> reason below)
@@ -102,16 +103,17 @@ class FlashMLAPeer(Backend):
                 return "the installed flash_mla_with_kvcache cannot be told the 528-byte NoPE layout (no kv_format)"
         elif feats["flash_mla_sparse_fwd"] is None:
             return "the installed flash_mla has no flash_mla_sparse_fwd"
-        if not torch.cuda.is_available():
+        if self._probe_device is None and not torch.cuda.is_available():
             return "no CUDA device"
         return self._tiny_call(config)
 
-    def _tiny_call(self, config: AttentionConfig) -> Optional[str]:
+    def _tiny_call(self, config: AttentionConfig, device=None) -> Optional[str]:
         """Run 2 tokens x 64 heads x top-k 64 on random data against the float64 reference; learn the lse base."""
         from ..cache import PagedKVCache
         from ..reference import sparse_mla
 
-        dev = torch.device("cuda", torch.cuda.current_device())
+        device = self._probe_device if device is None else device
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         g = torch.Generator(device="cpu").manual_seed(1234)
         fmt = config.fmt
         cache = PagedKVCache(fmt, 2, 64, dev)
@@ -128,7 +130,8 @@ class FlashMLAPeer(Backend):
         kv = cache if config.mode == "decode" else cache.rows.view(torch.bfloat16)
         try:
             out, lse = self.forward(config.mode, q, kv, idx, sm_scale, None, 1.0, None, None)
-            torch.cuda.synchronize()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
         except Exception as exc:
             return f"a tiny {config.mode} call failed ({type(exc).__name__}: {exc})"
         ref_o, ref_l = sparse_mla(q, kv, idx, sm_scale)
@@ -150,7 +153,7 @@ class FlashMLAPeer(Backend):
         if t == 0:
             return out, lse
         hp = _padded_heads(h)
-        key = (mode, "bf16" if mode == "prefill" else kv.fmt.id, torch.cuda.current_device())
+        key = (mode, "bf16" if mode == "prefill" else kv.fmt.id, device_index(q.device))
         lse_scale = self._lse_scale.get(key, 1.0)
         if mode == "decode":
             o, l = self._decode(feats, q, kv, indices, sm_scale, valid_counts, hp)  # [T, Hp, 512], [T, Hp]

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -308,6 +308,7 @@ def _cap(c) -> str:
 # the registry
 # --------------------------------------------------------------------------------------------------------
 _BACKENDS: Dict[str, Backend] = {}
+BUILTIN = ("triton", "triton-staged", "reference", "flashmla", "flashinfer")  # the order list_backends() shows
 
 # Priority per GPU generation; a format may override it.  Backends left out of a list are never chosen
 # automatically there (they can still be forced).  Native first: it reads every format in registers;
@@ -360,12 +361,13 @@ def get_backend(name: str) -> Backend:
 
 
 def list_backends(config: Optional[AttentionConfig] = None) -> Dict[str, Optional[str]]:
-    """Every registered backend, in registration order, mapped to None when it serves ``config`` (or,
+    """Every registered backend (the built-in ones first, then others in registration order), mapped to None when it serves ``config`` (or,
     with no config, when its code is usable on this machine) and otherwise to the reason it does not."""
     _ensure_builtin()
+    names = [n for n in BUILTIN if n in _BACKENDS] + [n for n in _BACKENDS if n not in BUILTIN]
     if config is None:
-        return {name: b.probe(None) for name, b in _BACKENDS.items()}
-    return {name: b.why_not(config) for name, b in _BACKENDS.items()}
+        return {name: _BACKENDS[name].probe(None) for name in names}
+    return {name: _BACKENDS[name].why_not(config) for name in names}
 
 
 def priority_for(config: AttentionConfig) -> Tuple[str, ...]:
@@ -437,7 +439,6 @@ def _ensure_builtin() -> None:
     if _builtin_loaded:
         return
     _builtin_loaded = True
-    # Registration order is the order list_backends() shows.
     from . import triton_native  # noqa: F401
     from . import triton_staged  # noqa: F401
     from . import reference  # noqa: F401

@@ -14,6 +14,7 @@ Two ways to time a backend (``make_call``):
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
@@ -195,12 +196,13 @@ def make_call(name: str, kind: str, q, cache, indices, sm_scale: float, valid_co
             lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
             if valid_counts is None:
                 valid_counts = (indices >= 0).sum(dim=1).to(torch.int32)  # the workloads' indices are prefix-valid
-            spec = reg.RunnerSpec(max_tokens=t, num_heads=h, topk=indices.shape[1], fmt=cache.fmt, device=q.device,
-                                  block_size=cache.block_size, block_stride_rows=cache.block_stride_rows)
-            ws = b.make_workspace(spec)
-            host = reg.HostPlan(num_tokens=t, padded_num_tokens=t, num_decode_tokens=t if kind == "decode" else 0,
-                                host_counts=valid_counts.tolist(), valid_counts=valid_counts)
-            b.plan(ws, host)
+            known = dict(max_tokens=t, num_tokens=t, padded_num_tokens=t, num_heads=h, topk=indices.shape[1],
+                         fmt=cache.fmt, device=q.device, block_size=cache.block_size, head_dim=q.shape[2],
+                         block_stride_rows=cache.block_stride_rows, sm_scale=sm_scale, k_scale=k_scale,
+                         num_decode_tokens=t if kind == "decode" else 0, host_counts=valid_counts.tolist(),
+                         valid_counts=valid_counts, mode=kind)
+            ws = b.make_workspace(_build(reg.RunnerSpec, known))
+            b.plan(ws, _build(reg.HostPlan, known))
             return (lambda: b.forward(kind, q, cache, indices, sm_scale, valid_counts, k_scale, out, lse, ws)), "runner"
     api = attention_api()
     fn = api.sparse_mla_decode if kind == "decode" else api.sparse_mla_prefill
@@ -208,6 +210,20 @@ def make_call(name: str, kind: str, q, cache, indices, sm_scale: float, valid_co
     # an engine validates once, so the timed call skips it.
     return (lambda: fn(q, cache, indices, sm_scale, valid_counts, k_scale, backend=name, out=out,
                        check=False)), "api"
+
+
+def _build(cls, known: dict):
+    """Construct the registry's dataclass ``cls`` from the values we know, by field name (the runner
+    hooks' records may grow fields; a required one we cannot fill is reported, not guessed)."""
+    kwargs, missing = {}, []
+    for f in dataclasses.fields(cls):
+        if f.name in known:
+            kwargs[f.name] = known[f.name]
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            missing.append(f.name)
+    if missing:
+        raise Unavailable(f"cannot build sparsemla.backends.{cls.__name__} for timing: no value for {missing}")
+    return cls(**kwargs)
 
 
 def auto_call(kind: str, q, cache, indices, sm_scale: float, valid_counts=None, k_scale: float = 1.0):

@@ -47,8 +47,14 @@ def _no_gpu() -> bool:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Before any module imports Triton: with no GPU, `check` runs the Triton kernels in the interpreter.
-    if argv[:1] == ["check"] and _no_gpu():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if argv[:1] == ["check"] and _no_gpu() and "TRITON_INTERPRET" not in os.environ:
+        # Triton picks interpreter or compiler when a kernel is defined (module import), so this only
+        # helps if no kernel module was imported yet; say so rather than fail obscurely later.
+        early = [m for m in sys.modules if m.startswith("sparsemla.kernels.") and m != "sparsemla.kernels._runtime"]
+        if early:
+            print("note: Triton kernels were imported before `check` could switch on the interpreter; run "
+                  "`TRITON_INTERPRET=1 sparsemla check` to check the Triton backends on this CPU", file=sys.stderr)
+        os.environ["TRITON_INTERPRET"] = "1"
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:

@@ -475,7 +475,7 @@ def _check_common(q, indices, valid_counts, out, lse, head_dim):
 
 
 def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_scale, out, lse, num_splits,
-            split_buffers, block_n, num_warps, num_stages, head_block_size=None):
+            split_buffers, block_n, num_warps, num_stages, head_block_size=None, kernel=None):
     t, h, _ = q.shape
     k = indices.shape[1]
     dev = q.device
@@ -519,7 +519,9 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     args = (q, q.stride(0), q.stride(1), kv, indices, indices.stride(0), vc,
             o_dst, *o_strides, l_dst, *l_strides, sm_scale_log2)
     rope = fmt.rope_dim
-    if kind == "fp8_ds_mla":
+    if kernel is not None:  # an experimental variant with the fp8_ds_mla / nvfp4 signature
+        kernel[grid](*args, h, k, rows_per_split, BPT=fmt.bytes_per_token, ROPE=rope, **common)
+    elif kind == "fp8_ds_mla":
         _fwd_fp8ds_kernel[grid](*args, h, k, rows_per_split, BPT=fmt.bytes_per_token, ROPE=rope, **common)
     elif kind == "nvfp4_ds_mla":
         _fwd_nvfp4_kernel[grid](*args, h, k, rows_per_split, BPT=fmt.bytes_per_token, ROPE=rope, **common)

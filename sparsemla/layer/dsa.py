@@ -190,6 +190,17 @@ def sparse_attention(q: torch.Tensor, cache: PagedKVCache, indices: torch.Tensor
     return fn(q, cache, indices, sm_scale, valid_counts, k_scale, backend=backend, check=False)
 
 
+def _cache_rows(topk: torch.Tensor, meta: DSAMetadata, cache: PagedKVCache):
+    """Request-local top-k -> (int32 rows of ``cache.rows``, int32 valid counts), without a host sync."""
+    args = (topk, meta.req_id, meta.block_table, cache.block_size, cache.block_stride_rows)
+    if topk.device.type == "cuda":
+        try:
+            return convert_indices(*args, return_valid_counts=True, check=False)
+        except ImportError:  # the Triton conversion kernel is not in this build; the PyTorch one is equal
+            pass
+    return convert_indices_torch(*args, return_valid_counts=True)
+
+
 class DSAAttention(nn.Module):
     """One DSA attention layer (see the module docstring).
 
@@ -273,10 +284,7 @@ class DSAAttention(nn.Module):
         kv_c, k_pe = self._kv(x, meta.positions)
         kv_cache.write(kv_c, k_pe, meta.slot_mapping, k_scale, check=False)
         topk = self.indexer(x, qr, meta, index_cache)
-        convert = convert_indices if x.device.type == "cuda" else convert_indices_torch
-        kw = dict(check=False) if convert is convert_indices else {}
-        rows, counts = convert(topk, meta.req_id, meta.block_table, kv_cache.block_size, kv_cache.block_stride_rows,
-                               return_valid_counts=True, **kw)
+        rows, counts = _cache_rows(topk, meta, kv_cache)
         # Weight absorption: q_abs[t, h] = q_nope[t, h] @ W_UK[h]  ([d_nope] x [d_nope, 512] -> [512]).
         w_uk, w_uv = self.w_uk_uv()
         q_abs = torch.einsum("thd,hdc->thc", q_nope, w_uk)

@@ -54,7 +54,10 @@ def _fwd_fp8ds_t_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it,
               + tl.dot(k_2, q2) * sc2[:, None] + tl.dot(k_3, q3) * sc3[:, None]) * nope_scale
         if ROPE:
             kpe = tl.load((base + 528).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], mask=vmask, other=0.0)
-            st += tl.dot(kpe, qpe) * sm_scale_log2
+            if INTERP:
+                st += tl.dot(kpe.to(tl.float32), qpe.to(tl.float32)) * sm_scale_log2
+            else:
+                st += tl.dot(kpe, qpe) * sm_scale_log2
         st = tl.where(valid[:, None], st, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(st, 0))
         alpha = tl.exp2(m_i - m_new)

@@ -1,0 +1,178 @@
+"""Decode kernel tuning sweep on the GPU: variants x block sizes x warps x splits, per format and config.
+
+Times each variant (L2 flushed, median of N, CUDA events, every launch of the call included), checks it
+against the float64 reference on a few tokens, and reports % of speed-of-light with ceilings measured
+in the same run.  Used to choose the kernels' defaults; the published figures come from `sparsemla bench`.
+
+    python benchmarks/decode_sweep.py --out sweep.json [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools", "exp"))
+
+from sparsemla.cache import PagedKVCache  # noqa: E402
+from sparsemla.formats import get_format  # noqa: E402
+from sparsemla.kernels import sparse_attention as sa  # noqa: E402
+from sparsemla.reference import sparse_mla  # noqa: E402
+
+FLUSH = None
+
+
+def flush_l2():
+    global FLUSH
+    if FLUSH is None:
+        FLUSH = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    FLUSH.fill_(1)
+
+
+def time_fn(fn, reps=20, warmup=2):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        flush_l2()
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def ceilings():
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t = time_fn(lambda: y.copy_(x), reps=10)
+    copy_bw = 2 * x.numel() / (t * 1e-6)
+    del x, y
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = time_fn(lambda: a @ b, reps=10)
+    mm = 2 * 8192 ** 3 / (t * 1e-6)
+    return copy_bw, mm
+
+
+def heavy(*shape, device="cuda"):
+    return torch.randn(*shape, device=device) * torch.exp(0.5 * torch.randn(*shape, device=device))
+
+
+def build(fmt, b, ctx=32768, topk=2048, block=64, s_q=1, pool=65536, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nblk = ctx // block
+    cache = PagedKVCache(fmt, b * nblk, block, "cuda")
+    kv = heavy(pool, 512)
+    kv[:, 7] *= 20  # an outlier channel
+    pe = heavy(pool, fmt.rope_dim) if fmt.rope_dim else None
+    enc = fmt.encode(kv, pe)
+    rows = cache.rows
+    n = rows.shape[0]
+    for s0 in range(0, n, pool):
+        m = min(pool, n - s0)
+        rows[s0:s0 + m] = enc[torch.randperm(pool, device="cuda", generator=g)[:m]]
+    bt = torch.randperm(b * nblk, device="cuda", generator=g).view(b, nblk).to(torch.int32)
+    pos = torch.rand(b * s_q, ctx, device="cuda", generator=g).argsort(dim=1)[:, :topk]
+    req = torch.arange(b, device="cuda").repeat_interleave(s_q)
+    idx = bt[req[:, None], pos // block].to(torch.int64) * block + pos % block
+    return cache, idx.to(torch.int32).contiguous()
+
+
+def unique_bytes(cache, idx, h, t):
+    u = torch.unique(idx[idx >= 0]).numel()
+    return u * cache.fmt.bytes_per_token + t * h * (cache.fmt.head_dim + 512) * 2 + t * h * 4
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="sweep.json")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default=None, help="comma list of case ids to run")
+    a = ap.parse_args()
+    copy_bw, mm = ceilings()
+    print(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s, bf16 mm {mm / 1e12:.0f} TFLOP/s", flush=True)
+    results = {"copy_bw": copy_bw, "mm": mm, "rows": []}
+    import rkern  # noqa: F401  (experimental variants)
+    import tkern  # noqa: F401
+    variants = {"base": None, "r": rkern._fwd_fp8ds_r_kernel, "t": tkern._fwd_fp8ds_t_kernel}
+
+    cases = []
+    # (case id, format, b, h, variant, BN, warps, stages, splits)
+    for fmt in ["fp8_ds_mla"]:
+        for var, bn, w, st in itertools.product(["base", "r", "t"], [32, 64], [4, 8], [2, 3]):
+            if var == "t" and bn < 64:
+                continue
+            cases.append(("D-h16", fmt, 128, 16, var, bn, w, st, None))
+        for var, bn, w in itertools.product(["base", "r"], [32, 64], [4, 8]):
+            cases.append(("D-h128", fmt, 128, 128, var, bn, w, 2, None))
+    for fmt in ["nvfp4_ds_mla", "bf16", "fp8"]:
+        for bn, w, st in itertools.product([16, 32, 64], [4, 8], [2]):
+            cases.append(("D-h16", fmt, 128, 16, "base", bn, w, st, None))
+        for bn, w in itertools.product([32, 64], [4, 8]):
+            cases.append(("D-h128", fmt, 128, 128, "base", bn, w, 2, None))
+    # split sweep for the best guess
+    for sp in [1, 2, 4, 8]:
+        cases.append(("D-h16", "fp8_ds_mla", 128, 16, "r", 64, 8, 2, sp))
+        cases.append(("D-h16", "nvfp4_ds_mla", 128, 16, "base", 32, 8, 2, sp))
+    if a.quick:
+        cases = cases[:4]
+
+    built = {}
+    for (cid, fname, b, h, var, bn, w, st, sp) in cases:
+        fmt = get_format(fname)
+        key = (fname, b)
+        if key not in built:
+            built.clear()
+            torch.cuda.empty_cache()
+            built[key] = build(fmt, b)
+        cache, idx = built[key]
+        t = idx.shape[0]
+        q = (heavy(t, h, fmt.head_dim)).to(torch.bfloat16)
+        out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty((t, h), dtype=torch.float32, device="cuda")
+        kern = variants[var]
+        if var != "base" and fname != "fp8_ds_mla":
+            continue
+
+        def call():
+            return sa._launch(fname, q, cache.rows, fmt, idx, 0.04, None, 1.0, out, lse, sp, None, bn, w, st,
+                              kernel=kern)
+        row = dict(case=cid, fmt=fname, b=b, h=h, variant=var, bn=bn, warps=w, stages=st, splits=sp)
+        try:
+            t0 = time.time()
+            call()
+            torch.cuda.synchronize()
+            row["compile_s"] = round(time.time() - t0, 2)
+            ro, rl = sparse_mla(q[:4].double(), cache, idx[:4], 0.04)
+            row["rel_err"] = ((out[:4].double() - ro).norm() / ro.norm()).item()
+            row["lse_err"] = (lse[:4] - rl).abs().max().item()
+            us = time_fn(call)
+            nbytes = unique_bytes(cache, idx, h, t)
+            flops = 2 * h * (idx >= 0).sum().item() * (fmt.head_dim + 512)
+            sol = max(nbytes / copy_bw, flops / mm) * 1e6
+            row.update(us=us, sol_us=sol, pct_sol=100 * sol / us, tbps=nbytes / us / 1e6, tflops=flops / us / 1e6)
+            print(f"{cid:7s} {fname:13s} {var:4s} BN={bn:2d} w={w} st={st} sp={sp}: {us:8.1f} us "
+                  f"({row['pct_sol']:5.1f}% SOL, {row['tbps']:.2f} TB/s, {row['tflops']:.0f} TF/s) err={row['rel_err']:.1e}",
+                  flush=True)
+        except Exception as e:  # keep sweeping
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"{cid} {fname} {var} BN={bn} w={w} st={st} sp={sp}: ERROR {row['error']}", flush=True)
+        results["rows"].append(row)
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
