@@ -104,33 +104,27 @@ def main():
     copy_bw, mm = ceilings()
     print(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s, bf16 mm {mm / 1e12:.0f} TFLOP/s", flush=True)
     results = {"copy_bw": copy_bw, "mm": mm, "rows": []}
-    import rkern  # noqa: F401  (experimental variants)
-    import tkern  # noqa: F401
-    variants = {"base": None, "r": rkern._fwd_fp8ds_r_kernel, "t": tkern._fwd_fp8ds_t_kernel}
-
+    variants = {"base": None}
     cases = []
-    # (case id, format, b, h, variant, BN, warps, stages, splits)
-    for fmt in ["fp8_ds_mla"]:
-        for var, bn, w, st in itertools.product(["base", "r", "t"], [32, 64], [4, 8], [2, 3]):
-            if var == "t" and bn < 64:
-                continue
-            cases.append(("D-h16", fmt, 128, 16, var, bn, w, st, None))
-        for var, bn, w in itertools.product(["base", "r"], [32, 64], [4, 8]):
-            cases.append(("D-h128", fmt, 128, 128, var, bn, w, 2, None))
-    for fmt in ["nvfp4_ds_mla", "bf16", "fp8"]:
-        for bn, w, st in itertools.product([16, 32, 64], [4, 8], [2]):
-            cases.append(("D-h16", fmt, 128, 16, "base", bn, w, st, None))
-        for bn, w in itertools.product([32, 64], [4, 8]):
-            cases.append(("D-h128", fmt, 128, 128, "base", bn, w, 2, None))
-    # split sweep for the best guess
-    for sp in [1, 2, 4, 8]:
-        cases.append(("D-h16", "fp8_ds_mla", 128, 16, "r", 64, 8, 2, sp))
-        cases.append(("D-h16", "nvfp4_ds_mla", 128, 16, "base", 32, 8, 2, sp))
+    # (case id, format, b, h, variant, BN, warps, stages, splits, head block)
+    fmts = ["fp8_ds_mla", "nvfp4_ds_mla", "bf16", "fp8"]
+    for fmt in fmts:
+        for bn, w, st in itertools.product([32, 64], [4, 8], [2, 3]):
+            cases.append(("D-h16", fmt, 128, 16, "base", bn, w, st, None, None))
+    for fmt in fmts:
+        for bn, w, hb in [(32, 8, 64), (64, 8, 64), (32, 4, 32), (64, 8, 32), (32, 8, 32)]:
+            cases.append(("D-h128", fmt, 128, 128, "base", bn, w, 2, None, hb))
+    for sp in [1, 2, 3, 4, 6]:
+        cases.append(("D-h16", "fp8_ds_mla", 128, 16, "base", 64, 8, 2, sp, None))
+        cases.append(("D-h16", "nvfp4_ds_mla", 128, 16, "base", 32, 8, 2, sp, None))
+    if a.only:
+        keep = set(a.only.split(","))
+        cases = [c for c in cases if c[1] in keep]
     if a.quick:
         cases = cases[:4]
 
     built = {}
-    for (cid, fname, b, h, var, bn, w, st, sp) in cases:
+    for (cid, fname, b, h, var, bn, w, st, sp, hb) in cases:
         fmt = get_format(fname)
         key = (fname, b)
         if key not in built:
@@ -148,8 +142,8 @@ def main():
 
         def call():
             return sa._launch(fname, q, cache.rows, fmt, idx, 0.04, None, 1.0, out, lse, sp, None, bn, w, st,
-                              kernel=kern)
-        row = dict(case=cid, fmt=fname, b=b, h=h, variant=var, bn=bn, warps=w, stages=st, splits=sp)
+                              head_block_size=hb, kernel=kern)
+        row = dict(case=cid, fmt=fname, b=b, h=h, variant=var, bn=bn, warps=w, stages=st, splits=sp, hb=hb)
         try:
             t0 = time.time()
             call()
@@ -163,7 +157,7 @@ def main():
             flops = 2 * h * (idx >= 0).sum().item() * (fmt.head_dim + 512)
             sol = max(nbytes / copy_bw, flops / mm) * 1e6
             row.update(us=us, sol_us=sol, pct_sol=100 * sol / us, tbps=nbytes / us / 1e6, tflops=flops / us / 1e6)
-            print(f"{cid:7s} {fname:13s} {var:4s} BN={bn:2d} w={w} st={st} sp={sp}: {us:8.1f} us "
+            print(f"{cid:7s} {fname:13s} hb={hb} BN={bn:2d} w={w} st={st} sp={sp}: {us:8.1f} us "
                   f"({row['pct_sol']:5.1f}% SOL, {row['tbps']:.2f} TB/s, {row['tflops']:.0f} TF/s) err={row['rel_err']:.1e}",
                   flush=True)
         except Exception as e:  # keep sweeping

@@ -227,6 +227,25 @@ def test_prefill_on_cache_and_on_workspace():
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
 
 
+def test_native_backend_dispatch_under_the_interpreter():
+    """The triton backend's plumbing: a cache with k_scale, and a bf16 workspace passed as bf16 rows."""
+    cache = random_cache("fp8", num_blocks=2)
+    q = torch.randn(3, 16, 576).bfloat16()
+    idx = random_rows(cache, 3, 64)
+    vc = torch.tensor([64, 9, 0], dtype=torch.int32)
+    o, l = sparse_mla_decode(q, cache, idx, 0.05, vc, k_scale=0.5, backend="triton")
+    ro, rl = sparse_mla_decode(q, cache, idx, 0.05, vc, k_scale=0.5, backend="reference")
+    assert ((o.float() - ro.float()).norm() / ro.float().norm()).item() < 1e-2
+    assert torch.allclose(l[:2], rl[:2], atol=1e-2) and torch.all(l[2] == float("-inf")) and torch.all(o[2] == 0)
+    ws = torch.randn(100, 512).bfloat16()
+    q = torch.randn(2, 16, 512).bfloat16()
+    idx = torch.randint(-1, 100, (2, 64), dtype=torch.int32)
+    o, l = sparse_mla_prefill(q, ws, idx, 0.05, backend="triton")
+    ro, rl = sparse_mla_prefill(q, ws, idx, 0.05, backend="reference")
+    assert ((o.float() - ro.float()).norm() / ro.float().norm()).item() < 1e-2
+    assert torch.allclose(l, rl, atol=1e-2)
+
+
 def test_empty_batch_returns_empty_outputs():
     cache = random_cache("fp8_ds_mla")
     o, l = sparse_mla_decode(torch.zeros(0, 8, 576, dtype=torch.bfloat16), cache,

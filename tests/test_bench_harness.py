@@ -1,6 +1,6 @@
 """The benchmark harness: accounting math, configuration filtering, workload properties, timing, runner output.
 
-CPU only, tiny sizes.  Cache writes use the PyTorch encoders here (TRITON_INTERPRET unset per test):
+CPU only, tiny sizes.  Cache writes use the PyTorch encoders here (TRITON_INTERPRET=0 per test):
 the harness is under test, not the write kernel, and the interpreter would make these tests slow.
 """
 import csv
@@ -25,7 +25,7 @@ from sparsemla.reference import sparse_mla
 
 @pytest.fixture
 def no_interpreter(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # "0" = off, and `check` leaves a set value alone
 
 
 H200 = A.Ceilings(device="H200", copy_bytes_per_s=4.24e12, matmul_flop_per_s=769e12)
@@ -298,3 +298,13 @@ def test_svg_chart(tmp_path):
     assert s.count("<rect") >= 4 and "nvfp4_ds_mla" in s and "speed-of-light" in s
     assert write_svg([], str(tmp_path / "none.svg")) is None
     assert not os.path.exists(tmp_path / "none.svg")
+
+
+def test_tolerances():
+    from sparsemla.bench import backends as B
+    assert B.tolerance("triton", "nvfp4_ds_mla") == B.EXACT_TOLERANCE == (1e-2, 1e-2)
+    assert B.tolerance("triton-staged", "fp8_ds_mla") == B.EXACT_TOLERANCE
+    # Staging re-quantizes bf16 and nvfp4 rows to e4m3: only gross errors are caught there.
+    assert B.tolerance("triton-staged", "nvfp4_ds_mla") == B.LOSSY_TOLERANCE
+    assert B.tolerance("triton-staged", "bf16-nope") == B.LOSSY_TOLERANCE
+    assert B.tolerance("torch-gather", "bf16") == B.EXACT_TOLERANCE

@@ -218,4 +218,7 @@ def test_fp8_indexer_agrees_with_float64_indexer(device):
     ref = R.topk_positions(ref_scores, topk)
     overlap = R.topk_overlap(got, ref)
     assert overlap.mean() > 0.9
-    assert R.non_tie_mismatches(got, ref, ref_scores, rtol=0.05) == 0
+    # A swap is a near tie when the fp8 score error of the row can explain it.
+    err = R.score_errors(sc.cpu(), ref_scores)
+    assert (err < 0.1 * ref_scores[torch.isfinite(ref_scores)].abs().max()).all()  # fp8-sized errors
+    assert R.non_tie_mismatches(got, ref, ref_scores, rtol=0.0, atol=2 * err) == 0

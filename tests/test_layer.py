@@ -125,8 +125,11 @@ def test_kernel_path_matches_torch_path(device, monkeypatch):
             out, topk = lay(x, DSAMetadata.from_lists([s], [0], bt, 8), kv, ic, return_indices=True)
         results[mode] = (out.cpu(), topk.cpu(), kv.rows.cpu(), ic.data.cpu())
     (o1, t1, r1, i1), (o2, t2, r2, i2) = results["torch"], results["triton"]
-    assert torch.equal(i1, i2), "index-key cache bytes differ"
-    assert torch.equal(r1, r2), "KV cache bytes differ"
+    # Same inputs on the CPU: identical bytes.  On a GPU the float32 projections round a little differently,
+    # which may move a rare value across an fp8 rounding boundary.
+    allowed = 0.0 if device == "cpu" else 1e-3
+    assert (i1 != i2).float().mean() <= allowed, "index-key cache bytes differ"
+    assert (r1 != r2).float().mean() <= allowed, "KV cache bytes differ"
     assert topk_overlap(t2, t1).mean() > 0.97
     assert rel_err(o2, o1) < 2e-2
 
@@ -145,7 +148,6 @@ def test_forward_checks_arguments(torch_paths):
 
 def test_tiny_model_generates_deterministically(torch_paths):
     cfg = ModelConfig.tiny()
-    cfg.num_layers = 2
     model = init_model_weights_(DSAModel(cfg, dtype=torch.float32, attn_backend="reference"), seed=0)
     prompts = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     kw = dict(block_size=8, prefill_chunk=12)

@@ -29,15 +29,17 @@ def compile_one(fmt, hb, bn, warps, stages, splits=4, rope=64, out_bf16=False):
     if out_bf16:
         sig["o_ptr"] = "*bf16"
     cons = dict(HB=hb, BN=bn, NUM_SPLITS=splits, NG=1, HAS_VC=True, INTERP=False, ROPE=rope)
-    if fmt in ("fp8_ds_mla", "nvfp4_ds_mla"):
-        fn = sa._fwd_fp8ds_kernel if fmt == "fp8_ds_mla" else sa._fwd_nvfp4_kernel
-        cons["BPT"] = {("fp8_ds_mla", 64): 656, ("fp8_ds_mla", 0): 528, ("nvfp4_ds_mla", 64): 352,
-                       ("nvfp4_ds_mla", 0): 288}[(fmt, rope)]
+    bpt = sa.get_format(fmt if fmt != "staged" else "fp8", rope).bytes_per_token
+    if fmt == "nvfp4_ds_mla":
+        fn = sa._fwd_nvfp4_kernel
+        cons["BPT"] = bpt
+    elif fmt == "bf16":
+        fn = sa._fwd_bf16_kernel
     else:
-        fn = sa._fwd_plain_kernel
-        sig = {**{k: v for k, v in sig.items() if k != "H" and k != "K" and k != "rows_per_split"},
+        fn = sa._fwd_fp8_kernel
+        sig = {**{k: v for k, v in sig.items() if k not in ("H", "K", "rows_per_split")},
                "k_scale": "fp32", "H": "i32", "K": "i32", "rows_per_split": "i32"}
-        cons.update(FP8=fmt in ("fp8", "staged"), STAGED=fmt == "staged")
+        cons.update(BPT=bpt, DS=fmt == "fp8_ds_mla", STAGED=fmt == "staged")
     for k in cons:
         sig[k] = "constexpr"
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cons)

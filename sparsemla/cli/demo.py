@@ -13,9 +13,8 @@ float64 reference (no kernels, no timings), and the output says so.
 from __future__ import annotations
 
 import json
-import sys
 import time
-from typing import List, Optional
+from typing import List
 
 import torch
 
@@ -24,7 +23,7 @@ from ..bench.accounting import achieved, attention_work
 from ..bench.ceilings import format_ceilings, measure_ceilings
 from ..bench.configs import BenchConfig
 from ..bench.progress import progress
-from ..bench.runner import ALL_FORMATS, DEFAULT_FORMATS, resolve_formats
+from ..bench.runner import DEFAULT_FORMATS, resolve_formats
 from ..bench.timing import time_fn
 from ..bench.workload import build_cache, build_queries, make_layout, source_tokens
 from ..formats import get_format

@@ -18,6 +18,7 @@ it is exact too.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -159,35 +160,40 @@ def quantize_index_q(q: torch.Tensor):
 @triton.jit
 def _score_tile(tile, q, w, cache_ptr, bt_row_ptr, ctx, out_row_ptr, block_stride, max_context,
                 D: tl.constexpr, PAGE: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Scores of one query against keys ``[tile*BLOCK_S, (tile+1)*BLOCK_S)``, stored to its out row."""
+    """Scores of one query against keys ``[tile*BLOCK_S, (tile+1)*BLOCK_S)`` (a tile that starts inside
+    the context), stored to its out row; keys at or past ``ctx`` get -inf."""
     s = tile * BLOCK_S + tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
-    if tile * BLOCK_S < ctx:
-        valid = s < ctx
-        blk = tl.load(bt_row_ptr + s // PAGE, mask=valid, other=0).to(tl.int64)
-        off = (s % PAGE).to(tl.int64)
-        base = blk * block_stride  # int64 byte offsets
-        k = tl.load(cache_ptr + base[:, None] + off[:, None] * D + d[None, :], mask=valid[:, None], other=0)
-        k = k.to(tl.float8e4nv, bitcast=True)
-        k_scale = tl.load((cache_ptr + base + PAGE * D + off * 4).to(tl.pointer_type(tl.float32)),
-                          mask=valid, other=0.0)
-        dots = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_S] fp32, all heads at once
-        score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0) * k_scale
-        score = tl.where(valid, score, float("-inf"))
-    else:
-        score = tl.full([BLOCK_S], float("-inf"), tl.float32)
-    tl.store(out_row_ptr + s, score, mask=s < max_context)
+    valid = s < ctx
+    blk = tl.load(bt_row_ptr + s // PAGE, mask=valid, other=0).to(tl.int64)
+    off = (s % PAGE).to(tl.int64)
+    base = blk * block_stride  # int64 byte offsets
+    k = tl.load(cache_ptr + base[:, None] + off[:, None] * D + d[None, :], mask=valid[:, None], other=0)
+    k = k.to(tl.float8e4nv, bitcast=True)
+    k_scale = tl.load((cache_ptr + base + PAGE * D + off * 4).to(tl.pointer_type(tl.float32)),
+                      mask=valid, other=0.0)
+    dots = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_S] fp32, all heads at once
+    score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0) * k_scale
+    tl.store(out_row_ptr + s, tl.where(valid, score, float("-inf")), mask=s < max_context)
+
+
+@triton.jit
+def _mask_tile(tile, out_row_ptr, max_context, BLOCK_S: tl.constexpr):
+    """-inf for a tile that starts at or past the context (up to ``max_context``)."""
+    s = tile * BLOCK_S + tl.arange(0, BLOCK_S)
+    tl.store(out_row_ptr + s, tl.full([BLOCK_S], float("-inf"), tl.float32), mask=s < max_context)
 
 
 @triton.jit
 def _index_scores_kernel(q_ptr, w_ptr, cache_ptr, bt_ptr, req_ptr, ctx_ptr, out_ptr,
                          stride_qt, stride_qh, stride_wt, stride_bt, stride_out, block_stride,
-                         max_context, n_tiles,
+                         max_context, n_tiles, SPLIT,
                          H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_S: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
-    # Program (t, split) scores query token t against key tiles split, split + SPLIT, ...: the query
-    # (all heads, fp8) is loaded once and reused for every tile; one fp8 dot per tile gives all
-    # heads' q.k at once, then relu, the head weights and the key scale reduce it to one score.
+                         BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr):
+    # Program (t, split) handles tiles split, split + SPLIT, ... of query token t: the query (all heads,
+    # fp8) is loaded once and reused for every tile; one fp8 dot per tile gives all heads' q.k at once,
+    # then relu, the head weights and the key scale reduce it to one score per key.  Tiles inside the
+    # context and tiles past it are two loops (no branch in the hot loop, so it can be pipelined).
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     req = tl.load(req_ptr + t).to(tl.int64)
@@ -200,16 +206,36 @@ def _index_scores_kernel(q_ptr, w_ptr, cache_ptr, bt_ptr, req_ptr, ctx_ptr, out_
     w = tl.load(w_ptr + t * stride_wt + h, mask=hmask, other=0.0)
     bt_row = bt_ptr + req * stride_bt
     out_row = out_ptr + t * stride_out
+    n_ctx_tiles = tl.cdiv(ctx, BLOCK_S)
+    # First masked tile of this program: the smallest tile >= n_ctx_tiles with tile % SPLIT == split.
+    first_masked = n_ctx_tiles + (split - n_ctx_tiles % SPLIT + SPLIT) % SPLIT
     if INTERPRET:
-        # The interpreter (with numpy 2) cannot use a runtime scalar as a range() bound; a while loop
-        # does the same iterations.  Compiled code keeps the for loop, which Triton can pipeline.
+        # The interpreter (with numpy 2) cannot take a runtime scalar as a range() bound; while loops do
+        # the same iterations.  Compiled code keeps the for loops, which Triton can pipeline.
         tile = split
-        while tile < n_tiles:
+        while tile < n_ctx_tiles:
             _score_tile(tile, q, w, cache_ptr, bt_row, ctx, out_row, block_stride, max_context, D, PAGE, BLOCK_S)
             tile += SPLIT
+        tile = first_masked
+        while tile < n_tiles:
+            _mask_tile(tile, out_row, max_context, BLOCK_S)
+            tile += SPLIT
     else:
-        for tile in range(split, n_tiles, SPLIT):
+        for tile in range(split, n_ctx_tiles, SPLIT):
             _score_tile(tile, q, w, cache_ptr, bt_row, ctx, out_row, block_stride, max_context, D, PAGE, BLOCK_S)
+        for tile in range(first_masked, n_tiles, SPLIT):
+            _mask_tile(tile, out_row, max_context, BLOCK_S)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: few programs, each looping over many tiles
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
@@ -265,14 +291,15 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor
         return out
     block_s = 64
     n_tiles = triton.cdiv(max_context, block_s)
-    # Enough programs to fill the GPU (a few per SM) while each reuses its query over many tiles.
-    split = max(1, min(n_tiles, triton.cdiv(4 * 132, t)))
+    # Enough programs to fill the GPU (about 4 per SM) while each reuses its query over many tiles.
+    # A runtime argument, so a new batch size does not compile a new kernel.
+    split = max(1, min(n_tiles, triton.cdiv(4 * _num_sms(dev), t)))
     block_h = max(16, triton.next_power_of_2(h))
     _index_scores_kernel[(t, split)](
         q_fp8.view(torch.uint8), weights, cache, block_table, req_id, context_lens, out,
         q_fp8.stride(0), q_fp8.stride(1), weights.stride(0), block_table.stride(0), out.stride(0), stride0,
-        max_context, n_tiles,
-        H=h, BLOCK_H=block_h, D=INDEX_HEAD_DIM, PAGE=bs, BLOCK_S=block_s, SPLIT=split,
+        max_context, n_tiles, split,
+        H=h, BLOCK_H=block_h, D=INDEX_HEAD_DIM, PAGE=bs, BLOCK_S=block_s,
         INTERPRET=interpreting(), num_warps=4)
     return out
 

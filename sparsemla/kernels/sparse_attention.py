@@ -119,88 +119,30 @@ def _finish(l_i, m_i):
 
 
 # --------------------------------------------------------------------------------------------------------
-# fp8_ds_mla: 512 e4m3 + 4 fp32 tile scales (+ 64 bf16 rope)
+# Packed-code conversions.  The FP8 and FP4 rows are read as int16 lanes (2 e4m3 codes or 4 e2m1 codes each):
+# Triton then moves them through shared memory exactly like a 16-bit dot operand (async copies, ldmatrix,
+# transposed for P @ V), and the conversion runs on the operand registers.  Read as 8-bit data instead, the
+# transposed (P @ V) operand has no ldmatrix path and the kernel ran 1.5-3x slower on the H200.
+# The conversions are inline PTX (one packed cvt per e4m3 pair; a byte permute from an 8-entry table per
+# e2m1 pair); the interpreter cannot run PTX, so INTERP selects plain Triton bit manipulation instead.
 # --------------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_fp8ds_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
-                      o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
-                      sm_scale_log2, H, K, rows_per_split,
-                      BPT: tl.constexpr, ROPE: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
-                      NUM_SPLITS: tl.constexpr, NG: tl.constexpr, HAS_VC: tl.constexpr, INTERP: tl.constexpr):
-    t, s, heads, hm, k_begin, k_end = _program_coords(H, K, vc_ptr, rows_per_split, NUM_SPLITS, NG, HB, HAS_VC)
-    d = tl.arange(0, 128)
-    q_row = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :]
-    q0 = tl.load(q_row, mask=hm[:, None], other=0.0).to(tl.float32)
-    q1 = tl.load(q_row + 128, mask=hm[:, None], other=0.0).to(tl.float32)
-    q2 = tl.load(q_row + 256, mask=hm[:, None], other=0.0).to(tl.float32)
-    q3 = tl.load(q_row + 384, mask=hm[:, None], other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0)), tl.max(tl.abs(q1))),
-                      tl.maximum(tl.max(tl.abs(q2)), tl.max(tl.abs(q3))))
-    c = _pow2_fp16_scale(amax)
-    q0 = (q0 * c).to(tl.float16)
-    q1 = (q1 * c).to(tl.float16)
-    q2 = (q2 * c).to(tl.float16)
-    q3 = (q3 * c).to(tl.float16)
-    nope_scale = sm_scale_log2 / c
-    if ROPE:
-        r = tl.arange(0, 64)
-        qpe = tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + 512 + r[None, :],
-                      mask=hm[:, None], other=0.0)
-        if INTERP:
-            qpe = qpe.to(tl.float32)
-
-    m_i = tl.full([HB], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([HB], tl.float32)
-    acc0 = tl.zeros([HB, 128], tl.float32)
-    acc1 = tl.zeros([HB, 128], tl.float32)
-    acc2 = tl.zeros([HB, 128], tl.float32)
-    acc3 = tl.zeros([HB, 128], tl.float32)
-    for k0 in range(k_begin, k_end, BN):
-        row, valid = _tile_rows(idx_ptr, t, stride_it, k0, k_end, K, BN, False)
-        # Rows are 16-byte multiples and the cache is 16-byte aligned; Triton cannot see that through a
-        # gathered index, and without the hint every load is one byte wide.
-        base = tl.multiple_of(kv_ptr + row * BPT, 16)
-        vmask = valid[:, None]
-        kp = (base[:, None] + d[None, :]).to(tl.pointer_type(tl.float8e4nv))
-        k_0 = tl.load(kp, mask=vmask, other=0.0).to(tl.float16)
-        k_1 = tl.load(kp + 128, mask=vmask, other=0.0).to(tl.float16)
-        k_2 = tl.load(kp + 256, mask=vmask, other=0.0).to(tl.float16)
-        k_3 = tl.load(kp + 384, mask=vmask, other=0.0).to(tl.float16)
-        sp = (base + 512).to(tl.pointer_type(tl.float32))
-        sc0 = tl.load(sp, mask=valid, other=0.0)
-        sc1 = tl.load(sp + 1, mask=valid, other=0.0)
-        sc2 = tl.load(sp + 2, mask=valid, other=0.0)
-        sc3 = tl.load(sp + 3, mask=valid, other=0.0)
-        sc = (tl.dot(q0, tl.trans(k_0)) * sc0[None, :] + tl.dot(q1, tl.trans(k_1)) * sc1[None, :]
-              + tl.dot(q2, tl.trans(k_2)) * sc2[None, :] + tl.dot(q3, tl.trans(k_3)) * sc3[None, :]) * nope_scale
-        if ROPE:
-            kpe = tl.load((base + 528).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], mask=vmask, other=0.0)
-            if INTERP:
-                kpe = kpe.to(tl.float32)
-            sc += tl.dot(qpe, tl.trans(kpe)) * sm_scale_log2
-        sc = tl.where(valid[None, :], sc, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
-        # Per-column value scales go into P as ratios <= 1 (fp16-safe); the tile max multiplies the dot.
-        mx0 = tl.maximum(tl.max(sc0), 1e-30)
-        mx1 = tl.maximum(tl.max(sc1), 1e-30)
-        mx2 = tl.maximum(tl.max(sc2), 1e-30)
-        mx3 = tl.maximum(tl.max(sc3), 1e-30)
-        acc0 = acc0 * alpha[:, None] + tl.dot((p * (sc0 / mx0)[None, :]).to(tl.float16), k_0) * mx0
-        acc1 = acc1 * alpha[:, None] + tl.dot((p * (sc1 / mx1)[None, :]).to(tl.float16), k_1) * mx1
-        acc2 = acc2 * alpha[:, None] + tl.dot((p * (sc2 / mx2)[None, :]).to(tl.float16), k_2) * mx2
-        acc3 = acc3 * alpha[:, None] + tl.dot((p * (sc3 / mx3)[None, :]).to(tl.float16), k_3) * mx3
-
-    inv_l, lse = _finish(l_i, m_i)
-    _store_chunk(o_ptr, t, s, heads, hm, d, acc0 * inv_l[:, None], stride_ot, stride_os, stride_oh)
-    _store_chunk(o_ptr, t, s, heads, hm, d + 128, acc1 * inv_l[:, None], stride_ot, stride_os, stride_oh)
-    _store_chunk(o_ptr, t, s, heads, hm, d + 256, acc2 * inv_l[:, None], stride_ot, stride_os, stride_oh)
-    _store_chunk(o_ptr, t, s, heads, hm, d + 384, acc3 * inv_l[:, None], stride_ot, stride_os, stride_oh)
-    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=hm)
+def _e4m3x2_to_f16(x, INTERP: tl.constexpr):
+    """int16 lane of two e4m3 codes -> (low-byte value, high-byte value) as fp16, exactly."""
+    if INTERP:
+        lo = (x & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        hi = ((x >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        return lo, hi
+    else:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 r;
+            cvt.rn.f16x2.e4m3x2 r, $2;
+            mov.b32 {$0, $1}, r;
+            }""",
+            constraints="=h,=h,h", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
 
 
-# --------------------------------------------------------------------------------------------------------
-# nvfp4_ds_mla: 256 B of packed e2m1 (+ 64 e4m3 rope) + 32 permuted e4m3 block scales
-# --------------------------------------------------------------------------------------------------------
 @triton.jit
 def _e2m1_to_fp16(code):
     """4-bit e2m1 codes (int32) -> fp16, exactly.  Magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6: code c >= 2 is the
@@ -211,6 +153,208 @@ def _e2m1_to_fp16(code):
 
 
 @triton.jit
+def _e2m1x4_to_f16(x, INTERP: tl.constexpr):
+    """int16 lane of four e2m1 codes (bits 0-3, 4-7, 8-11, 12-15) -> four fp16 values, exactly.
+
+    PTX: the high byte of each fp16 comes from an 8-entry byte table (0x00 38 3C 3E 40 42 44 46 = the fp16
+    high bytes of 0, .5, 1, 1.5, 2, 3, 4, 6) selected with prmt; the sign bit is or-ed in."""
+    if INTERP:
+        xi = x.to(tl.int32)
+        return (_e2m1_to_fp16(xi & 15), _e2m1_to_fp16((xi >> 4) & 15),
+                _e2m1_to_fp16((xi >> 8) & 15), _e2m1_to_fp16((xi >> 12) & 15))
+    else:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 w, v, sel, sgn, r0, r1, t;
+            cvt.u32.u16 w, $4;
+            shl.b32 sel, w, 4;
+            and.b32 sel, sel, 0x70;
+            shl.b32 t, w, 8;
+            and.b32 t, t, 0x7000;
+            or.b32 sel, sel, t;
+            prmt.b32 r0, 0x3E3C3800, 0x46444240, sel;
+            shl.b32 sgn, w, 12;
+            and.b32 sgn, sgn, 0x8000;
+            shl.b32 t, w, 24;
+            and.b32 t, t, 0x80000000;
+            or.b32 sgn, sgn, t;
+            or.b32 r0, r0, sgn;
+            shr.b32 v, w, 8;
+            shl.b32 sel, v, 4;
+            and.b32 sel, sel, 0x70;
+            shl.b32 t, v, 8;
+            and.b32 t, t, 0x7000;
+            or.b32 sel, sel, t;
+            prmt.b32 r1, 0x3E3C3800, 0x46444240, sel;
+            shl.b32 sgn, v, 12;
+            and.b32 sgn, sgn, 0x8000;
+            shl.b32 t, v, 24;
+            and.b32 t, t, 0x80000000;
+            or.b32 sgn, sgn, t;
+            or.b32 r1, r1, sgn;
+            mov.b32 {$0, $1}, r0;
+            mov.b32 {$2, $3}, r1;
+            }""",
+            constraints="=h,=h,=h,=h,h", args=[x], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=1)
+
+
+@triton.jit
+def _load_q_f16(q_row, hm, off: tl.constexpr, cols, c):
+    return (tl.load(q_row + off + cols[None, :], mask=hm[:, None], other=0.0).to(tl.float32) * c).to(tl.float16)
+
+
+@triton.jit
+def _amax_strided(q_row, hm, cols, off: tl.constexpr, step: tl.constexpr):
+    return tl.max(tl.abs(tl.load(q_row + off + step * cols[None, :], mask=hm[:, None], other=0.0).to(tl.float32)))
+
+
+# --------------------------------------------------------------------------------------------------------
+# fp8 family: plain fp8 rows (per-tensor k_scale), staged fp8 rows [T, K, D], fp8_ds_mla rows (4 fp32 tile
+# scales + bf16 rope).  Each 128-dim group g is an int16 [BN, 64] tile -> even-dim and odd-dim fp16 tiles.
+# --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _fp8_group(kp, vmask, g: tl.constexpr, INTERP: tl.constexpr):
+    return _e4m3x2_to_f16(tl.load(kp + 64 * g, mask=vmask, other=0), INTERP)
+
+
+@triton.jit
+def _fwd_fp8_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+                    o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
+                    sm_scale_log2, k_scale, H, K, rows_per_split,
+                    BPT: tl.constexpr, DS: tl.constexpr, STAGED: tl.constexpr, ROPE: tl.constexpr,
+                    HB: tl.constexpr, BN: tl.constexpr, NUM_SPLITS: tl.constexpr, NG: tl.constexpr,
+                    HAS_VC: tl.constexpr, INTERP: tl.constexpr):
+    t, s, heads, hm, k_begin, k_end = _program_coords(H, K, vc_ptr, rows_per_split, NUM_SPLITS, NG, HB, HAS_VC)
+    c64 = tl.arange(0, 64)
+    q_row = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+    amax = tl.max(tl.abs(tl.load(q_row + tl.arange(0, 512)[None, :], mask=hm[:, None], other=0.0).to(tl.float32)))
+    if ROPE:
+        r = tl.arange(0, 32)
+        if DS:
+            qpe = tl.load(q_row + 512 + tl.arange(0, 64)[None, :], mask=hm[:, None], other=0.0)
+            if INTERP:
+                qpe = qpe.to(tl.float32)
+        else:
+            amax = tl.maximum(amax, _amax_strided(q_row, hm, tl.arange(0, 64), 512, 1))
+    c = _pow2_fp16_scale(amax)
+    e = 2 * c64
+    qe0 = _load_q_f16(q_row, hm, 0, e, c)
+    qo0 = _load_q_f16(q_row, hm, 1, e, c)
+    qe1 = _load_q_f16(q_row, hm, 128, e, c)
+    qo1 = _load_q_f16(q_row, hm, 129, e, c)
+    qe2 = _load_q_f16(q_row, hm, 256, e, c)
+    qo2 = _load_q_f16(q_row, hm, 257, e, c)
+    qe3 = _load_q_f16(q_row, hm, 384, e, c)
+    qo3 = _load_q_f16(q_row, hm, 385, e, c)
+    if ROPE and not DS:
+        qpe_e = _load_q_f16(q_row, hm, 512, 2 * r, c)
+        qpe_o = _load_q_f16(q_row, hm, 513, 2 * r, c)
+    score_scale = sm_scale_log2 / c
+    if not DS:
+        score_scale = score_scale * k_scale
+
+    m_i = tl.full([HB], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([HB], tl.float32)
+    ae0 = tl.zeros([HB, 64], tl.float32)
+    ao0 = tl.zeros([HB, 64], tl.float32)
+    ae1 = tl.zeros([HB, 64], tl.float32)
+    ao1 = tl.zeros([HB, 64], tl.float32)
+    ae2 = tl.zeros([HB, 64], tl.float32)
+    ao2 = tl.zeros([HB, 64], tl.float32)
+    ae3 = tl.zeros([HB, 64], tl.float32)
+    ao3 = tl.zeros([HB, 64], tl.float32)
+    for k0 in range(k_begin, k_end, BN):
+        row, valid = _tile_rows(idx_ptr, t, stride_it, k0, k_end, K, BN, STAGED)
+        # Rows are 16-byte multiples and the cache is 16-byte aligned; Triton cannot see that through a
+        # gathered index, and without the hint every load is one byte wide.
+        base = tl.multiple_of(kv_ptr + row * BPT, 16)
+        vmask = valid[:, None]
+        kp = base.to(tl.pointer_type(tl.int16))[:, None] + c64[None, :]
+        ke0, ko0 = _fp8_group(kp, vmask, 0, INTERP)
+        ke1, ko1 = _fp8_group(kp, vmask, 1, INTERP)
+        ke2, ko2 = _fp8_group(kp, vmask, 2, INTERP)
+        ke3, ko3 = _fp8_group(kp, vmask, 3, INTERP)
+        d0 = tl.dot(qe0, tl.trans(ke0)) + tl.dot(qo0, tl.trans(ko0))
+        d1 = tl.dot(qe1, tl.trans(ke1)) + tl.dot(qo1, tl.trans(ko1))
+        d2 = tl.dot(qe2, tl.trans(ke2)) + tl.dot(qo2, tl.trans(ko2))
+        d3 = tl.dot(qe3, tl.trans(ke3)) + tl.dot(qo3, tl.trans(ko3))
+        if DS:
+            # fp8_ds_mla: the tile scales multiply the scores per column, never the elements.
+            sp = (base + 512).to(tl.pointer_type(tl.float32))
+            sc0 = tl.load(sp, mask=valid, other=0.0)
+            sc1 = tl.load(sp + 1, mask=valid, other=0.0)
+            sc2 = tl.load(sp + 2, mask=valid, other=0.0)
+            sc3 = tl.load(sp + 3, mask=valid, other=0.0)
+            sc = (d0 * sc0[None, :] + d1 * sc1[None, :] + d2 * sc2[None, :] + d3 * sc3[None, :]) * score_scale
+            if ROPE:
+                kpe = tl.load((base + 528).to(tl.pointer_type(tl.bfloat16))[:, None] + tl.arange(0, 64)[None, :],
+                              mask=vmask, other=0.0)
+                if INTERP:
+                    kpe = kpe.to(tl.float32)
+                sc += tl.dot(qpe, tl.trans(kpe)) * sm_scale_log2
+        else:
+            sc = d0 + d1 + d2 + d3
+            if ROPE:
+                kpe_e, kpe_o = _e4m3x2_to_f16(
+                    tl.load(base.to(tl.pointer_type(tl.int16))[:, None] + 256 + r[None, :], mask=vmask, other=0),
+                    INTERP)
+                sc += tl.dot(qpe_e, tl.trans(kpe_e)) + tl.dot(qpe_o, tl.trans(kpe_o))
+            sc = sc * score_scale
+        sc = tl.where(valid[None, :], sc, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
+        a2 = alpha[:, None]
+        if DS:
+            # Value scales go into P as ratios <= 1 (fp16-safe; exact for the pow2 writer); the tile max
+            # multiplies the product.
+            mx0 = tl.maximum(tl.max(sc0), 1e-30)
+            mx1 = tl.maximum(tl.max(sc1), 1e-30)
+            mx2 = tl.maximum(tl.max(sc2), 1e-30)
+            mx3 = tl.maximum(tl.max(sc3), 1e-30)
+            p0 = (p * (sc0 / mx0)[None, :]).to(tl.float16)
+            p1 = (p * (sc1 / mx1)[None, :]).to(tl.float16)
+            p2 = (p * (sc2 / mx2)[None, :]).to(tl.float16)
+            p3 = (p * (sc3 / mx3)[None, :]).to(tl.float16)
+            ae0 = ae0 * a2 + tl.dot(p0, ke0) * mx0
+            ao0 = ao0 * a2 + tl.dot(p0, ko0) * mx0
+            ae1 = ae1 * a2 + tl.dot(p1, ke1) * mx1
+            ao1 = ao1 * a2 + tl.dot(p1, ko1) * mx1
+            ae2 = ae2 * a2 + tl.dot(p2, ke2) * mx2
+            ao2 = ao2 * a2 + tl.dot(p2, ko2) * mx2
+            ae3 = ae3 * a2 + tl.dot(p3, ke3) * mx3
+            ao3 = ao3 * a2 + tl.dot(p3, ko3) * mx3
+        else:
+            p16 = p.to(tl.float16)
+            ae0 = tl.dot(p16, ke0, ae0 * a2)
+            ao0 = tl.dot(p16, ko0, ao0 * a2)
+            ae1 = tl.dot(p16, ke1, ae1 * a2)
+            ao1 = tl.dot(p16, ko1, ao1 * a2)
+            ae2 = tl.dot(p16, ke2, ae2 * a2)
+            ao2 = tl.dot(p16, ko2, ao2 * a2)
+            ae3 = tl.dot(p16, ke3, ae3 * a2)
+            ao3 = tl.dot(p16, ko3, ao3 * a2)
+
+    inv_l, lse = _finish(l_i, m_i)
+    if not DS:
+        inv_l = inv_l * k_scale  # values were stored divided by k_scale
+    il = inv_l[:, None]
+    _store_chunk(o_ptr, t, s, heads, hm, e, ae0 * il, stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, e + 1, ao0 * il, stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, e + 128, ae1 * il, stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, e + 129, ao1 * il, stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, e + 256, ae2 * il, stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, e + 257, ao2 * il, stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, e + 384, ae3 * il, stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, e + 385, ao3 * il, stride_ot, stride_os, stride_oh)
+    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=hm)
+
+
+# --------------------------------------------------------------------------------------------------------
+# nvfp4_ds_mla: 256 B of packed e2m1 (+ 64 e4m3 rope) + 32 permuted e4m3 block scales.  An int16 lane c
+# holds dims 4c..4c+3, so the 512 dims are four fp16 [BN, 128] tiles of "dim = 4c + j" (no interleaving:
+# q and the output are split the same way once per program).  e2m1 x e4m3 scale is exact in fp16.
+# --------------------------------------------------------------------------------------------------------
+@triton.jit
 def _fwd_nvfp4_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                       o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                       sm_scale_log2, H, K, rows_per_split,
@@ -218,102 +362,98 @@ def _fwd_nvfp4_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, v
                       NUM_SPLITS: tl.constexpr, NG: tl.constexpr, HAS_VC: tl.constexpr, INTERP: tl.constexpr):
     SCALE_OFF: tl.constexpr = 320 if ROPE else 256
     t, s, heads, hm, k_begin, k_end = _program_coords(H, K, vc_ptr, rows_per_split, NUM_SPLITS, NG, HB, HAS_VC)
-    j = tl.arange(0, 256)  # byte index = even dim / 2 = odd dim / 2
+    c128 = tl.arange(0, 128)
     q_row = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-    qe = tl.load(q_row + 2 * j[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
-    qo = tl.load(q_row + 2 * j[None, :] + 1, mask=hm[:, None], other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(qe)), tl.max(tl.abs(qo)))
+    amax = tl.max(tl.abs(tl.load(q_row + tl.arange(0, 512)[None, :], mask=hm[:, None], other=0.0).to(tl.float32)))
     if ROPE:
-        r = tl.arange(0, 64)
-        qpe = tl.load(q_row + 512 + r[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(qpe)))
+        r = tl.arange(0, 32)
+        amax = tl.maximum(amax, _amax_strided(q_row, hm, tl.arange(0, 64), 512, 1))
     c = _pow2_fp16_scale(amax)
-    qe = (qe * c).to(tl.float16)
-    qo = (qo * c).to(tl.float16)
+    f = 4 * c128
+    q0 = _load_q_f16(q_row, hm, 0, f, c)
+    q1 = _load_q_f16(q_row, hm, 1, f, c)
+    q2 = _load_q_f16(q_row, hm, 2, f, c)
+    q3 = _load_q_f16(q_row, hm, 3, f, c)
     if ROPE:
-        qpe = (qpe * c).to(tl.float16)
+        qpe_e = _load_q_f16(q_row, hm, 512, 2 * r, c)
+        qpe_o = _load_q_f16(q_row, hm, 513, 2 * r, c)
     score_scale = sm_scale_log2 / c
-    # Scale of 16-dim block b sits at byte SCALE_OFF + 8 * (b % 4) + b // 4; byte j belongs to block j // 8.
-    blk = tl.arange(0, 32)
+    # Scale of 16-dim block b sits at byte SCALE_OFF + 8 * (b % 4) + b // 4; lane c is in block c // 4.
+    blk = c128 // 4
     sc_off = SCALE_OFF + 8 * (blk % 4) + blk // 4
 
     m_i = tl.full([HB], _NEG_BIG, tl.float32)
     l_i = tl.zeros([HB], tl.float32)
-    acc_e = tl.zeros([HB, 256], tl.float32)
-    acc_o = tl.zeros([HB, 256], tl.float32)
+    a0 = tl.zeros([HB, 128], tl.float32)
+    a1 = tl.zeros([HB, 128], tl.float32)
+    a2 = tl.zeros([HB, 128], tl.float32)
+    a3 = tl.zeros([HB, 128], tl.float32)
     for k0 in range(k_begin, k_end, BN):
         row, valid = _tile_rows(idx_ptr, t, stride_it, k0, k_end, K, BN, False)
-        # Rows are 16-byte multiples and the cache is 16-byte aligned; Triton cannot see that through a
-        # gathered index, and without the hint every load is one byte wide.
         base = tl.multiple_of(kv_ptr + row * BPT, 16)
         vmask = valid[:, None]
-        packed = tl.load(base[:, None] + j[None, :], mask=vmask, other=0).to(tl.int32)
-        sf = tl.load((base[:, None] + sc_off[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=vmask, other=0.0)
-        sf = tl.reshape(tl.broadcast_to(sf.to(tl.float16)[:, :, None], [BN, 32, 8]), [BN, 256])
-        k_e = _e2m1_to_fp16(packed & 15) * sf
-        k_o = _e2m1_to_fp16(packed >> 4) * sf
-        sc = tl.dot(qe, tl.trans(k_e)) + tl.dot(qo, tl.trans(k_o))
+        packed = tl.load(base.to(tl.pointer_type(tl.int16))[:, None] + c128[None, :], mask=vmask, other=0)
+        sf = tl.load((base[:, None] + sc_off[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=vmask,
+                     other=0.0).to(tl.float16)
+        k0_, k1_, k2_, k3_ = _e2m1x4_to_f16(packed, INTERP)
+        k0_ = k0_ * sf
+        k1_ = k1_ * sf
+        k2_ = k2_ * sf
+        k3_ = k3_ * sf
+        sc = tl.dot(q0, tl.trans(k0_)) + tl.dot(q1, tl.trans(k1_)) + tl.dot(q2, tl.trans(k2_)) \
+            + tl.dot(q3, tl.trans(k3_))
         if ROPE:
-            kpe = tl.load((base + 256).to(tl.pointer_type(tl.float8e4nv))[:, None] + r[None, :],
-                          mask=vmask, other=0.0).to(tl.float16)
-            sc += tl.dot(qpe, tl.trans(kpe))
+            kpe_e, kpe_o = _e4m3x2_to_f16(tl.load(base.to(tl.pointer_type(tl.int16))[:, None] + 128 + r[None, :],
+                                                  mask=vmask, other=0), INTERP)
+            sc += tl.dot(qpe_e, tl.trans(kpe_e)) + tl.dot(qpe_o, tl.trans(kpe_o))
         sc = tl.where(valid[None, :], sc * score_scale, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
         p16 = p.to(tl.float16)
-        acc_e = acc_e * alpha[:, None] + tl.dot(p16, k_e)
-        acc_o = acc_o * alpha[:, None] + tl.dot(p16, k_o)
+        al = alpha[:, None]
+        a0 = tl.dot(p16, k0_, a0 * al)
+        a1 = tl.dot(p16, k1_, a1 * al)
+        a2 = tl.dot(p16, k2_, a2 * al)
+        a3 = tl.dot(p16, k3_, a3 * al)
 
     inv_l, lse = _finish(l_i, m_i)
-    _store_chunk(o_ptr, t, s, heads, hm, 2 * j, acc_e * inv_l[:, None], stride_ot, stride_os, stride_oh)
-    _store_chunk(o_ptr, t, s, heads, hm, 2 * j + 1, acc_o * inv_l[:, None], stride_ot, stride_os, stride_oh)
+    il = inv_l[:, None]
+    _store_chunk(o_ptr, t, s, heads, hm, f, a0 * il, stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, f + 1, a1 * il, stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, f + 2, a2 * il, stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, f + 3, a3 * il, stride_ot, stride_os, stride_oh)
     tl.store(lse_ptr + t.to(tl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=hm)
 
 
 # --------------------------------------------------------------------------------------------------------
-# bf16 rows, plain fp8 rows (per-tensor k_scale) and staged fp8 rows [T, K, D]
+# bf16 rows (the cache format, and the prefill workspace): bf16 operands straight from memory.
 # --------------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_plain_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
-                      o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
-                      sm_scale_log2, k_scale, H, K, rows_per_split,
-                      FP8: tl.constexpr, STAGED: tl.constexpr, ROPE: tl.constexpr, HB: tl.constexpr,
-                      BN: tl.constexpr, NUM_SPLITS: tl.constexpr, NG: tl.constexpr, HAS_VC: tl.constexpr,
-                      INTERP: tl.constexpr):
+def _bf16_operand(x, INTERP: tl.constexpr):
+    # The interpreter multiplies the raw bits of bf16 dot operands; widen to fp32 there.
+    if INTERP:
+        return x.to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _fwd_bf16_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+                     o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
+                     sm_scale_log2, H, K, rows_per_split,
+                     ROPE: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                     NG: tl.constexpr, HAS_VC: tl.constexpr, INTERP: tl.constexpr):
     D: tl.constexpr = 512 + ROPE
     t, s, heads, hm, k_begin, k_end = _program_coords(H, K, vc_ptr, rows_per_split, NUM_SPLITS, NG, HB, HAS_VC)
     d = tl.arange(0, 128)
     q_row = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :]
-    q0 = tl.load(q_row, mask=hm[:, None], other=0.0)
-    q1 = tl.load(q_row + 128, mask=hm[:, None], other=0.0)
-    q2 = tl.load(q_row + 256, mask=hm[:, None], other=0.0)
-    q3 = tl.load(q_row + 384, mask=hm[:, None], other=0.0)
+    q0 = _bf16_operand(tl.load(q_row, mask=hm[:, None], other=0.0), INTERP)
+    q1 = _bf16_operand(tl.load(q_row + 128, mask=hm[:, None], other=0.0), INTERP)
+    q2 = _bf16_operand(tl.load(q_row + 256, mask=hm[:, None], other=0.0), INTERP)
+    q3 = _bf16_operand(tl.load(q_row + 384, mask=hm[:, None], other=0.0), INTERP)
     if ROPE:
         r = tl.arange(0, 64)
-        qpe = tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + 512 + r[None, :],
-                      mask=hm[:, None], other=0.0)
-    if FP8:
-        amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0.to(tl.float32))), tl.max(tl.abs(q1.to(tl.float32)))),
-                          tl.maximum(tl.max(tl.abs(q2.to(tl.float32))), tl.max(tl.abs(q3.to(tl.float32)))))
-        if ROPE:
-            amax = tl.maximum(amax, tl.max(tl.abs(qpe.to(tl.float32))))
-        c = _pow2_fp16_scale(amax)
-        q0 = (q0.to(tl.float32) * c).to(tl.float16)
-        q1 = (q1.to(tl.float32) * c).to(tl.float16)
-        q2 = (q2.to(tl.float32) * c).to(tl.float16)
-        q3 = (q3.to(tl.float32) * c).to(tl.float16)
-        if ROPE:
-            qpe = (qpe.to(tl.float32) * c).to(tl.float16)
-        score_scale = sm_scale_log2 * k_scale / c
-    else:
-        if INTERP:
-            q0 = q0.to(tl.float32)
-            q1 = q1.to(tl.float32)
-            q2 = q2.to(tl.float32)
-            q3 = q3.to(tl.float32)
-            if ROPE:
-                qpe = qpe.to(tl.float32)
-        score_scale = sm_scale_log2
-
+        qpe = _bf16_operand(tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + 512 + r[None, :],
+                                    mask=hm[:, None], other=0.0), INTERP)
     m_i = tl.full([HB], _NEG_BIG, tl.float32)
     l_i = tl.zeros([HB], tl.float32)
     acc0 = tl.zeros([HB, 128], tl.float32)
@@ -321,56 +461,35 @@ def _fwd_plain_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, v
     acc2 = tl.zeros([HB, 128], tl.float32)
     acc3 = tl.zeros([HB, 128], tl.float32)
     for k0 in range(k_begin, k_end, BN):
-        row, valid = _tile_rows(idx_ptr, t, stride_it, k0, k_end, K, BN, STAGED)
+        row, valid = _tile_rows(idx_ptr, t, stride_it, k0, k_end, K, BN, False)
         vmask = valid[:, None]
-        if FP8:
-            rp = tl.multiple_of(kv_ptr.to(tl.pointer_type(tl.float8e4nv)) + row * D, 16)
-            kp = rp[:, None] + d[None, :]
-            k_0 = tl.load(kp, mask=vmask, other=0.0).to(tl.float16)
-            k_1 = tl.load(kp + 128, mask=vmask, other=0.0).to(tl.float16)
-            k_2 = tl.load(kp + 256, mask=vmask, other=0.0).to(tl.float16)
-            k_3 = tl.load(kp + 384, mask=vmask, other=0.0).to(tl.float16)
-        else:
-            rp = tl.multiple_of(kv_ptr.to(tl.pointer_type(tl.bfloat16)) + row * D, 16)
-            kp = rp[:, None] + d[None, :]
-            k_0 = tl.load(kp, mask=vmask, other=0.0)
-            k_1 = tl.load(kp + 128, mask=vmask, other=0.0)
-            k_2 = tl.load(kp + 256, mask=vmask, other=0.0)
-            k_3 = tl.load(kp + 384, mask=vmask, other=0.0)
-            if INTERP:
-                k_0 = k_0.to(tl.float32)
-                k_1 = k_1.to(tl.float32)
-                k_2 = k_2.to(tl.float32)
-                k_3 = k_3.to(tl.float32)
+        # 16-byte aligned rows (see _fwd_fp8_kernel); the hint gives 16-byte loads.
+        rp = tl.multiple_of(kv_ptr.to(tl.pointer_type(tl.bfloat16)) + row * D, 16)
+        kp = rp[:, None] + d[None, :]
+        k_0 = _bf16_operand(tl.load(kp, mask=vmask, other=0.0), INTERP)
+        k_1 = _bf16_operand(tl.load(kp + 128, mask=vmask, other=0.0), INTERP)
+        k_2 = _bf16_operand(tl.load(kp + 256, mask=vmask, other=0.0), INTERP)
+        k_3 = _bf16_operand(tl.load(kp + 384, mask=vmask, other=0.0), INTERP)
         sc = tl.dot(q0, tl.trans(k_0)) + tl.dot(q1, tl.trans(k_1)) + tl.dot(q2, tl.trans(k_2)) \
             + tl.dot(q3, tl.trans(k_3))
         if ROPE:
-            kpe = tl.load(rp[:, None] + 512 + r[None, :], mask=vmask, other=0.0)
-            if FP8:
-                kpe = kpe.to(tl.float16)
-            elif INTERP:
-                kpe = kpe.to(tl.float32)
+            kpe = _bf16_operand(tl.load(rp[:, None] + 512 + r[None, :], mask=vmask, other=0.0), INTERP)
             sc += tl.dot(qpe, tl.trans(kpe))
-        sc = tl.where(valid[None, :], sc * score_scale, float("-inf"))
+        sc = tl.where(valid[None, :], sc * sm_scale_log2, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
-        if FP8:
-            pc = p.to(tl.float16)
-        elif INTERP:
-            pc = p
-        else:
-            pc = p.to(tl.bfloat16)
-        acc0 = acc0 * alpha[:, None] + tl.dot(pc, k_0)
-        acc1 = acc1 * alpha[:, None] + tl.dot(pc, k_1)
-        acc2 = acc2 * alpha[:, None] + tl.dot(pc, k_2)
-        acc3 = acc3 * alpha[:, None] + tl.dot(pc, k_3)
+        pc = _bf16_operand(p.to(tl.bfloat16), INTERP)
+        al = alpha[:, None]
+        acc0 = tl.dot(pc, k_0, acc0 * al)
+        acc1 = tl.dot(pc, k_1, acc1 * al)
+        acc2 = tl.dot(pc, k_2, acc2 * al)
+        acc3 = tl.dot(pc, k_3, acc3 * al)
 
     inv_l, lse = _finish(l_i, m_i)
-    if FP8:
-        inv_l = inv_l * k_scale  # values were stored divided by k_scale
-    _store_chunk(o_ptr, t, s, heads, hm, d, acc0 * inv_l[:, None], stride_ot, stride_os, stride_oh)
-    _store_chunk(o_ptr, t, s, heads, hm, d + 128, acc1 * inv_l[:, None], stride_ot, stride_os, stride_oh)
-    _store_chunk(o_ptr, t, s, heads, hm, d + 256, acc2 * inv_l[:, None], stride_ot, stride_os, stride_oh)
-    _store_chunk(o_ptr, t, s, heads, hm, d + 384, acc3 * inv_l[:, None], stride_ot, stride_os, stride_oh)
+    il = inv_l[:, None]
+    _store_chunk(o_ptr, t, s, heads, hm, d, acc0 * il, stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, d + 128, acc1 * il, stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, d + 256, acc2 * il, stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, d + 384, acc3 * il, stride_ot, stride_os, stride_oh)
     tl.store(lse_ptr + t.to(tl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=hm)
 
 
@@ -519,15 +638,15 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     args = (q, q.stride(0), q.stride(1), kv, indices, indices.stride(0), vc,
             o_dst, *o_strides, l_dst, *l_strides, sm_scale_log2)
     rope = fmt.rope_dim
-    if kernel is not None:  # an experimental variant with the fp8_ds_mla / nvfp4 signature
+    if kernel is not None:  # an experimental variant with the nvfp4 kernel's signature (tools/exp)
         kernel[grid](*args, h, k, rows_per_split, BPT=fmt.bytes_per_token, ROPE=rope, **common)
-    elif kind == "fp8_ds_mla":
-        _fwd_fp8ds_kernel[grid](*args, h, k, rows_per_split, BPT=fmt.bytes_per_token, ROPE=rope, **common)
+    elif kind == "bf16":
+        _fwd_bf16_kernel[grid](*args, h, k, rows_per_split, ROPE=rope, **common)
     elif kind == "nvfp4_ds_mla":
         _fwd_nvfp4_kernel[grid](*args, h, k, rows_per_split, BPT=fmt.bytes_per_token, ROPE=rope, **common)
-    else:
-        _fwd_plain_kernel[grid](*args, float(k_scale), h, k, rows_per_split, FP8=kind in ("fp8", "staged"),
-                                STAGED=kind == "staged", ROPE=rope, **common)
+    else:  # fp8, staged fp8, fp8_ds_mla
+        _fwd_fp8_kernel[grid](*args, float(k_scale), h, k, rows_per_split, BPT=fmt.bytes_per_token,
+                              DS=kind == "fp8_ds_mla", STAGED=kind == "staged", ROPE=rope, **common)
     if num_splits > 1:
         hbc = min(hb, 16)
         _combine_kernel[(t, -(-h // hbc))](o_part, l_part, out, out.stride(0), out.stride(1), lse, lse.stride(0),

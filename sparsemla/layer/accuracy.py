@@ -64,7 +64,7 @@ def layer_accuracy(config: DSAConfig, *, context_len: int, num_eval: int, device
     """
     gen = torch.Generator().manual_seed(seed)
     layer = init_dsa_weights_(DSAAttention(config, dtype=dtype, device=device, attn_backend=attn_backend), gen)
-    x = realistic_hidden(context_len, config.hidden_size, gen).to(device=device, dtype=dtype)
+    x = realistic_hidden(context_len, config.hidden_size, gen, device=device).to(dtype)
     bt, num_blocks = make_block_table(1, context_len, block_size, seed=seed, device=device)
     n_ctx = context_len - num_eval
     qpos = torch.arange(n_ctx, context_len, device=device)
@@ -119,7 +119,8 @@ def model_agreement(config: ModelConfig, *, prompt_len: int, gen_tokens: int, ba
         forced = generate(model, prompts, gen_tokens, fmt, force_tokens=ref.tokens, **kw)
         free = ref if fmt.name == "bf16" else generate(model, prompts, gen_tokens, fmt, **kw)
         diff = free.tokens != ref.tokens
-        first = torch.where(diff.any(1), diff.int().argmax(1), torch.full_like(diff[:, 0], gen_tokens, dtype=torch.int64))
+        never = torch.full((diff.shape[0],), gen_tokens, dtype=torch.int64, device=diff.device)
+        first = torch.where(diff.any(1), diff.int().argmax(1), never)
         res[fmt.id] = dict(
             token_agreement=float((forced.tokens == ref.tokens).float().mean()),
             first_divergence=float(first.float().mean()),

@@ -33,7 +33,7 @@ from torch import nn
 from .._validate import check_positive_int, check_tensor
 from ..cache import PagedKVCache
 from ..formats import KV_LORA_RANK
-from ..indices import convert_indices, convert_indices_torch
+from ..indices import convert_indices
 from .indexer import IndexKeyCache, LightningIndexer
 from .rope import RMSNorm, apply_rope, rms_norm
 
@@ -72,7 +72,8 @@ class DSAConfig:
         if self.num_heads > 128:
             raise ValueError(f"num_heads: the attention kernels serve at most 128 heads, got {self.num_heads}")
         if self.index_topk % self.index_kpool:
-            raise ValueError(f"index_topk: expected a multiple of index_kpool ({self.index_kpool}), got {self.index_topk}")
+            raise ValueError(f"index_topk: expected a multiple of index_kpool ({self.index_kpool}), "
+                             f"got {self.index_topk}")
         if self.index_rope_dim is None:
             self.index_rope_dim = 64 if self.qk_rope_head_dim else 0
 
@@ -141,7 +142,8 @@ class DSAMetadata:
 
     @classmethod
     def from_lists(cls, query_lens: Sequence[int], start_positions: Sequence[int], block_table: torch.Tensor,
-                   block_size: int, *, max_context: Optional[int] = None, decode: Optional[bool] = None) -> "DSAMetadata":
+                   block_size: int, *, max_context: Optional[int] = None,
+                   decode: Optional[bool] = None) -> "DSAMetadata":
         """Request ``r`` contributes ``query_lens[r]`` tokens at positions ``start_positions[r] + i``.
         ``decode`` defaults to "every request has one token"."""
         if len(query_lens) != len(start_positions) or len(query_lens) > block_table.shape[0]:
@@ -192,13 +194,8 @@ def sparse_attention(q: torch.Tensor, cache: PagedKVCache, indices: torch.Tensor
 
 def _cache_rows(topk: torch.Tensor, meta: DSAMetadata, cache: PagedKVCache):
     """Request-local top-k -> (int32 rows of ``cache.rows``, int32 valid counts), without a host sync."""
-    args = (topk, meta.req_id, meta.block_table, cache.block_size, cache.block_stride_rows)
-    if topk.device.type == "cuda":
-        try:
-            return convert_indices(*args, return_valid_counts=True, check=False)
-        except ImportError:  # the Triton conversion kernel is not in this build; the PyTorch one is equal
-            pass
-    return convert_indices_torch(*args, return_valid_counts=True)
+    return convert_indices(topk, meta.req_id, meta.block_table, cache.block_size, cache.block_stride_rows,
+                           return_valid_counts=True, check=False)
 
 
 class DSAAttention(nn.Module):
@@ -369,12 +366,13 @@ def _normal(shape, std, gen):
 
 
 def student_t(shape, df: int, gen: torch.Generator) -> torch.Tensor:
-    """Student-t samples with integer ``df`` (heavy tails) from a CPU generator: ``z / sqrt(chi2_df / df)``."""
+    """Student-t samples with integer ``df`` (heavy tails): ``z / sqrt(chi2_df / df)``, on ``gen``'s device."""
     check_positive_int("df", df)
-    z = torch.randn(shape, generator=gen)
-    chi2 = torch.zeros(shape)
+    dev = gen.device
+    z = torch.randn(shape, generator=gen, device=dev)
+    chi2 = torch.zeros(shape, device=dev)
     for _ in range(df):
-        chi2 += torch.randn(shape, generator=gen) ** 2
+        chi2 += torch.randn(shape, generator=gen, device=dev) ** 2
     return z / torch.sqrt(chi2 / df)
 
 
@@ -392,15 +390,20 @@ def channel_gains(n: int, gen, *, sigma: float = 0.3, outlier_frac: float = 0.01
 
 
 def realistic_hidden(num_tokens: int, hidden_size: int, gen: torch.Generator, *, df: int = 4,
-                     gains: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     gains: Optional[torch.Tensor] = None, device=None) -> torch.Tensor:
     """Float32 ``[T, hidden]`` stand-ins for normalized hidden states: Student-t entries (heavy tails),
     rows scaled to RMS 1, times per-channel gains with outlier channels; token 0 is an "attention sink"
-    with 4x the norm."""
-    x = student_t((num_tokens, hidden_size), df, gen)
-    x = x / x.pow(2).mean(-1, keepdim=True).sqrt()
+    with 4x the norm.  The gains come from ``gen`` (CPU); the bulk is drawn on ``device`` (default CPU)
+    from a generator seeded by ``gen``, so large inputs are cheap on a GPU and still reproducible."""
     if gains is None:
         gains = channel_gains(hidden_size, gen)
-    x = x * gains
+    bulk = gen
+    if device is not None and torch.device(device).type != "cpu":
+        seed = int(torch.randint(0, 2 ** 62, (1,), generator=gen))
+        bulk = torch.Generator(device=device).manual_seed(seed)
+    x = student_t((num_tokens, hidden_size), df, bulk)
+    x = x / x.pow(2).mean(-1, keepdim=True).sqrt()
+    x = x * gains.to(x.device)
     if num_tokens:
         x[0] *= 4.0
     return x
@@ -412,7 +415,8 @@ def init_dsa_weights_(layer: DSAAttention, gen: torch.Generator, *, q_gain: floa
     ``fan_in**-0.5``, norm weights with outlier channels (so ``kv_c`` has outlier latent dims, which is
     what the per-tile / per-block cache scales must cope with), a larger RoPE key part, and ``q_gain``
     setting the attention sharpness (0.7 gives logits with a standard deviation of about 2.5 at
-    DeepSeek's head dims: a mix of peaked and broad heads, as in trained models).  Drawn on the CPU from ``gen`` (same weights on any device)."""
+    DeepSeek's head dims: a mix of peaked and broad heads).  Drawn on the CPU
+    from ``gen``, so the weights are the same on any device."""
     c = layer.config
 
     def fill(lin: nn.Linear, gain: float = 1.0):

@@ -16,7 +16,6 @@ with one power-of-two scale per (token, head), folded into ``w``.  Scores are co
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import nn
@@ -209,6 +208,7 @@ class LightningIndexer(nn.Module):
                                               context_lens, max_context).to(torch.float32)
 
     # --- the float64 reference --------------------------------------------------------------------
+    @torch.no_grad()
     def reference_topk(self, x_seq: torch.Tensor, qr: torch.Tensor, query_positions: torch.Tensor):
         """Float64 top-k for queries of ONE sequence, keys unquantized.
 

@@ -193,7 +193,8 @@ def index_scores_paged(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tens
     check_tensor("context_lens", context_lens, dtypes=_INT, shape=(t,))
     check_positive_int("max_context", max_context)
     if t and int(context_lens.max()) > max_context:
-        raise ValueError(f"context_lens: entries must be <= max_context ({max_context}), found {int(context_lens.max())}")
+        raise ValueError(f"context_lens: entries must be <= max_context ({max_context}), "
+                         f"found {int(context_lens.max())}")
     out = torch.full((t, max_context), float("-inf"), dtype=torch.float64, device=q.device)
     for r in torch.unique(req_id).tolist():
         rows = (req_id == r).nonzero().flatten()
@@ -262,13 +263,15 @@ def topk_overlap(test: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float64)
 
 
-def non_tie_mismatches(test: torch.Tensor, ref: torch.Tensor, ref_scores: torch.Tensor, rtol: float = 1e-3) -> int:
+def non_tie_mismatches(test: torch.Tensor, ref: torch.Tensor, ref_scores: torch.Tensor, rtol: float = 1e-3,
+                       atol=0.0) -> int:
     """How many positions one selection holds and the other does not, for a reason other than a near tie.
 
     A position in the symmetric difference of a row is forgiven when its reference score lies within
-    ``rtol * max|finite reference score of the row|`` of the row's threshold (the lowest reference score
-    that ``ref`` kept): quantization moved it across the cut.  Rows whose numbers of valid entries differ
-    count the difference.  For pooled selections pass pool-level selections and pooled scores.
+    ``atol + rtol * max|finite reference score of the row|`` of the row's threshold (the lowest reference
+    score that ``ref`` kept): an error of that size moves it across the cut.  ``atol`` may be a float or a
+    per-row tensor ``[T]`` (e.g. twice the largest score error of each row).  Rows whose numbers of valid
+    entries differ count the difference.  For pooled selections pass pool-level selections and scores.
     """
     bad = 0
     for t, (a, b) in enumerate(zip(_valid_sets(test), _valid_sets(ref))):
@@ -281,12 +284,21 @@ def non_tie_mismatches(test: torch.Tensor, ref: torch.Tensor, ref_scores: torch.
         row = ref_scores[t].to(torch.float64)
         finite = row[torch.isfinite(row)]
         tol = rtol * float(finite.abs().max()) if finite.numel() else 0.0
+        tol += float(atol[t]) if isinstance(atol, torch.Tensor) else float(atol)
         thr = float(row[list(b)].min())
         bad += sum(1 for p in diff if abs(float(row[p]) - thr) > tol)
     return bad
 
 
+def score_errors(test_scores: torch.Tensor, ref_scores: torch.Tensor) -> torch.Tensor:
+    """float64 ``[T]``: the largest ``|test - ref|`` over each row's finite reference scores (0 if none)."""
+    fin = torch.isfinite(ref_scores)
+    diff = (test_scores.to(torch.float64) - ref_scores.to(torch.float64)).abs()
+    return torch.where(fin, diff, torch.zeros_like(diff)).amax(dim=1) if ref_scores.shape[1] else \
+        torch.zeros(ref_scores.shape[0], dtype=torch.float64, device=ref_scores.device)
+
+
 __all__ = ["INDEX_HEAD_DIM", "INDEX_BYTES_PER_TOKEN", "pow2_scale", "quantize_fp8_pow2", "dequantize_fp8_pow2",
            "check_index_cache", "write_index_cache", "read_index_cache", "request_slots", "index_scores",
            "index_scores_paged", "topk_positions", "pool_scores", "pooled_topk_positions", "topk_overlap",
-           "non_tie_mismatches"]
+           "non_tie_mismatches", "score_errors"]

@@ -6,7 +6,8 @@ from triton.backends.compiler import GPUTarget
 import compile_report as cr
 import importlib
 mod = importlib.import_module(sys.argv[1]); fn = getattr(mod, sys.argv[2])
-for hb in [16]:
+import os
+for hb in [int(x) for x in os.environ.get("HBS","16").split(",")]:
   for bn in [32, 64]:
     for w in [4, 8]:
         sig = dict(cr.COMMON_SIG)

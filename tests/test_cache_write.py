@@ -1,0 +1,327 @@
+"""Cache-write kernel (kernels/cache_write.py) under the Triton interpreter: the bytes written must be
+IDENTICAL to ``fmt.encode`` for every format, input dtype and k_scale, on heavy-tailed data and on
+hand-picked hard values (ties, saturation, subnormals, every nvfp4 decision point of every e4m3
+scale); slot -1 is skipped; strided, shuffled blocks; nothing outside the written rows changes.
+
+Small shapes (a few dozen tokens) keep each kernel run under a second in the interpreter.  The GPU
+suite (tests/gpu/test_movement_gpu.py) repeats this at realistic sizes, on both conversion paths.
+"""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from sparsemla.cache import PagedKVCache
+from sparsemla.formats import all_formats, get_format
+from sparsemla.formats import _numerics as nm
+from sparsemla.kernels.cache_write import bf16_bits, cache_write, e4m3_codes, f32_from_e4m3, k_scale_mode
+from sparsemla.kernels._runtime import interpreting
+
+ALL = all_formats()
+ALL_IDS = [f.id for f in ALL]
+POISON = 0xA5
+
+
+def heavy_tailed(n, dim, seed, dtype=torch.float32, device="cpu"):
+    """Student-t-like rows with per-token scales spanning decades, a few outlier channels, rare
+    spikes, an all-zero token and an all-zero 128-dim tile / 16-dim block."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g) / torch.sqrt(torch.rand(n, dim, generator=g) + 0.05)
+    x = x * torch.exp(1.5 * torch.randn(n, 1, generator=g))
+    x[:, [3 % dim, 200 % dim, dim - 1]] *= 30.0                          # outlier channels
+    spikes = torch.rand(n, dim, generator=g) < 0.01
+    x = torch.where(spikes, x * 100.0, x)
+    if n > 2 and dim >= 144:
+        x[1] = 0.0
+        x[2, :128] = 0.0
+        x[2, 128:144] = -0.0
+    return x.to(dtype).to(device)
+
+
+def write_and_expect(fmt, kv, pe, slots, k_scale, num_rows, block_size, stride_rows, device, poison=POISON):
+    """Run the kernel on a poisoned cache; return (cache rows, expected rows from fmt.encode)."""
+    rows = torch.full((num_rows, fmt.bytes_per_token), poison, dtype=torch.uint8, device=device)
+    cache_write(rows, fmt, kv, pe, slots, block_size, stride_rows, k_scale)
+    expect = torch.full_like(rows, poison)
+    keep = slots >= 0
+    s = slots[keep].to(torch.int64)
+    target = (s // block_size) * stride_rows + s % block_size
+    expect[target] = fmt.encode(kv[keep], None if pe is None else pe[keep], k_scale)
+    return rows, expect
+
+
+def first_mismatch(got, want):
+    bad = (got != want).nonzero()
+    if bad.numel() == 0:
+        return None
+    r, c = bad[0].tolist()
+    return f"{bad.shape[0]} bytes differ; first at row {r} byte {c}: got {got[r, c].item():#04x}, want {want[r, c].item():#04x}"
+
+
+# --------------------------------------------------------------------------------------------
+# byte equality with fmt.encode
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fid", ALL_IDS)
+@pytest.mark.parametrize("dtype,k_scale", [(torch.bfloat16, 1.0), (torch.float32, 0.5), (torch.float16, 0.37)])
+def test_bytes_equal_encode(fid, dtype, k_scale, device):
+    fmt = get_format(fid)
+    n, bs, stride = 40, 8, 11                       # strided blocks: 3 rows between blocks belong to nobody
+    nb = 7
+    kv = heavy_tailed(n, 512, seed=hash(fid) % 1000, dtype=dtype, device=device)
+    if dtype == torch.float16:
+        kv = kv.clamp(-6e4, 6e4)
+    pe = heavy_tailed(n, 64, seed=7, dtype=dtype, device=device) if fmt.rope_dim else None
+    g = torch.Generator().manual_seed(1)
+    slots = torch.randperm(nb * bs, generator=g)[:n]          # shuffled slots over shuffled blocks
+    slots[[0, 5, 17]] = -1                                     # skipped tokens
+    slots = slots.to(torch.int32).to(device)
+    rows, expect = write_and_expect(fmt, kv, pe, slots, k_scale, nb * stride, bs, stride, device)
+    assert first_mismatch(rows, expect) is None, first_mismatch(rows, expect)
+
+
+@pytest.mark.parametrize("fid", ["fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16-nope"])
+def test_int64_slots_and_row_strided_input(fid, device):
+    """int64 slot mapping; kv_c and k_pe as column slices of one fused [N, 576] tensor (row stride 576)."""
+    fmt = get_format(fid)
+    n = 19
+    fused = heavy_tailed(n, 576, seed=3, dtype=torch.bfloat16, device=device)
+    kv, pe = fused[:, :512], (fused[:, 512:] if fmt.rope_dim else None)
+    slots = torch.tensor(list(range(40, 40 - n, -1)), dtype=torch.int64, device=device)
+    rows, expect = write_and_expect(fmt, kv, pe, slots, 1.0, 48, 16, 16, device)
+    assert first_mismatch(rows, expect) is None, first_mismatch(rows, expect)
+
+
+@pytest.mark.parametrize("fid", ["fp8", "nvfp4_ds_mla"])
+def test_odd_row_stride_bf16_takes_generic_path(fid, device):
+    """A bf16 kv_c whose row stride is odd cannot be read as bf16 pairs (uint32): same bytes anyway."""
+    fmt = get_format(fid)
+    n = 9
+    big = heavy_tailed(n, 513, seed=4, dtype=torch.bfloat16, device=device)
+    kv = big[:, 1:]                                          # stride 513, starts 2 bytes in
+    pe = heavy_tailed(n, 64, seed=5, dtype=torch.bfloat16, device=device)
+    slots = torch.arange(n, dtype=torch.int32, device=device)
+    rows, expect = write_and_expect(fmt, kv, pe, slots, 1.0, 16, 16, 16, device)
+    assert first_mismatch(rows, expect) is None, first_mismatch(rows, expect)
+
+
+def _hard_e4m3_values():
+    """e4m3 values, midpoints (ties), just off the midpoints, the saturation edge, subnormals."""
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8)
+    vals = nm.e4m3_decode(codes)                             # 0 .. 448
+    mids = (vals[:-1].double() + vals[1:].double()) / 2      # exact in fp32 (one more bit)
+    mids = mids.float()
+    up = torch.nextafter(mids, torch.full_like(mids, 1e9))
+    down = torch.nextafter(mids, torch.zeros_like(mids))
+    edge = torch.tensor([448.0, 455.9, 464.0, 464.0001, 480.0, 1e6, 2.0 ** -10, 2.0 ** -11, 1e-30, 0.0])
+    v = torch.cat([vals, mids, up, down, edge])
+    return torch.cat([v, -v])
+
+
+@pytest.mark.parametrize("fid", ["fp8", "fp8-nope"])
+def test_fp8_ties_and_saturation(fid, device):
+    fmt = get_format(fid)
+    v = _hard_e4m3_values()
+    d = fmt.head_dim
+    n = -(-v.numel() // d)
+    flat = torch.zeros(n * d)
+    flat[: v.numel()] = v
+    x = flat.reshape(n, d).to(device)
+    kv, pe = x[:, :512], (x[:, 512:] if fmt.rope_dim else None)
+    slots = torch.arange(n, dtype=torch.int32, device=device)
+    rows, expect = write_and_expect(fmt, kv, pe, slots, 1.0, n, 4, 4, device)
+    assert first_mismatch(rows, expect) is None, first_mismatch(rows, expect)
+
+
+def test_fp8_ds_mla_scale_edges(device):
+    """Tile amax / 448 exactly a power of two, just above one, 0.75 of one, and an all-zero tile."""
+    fmt = get_format("fp8_ds_mla")
+    x = torch.randn(4, 512) * 0.1
+    x[0, 5] = 448.0                      # amax/448 = 1     -> scale 1
+    x[0, 130] = 448.0 * 1.0000001        # just above       -> scale 2
+    x[0, 300] = 0.75 * 448.0             # 0.75             -> scale 1
+    x[0, 384:] = 0.0                     # all-zero tile    -> 2^-13
+    x[1] = torch.tensor([2.0 ** -20, -3e-9] * 256)           # tiny: floor 1e-4
+    x[2, :128] = 1e30                    # huge
+    x[3] = torch.linspace(-5000, 5000, 512)
+    pe = torch.randn(4, 64)
+    slots = torch.arange(4, dtype=torch.int32)
+    rows, expect = write_and_expect(fmt, x.to(device), pe.to(device), slots.to(device), 1.0, 4, 4, 4, device)
+    assert first_mismatch(rows, expect) is None, first_mismatch(rows, expect)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_every_scale_and_decision_point(dtype, device):
+    """For every e4m3 block scale ``sf``, values right at and next to each e2m1 decision point
+    ``t * sf`` (the kernel compares against ``t * sf`` instead of dividing; this shows the two agree),
+    plus a block whose scale must round up and one that saturates.  fp32 input takes the fp32 path,
+    bf16 input the bf16-pair path."""
+    ts = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    blocks = []
+    for code in range(1, 0x7F):
+        sf = nm.e4m3_decode(torch.tensor([code], dtype=torch.uint8)).item()
+        thr = (ts * sf).to(dtype).float()                                     # exact in bf16 too
+        if dtype == torch.bfloat16:
+            nb = lambda v, d: v.to(torch.bfloat16).view(torch.int16).add(d).view(torch.bfloat16).float()
+            near = torch.cat([thr, nb(thr, 1), nb(thr, -1)])
+        else:
+            near = torch.cat([thr, torch.nextafter(thr, thr * 2), torch.nextafter(thr, thr * 0)])
+        vals = torch.cat([near, -near])                                       # 42 values
+        for i in range(0, vals.numel(), 15):                                  # 15 values + the block max 6*sf
+            chunk = vals[i:i + 15]
+            blk = torch.zeros(16)
+            blk[: chunk.numel()] = chunk
+            blk[15] = 6 * sf
+            blocks.append(blk)
+    blocks.append(torch.tensor([7.0 * 0.3] + [0.3] * 15))                    # sf must round up
+    blocks.append(torch.tensor([1e5, -4000.0] + [100.0] * 14))               # amax > 6 * 448: saturates
+    while len(blocks) % 32:
+        blocks.append(torch.zeros(16))
+    x = torch.stack(blocks).reshape(-1, 512).to(dtype)
+    n = x.shape[0]
+    fmt = get_format("nvfp4_ds_mla")
+    pe = torch.randn(n, 64).to(dtype)
+    slots = torch.arange(n, dtype=torch.int32)
+    rows, expect = write_and_expect(fmt, x.to(device), pe.to(device), slots.to(device), 1.0, n, 8, 8, device)
+    assert first_mismatch(rows, expect) is None, first_mismatch(rows, expect)
+
+
+def test_nothing_outside_written_rows_changes(device):
+    """A cache on random bytes, blocks 20 rows apart, a write into shuffled blocks: every byte that is
+    not in a written row keeps its value (including the rows between blocks)."""
+    fmt = get_format("nvfp4_ds_mla")
+    g = torch.Generator().manual_seed(11)
+    bs, stride, nb = 8, 20, 6
+    storage = torch.randint(0, 256, (nb * stride, fmt.bytes_per_token), generator=g, dtype=torch.uint8)
+    before = storage.clone()
+    storage = storage.to(device)
+    data = storage.as_strided((nb, bs, fmt.bytes_per_token), (stride * fmt.bytes_per_token, fmt.bytes_per_token, 1))
+    cache = PagedKVCache.from_tensor(fmt, data)
+    n = 13
+    blocks = torch.tensor([4, 1, 5])
+    slots = (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)[:n]
+    slots = slots[torch.randperm(n, generator=g)].to(torch.int32)
+    kv = heavy_tailed(n, 512, seed=12, dtype=torch.bfloat16)
+    pe = torch.randn(n, 64).to(torch.bfloat16)
+    cache.write(kv.to(device), pe.to(device), slots.to(device))
+    after = cache.rows.cpu()
+    written = (slots // bs).long() * stride + (slots % bs).long()
+    mask = torch.ones(after.shape[0], dtype=torch.bool)
+    mask[written] = False
+    assert torch.equal(after[mask], before[mask])
+    assert torch.equal(after[written], fmt.encode(kv, pe))
+
+
+def test_paged_cache_write_dispatches_to_kernel(device):
+    """PagedKVCache.write uses the kernel wherever Triton runs (CUDA, or CPU under the interpreter)."""
+    fmt = get_format("fp8_ds_mla")
+    cache = PagedKVCache(fmt, num_blocks=4, block_size=4, device=device, block_stride_rows=6)
+    kv = heavy_tailed(5, 512, seed=13, device=device)
+    pe = torch.randn(5, 64, device=device)
+    slots = torch.tensor([15, -1, 0, 9, 4], dtype=torch.int32, device=device)
+    cache.write(kv, pe, slots)
+    rows = cache.slot_to_row(slots[slots >= 0])
+    assert torch.equal(cache.rows[rows], fmt.encode(kv[slots >= 0], pe[slots >= 0]))
+    assert interpreting() or device == "cuda"
+
+
+def test_empty_and_all_skipped(device):
+    fmt = get_format("bf16")
+    rows = torch.full((8, fmt.bytes_per_token), POISON, dtype=torch.uint8, device=device)
+    cache_write(rows, fmt, torch.zeros(0, 512, device=device), torch.zeros(0, 64, device=device),
+                torch.zeros(0, dtype=torch.int32, device=device), 4, 4)
+    kv = torch.randn(3, 512, device=device)
+    cache_write(rows, fmt, kv, torch.randn(3, 64, device=device),
+                torch.full((3,), -1, dtype=torch.int32, device=device), 4, 4)
+    assert bool((rows == POISON).all())
+
+
+# --------------------------------------------------------------------------------------------
+# the bit-exact conversion helpers used under the interpreter (the GPU suite also runs them there)
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _convert_probe(x_ptr, e4_ptr, bf_ptr, back_ptr, N, EMULATE: tl.constexpr, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < N
+    x = tl.load(x_ptr + o, mask=m, other=0.0)
+    q = e4m3_codes(x, EMULATE)
+    tl.store(e4_ptr + o, q, mask=m)
+    tl.store(bf_ptr + o, bf16_bits(x, EMULATE), mask=m)
+    tl.store(back_ptr + o, f32_from_e4m3(q, EMULATE), mask=m)
+
+
+def probe_conversions(x: torch.Tensor, emulate: bool):
+    n = x.numel()
+    e4 = torch.empty(n, dtype=torch.uint8, device=x.device)
+    bf = torch.empty(n, dtype=torch.int16, device=x.device)
+    back = torch.empty(n, dtype=torch.float32, device=x.device)
+    _convert_probe[(triton.cdiv(n, 1024),)](x, e4, bf, back, n, EMULATE=emulate, BLOCK=1024)
+    return e4, bf, back
+
+
+def conversion_probe_values(device):
+    g = torch.Generator().manual_seed(5)
+    rnd = torch.randint(-2 ** 31, 2 ** 31 - 1, (20000,), generator=g, dtype=torch.int64).to(torch.int32)
+    rnd = rnd.view(torch.float32)
+    rnd = rnd[torch.isfinite(rnd)]
+    bf_ties = (torch.randint(0, 2 ** 15, (4000,), generator=g, dtype=torch.int32) << 16 | 0x8000).view(torch.float32)
+    specials = torch.tensor([float("inf"), -float("inf"), float("nan"), 3.4e38, -3.4e38, 1e-45, -1e-45, 1.17e-38])
+    return torch.cat([_hard_e4m3_values(), rnd, bf_ties, bf_ties * 1e-3, specials,
+                      torch.randn(5000) * 1e-3]).to(device)
+
+
+def test_emulated_conversions_are_exact(device):
+    """e4m3 (RNE, saturating, NaN -> 0x7F, signed zero), bf16 RNE and e4m3 -> fp32, bit arithmetic
+    version, against PyTorch's conversions on ties, subnormals, saturation and random bit patterns."""
+    x = conversion_probe_values(device)
+    e4, bf, back = probe_conversions(x, emulate=True)
+    ref = nm.e4m3_encode(x)
+    assert torch.equal(e4, ref), f"e4m3 mismatches at {x[e4 != ref][:5].tolist()}"
+    ref_bf = x.to(torch.bfloat16)
+    nan = torch.isnan(x)
+    assert torch.equal(bf[~nan], ref_bf.view(torch.int16)[~nan])
+    assert bool(torch.isnan(ref_bf[nan].float()).all()) and bool((bf[nan] == 0x7FC0).all())
+    dec = nm.e4m3_decode(ref)
+    same = (back == dec) | (torch.isnan(back) & torch.isnan(dec))
+    assert bool(same.all())
+    assert torch.equal(back.view(torch.int32)[dec == 0], dec.view(torch.int32)[dec == 0])   # signed zeros
+
+
+def test_k_scale_mode():
+    assert k_scale_mode(1.0)[0] == 0
+    assert k_scale_mode(0.5)[:3] == (1, 0.5, 2.0)
+    assert k_scale_mode(2.0 ** -100)[0] == 1
+    assert k_scale_mode(0.37)[0] == 2
+    assert k_scale_mode(3.0)[0] == 2
+
+
+# --------------------------------------------------------------------------------------------
+# argument errors
+# --------------------------------------------------------------------------------------------
+def test_errors(device):
+    fmt = get_format("fp8_ds_mla")
+    rows = torch.zeros(16, fmt.bytes_per_token, dtype=torch.uint8, device=device)
+    kv = torch.randn(2, 512, device=device)
+    pe = torch.randn(2, 64, device=device)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    with pytest.raises(TypeError, match="rows"):
+        cache_write(rows.float(), fmt, kv, pe, slots, 4, 4)
+    with pytest.raises(ValueError, match="rows"):
+        cache_write(rows[:, :100], fmt, kv, pe, slots, 4, 4)
+    with pytest.raises(ValueError, match="kv_c"):
+        cache_write(rows, fmt, kv[:, :256], pe, slots, 4, 4)
+    with pytest.raises(TypeError, match="kv_c"):
+        cache_write(rows, fmt, kv.to(torch.int32), pe, slots, 4, 4)
+    with pytest.raises(ValueError, match="k_pe"):
+        cache_write(rows, fmt, kv, None, slots, 4, 4)
+    nope = get_format("fp8_ds_mla-nope")
+    rows_nope = torch.zeros(16, nope.bytes_per_token, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match="k_pe"):
+        cache_write(rows_nope, nope, kv, pe, slots, 4, 4)
+    with pytest.raises(TypeError, match="slot_mapping"):
+        cache_write(rows, fmt, kv, pe, slots.float(), 4, 4)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cache_write(rows, fmt, kv, pe, slots[:1], 4, 4)
+    with pytest.raises(ValueError, match="block_stride_rows"):
+        cache_write(rows, fmt, kv, pe, slots, 4, 2)
+    with pytest.raises(ValueError, match="k_scale"):
+        cache_write(rows, fmt, kv, pe, slots, 4, 4, k_scale=0.0)
