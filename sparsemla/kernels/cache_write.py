@@ -88,7 +88,7 @@ def e4m3_codes(x, EMULATE: tl.constexpr):
         ax = mag.to(tl.float32, bitcast=True)
         # |x| >= 2^-6 (normal e4m3): keep 3 mantissa bits, RNE (add 0x7FFFF plus the lowest kept bit;
         # a carry moves into the exponent, which is what rounding up to the next binade means).
-        rnd = mag + 0x80000
+        rnd = mag + 0x7FFFF + ((mag >> 20) & 1)
         normal = (rnd >> 20) - (120 << 3)  # rebias the exponent: 127 (fp32) -> 7 (e4m3)
         # |x| < 2^-6 (subnormal, step 2^-9): |x| * 2^9 rounded to an integer 0..8 by adding 2^23 (the
         # fp32 add rounds to nearest even; 8 is the code of 2^-6, the smallest normal).

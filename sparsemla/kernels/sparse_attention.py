@@ -553,18 +553,36 @@ def head_block(num_heads: int) -> int:
     return hb
 
 
+# (BLOCK_N, num_warps, num_stages) per format for head blocks of 16-32 and of 64, chosen by
+# benchmarks/decode_sweep.py on the H200 (BENCHMARKS.md has the sweep): bigger tiles and deeper
+# pipelines win where the registers allow it; the fp8_ds_mla kernel holds four P tiles and wants BN 32.
+_TUNED = {
+    "bf16": ((64, 4, 3), (64, 8, 2)),
+    "fp8": ((64, 4, 3), (64, 8, 2)),
+    "staged": ((64, 4, 3), (64, 8, 2)),
+    "fp8_ds_mla": ((32, 4, 3), (32, 8, 2)),
+    "nvfp4_ds_mla": ((64, 8, 2), (64, 8, 2)),
+}
+
+
+def kernel_config(kind: str, num_heads: int):
+    """(block_n, num_warps, num_stages) for a format kind and head count."""
+    small, large = _TUNED[kind]
+    return small if head_block(num_heads) <= 32 else large
+
+
 def plan_splits(num_tokens: int, num_heads: int, topk: int, device=None, block_n: int = 64) -> int:
     """Split-KV factor for ``num_tokens`` queries of ``num_heads`` heads over ``topk`` rows.
 
-    Aim for about two programs per SM (so loads of one overlap the math of the other) while every split
-    keeps at least two tiles of ``block_n`` rows; more splits cost partial-output traffic and a combine."""
+    Split only when the batch alone leaves SMs idle: on the H200 a batch of 128 decode tokens ran
+    fastest unsplit (each split adds partial-output traffic and a combine pass), while a single token
+    needs every SM.  Each split keeps at least two tiles of ``block_n`` rows."""
     sms = _num_sms(torch.device(device)) if device is not None else 132
     groups = -(-num_heads // head_block(num_heads))
     programs = max(1, num_tokens * groups)
-    want = max(1, (2 * sms) // programs)
+    want = max(1, sms // programs)
     max_by_len = max(1, topk // (2 * block_n))
-    s = max(1, min(want, max_by_len, 32))
-    return s
+    return max(1, min(want, max_by_len, 32))
 
 
 def split_buffer_shapes(num_tokens: int, num_heads: int, num_splits: int):
@@ -607,8 +625,13 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     hb = head_block_size or head_block(h)
     ng = -(-h // hb)
     interp = interpreting()
+    kind_cfg = kernel_config(kind, h)
     if block_n is None:
-        block_n = 16 if interp else 64
+        block_n = 16 if interp else kind_cfg[0]
+    if num_warps is None:
+        num_warps = kind_cfg[1]
+    if num_stages is None:
+        num_stages = kind_cfg[2]
     if num_splits is None:
         num_splits = plan_splits(t, h, k, dev, block_n)
     num_splits = max(1, min(int(num_splits), max(1, -(-k // block_n))))
@@ -659,7 +682,7 @@ def sparse_mla_fwd(q: torch.Tensor, kv_rows: torch.Tensor, fmt, indices: torch.T
                    valid_counts: Optional[torch.Tensor] = None, k_scale: float = 1.0,
                    out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
                    num_splits: Optional[int] = None, split_buffers=None, *, block_n: Optional[int] = None,
-                   num_warps: int = 4, num_stages: int = 2) -> Tuple[torch.Tensor, torch.Tensor]:
+                   num_warps: Optional[int] = None, num_stages: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA forward over rows of any KV format, dequantized in registers.
 
     Args:
@@ -690,7 +713,7 @@ def sparse_mla_fwd_staged(q: torch.Tensor, staged: torch.Tensor, indices: torch.
                           valid_counts: Optional[torch.Tensor] = None, k_scale: float = 1.0,
                           out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
                           num_splits: Optional[int] = None, split_buffers=None, *, block_n: Optional[int] = None,
-                          num_warps: int = 4, num_stages: int = 2) -> Tuple[torch.Tensor, torch.Tensor]:
+                          num_warps: Optional[int] = None, num_stages: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA forward over FP8 rows staged per query (``kernels.staging.gather_topk_fp8``).
 
     staged: float8_e4m3fn ``[T, K, D]`` holding ``e4m3(dequant / k_scale)``; entry ``[t, k]`` is read only
