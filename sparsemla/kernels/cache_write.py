@@ -3,12 +3,20 @@
 For every format of ``docs/kv-formats.md`` (bf16, fp8, fp8_ds_mla, nvfp4_ds_mla; rope 64 or NoPE) the
 bytes written are identical to ``fmt.encode`` (``formats/_numerics.py`` gives the exact fp32 recipe).
 
-Tiling: one program = ``TOK`` tokens, each a whole row.  A token's 512 latent values are one
-``[TOK, 512]`` load (its per-tile / per-block amax is a reduction over a reshaped view, so there is no
-per-element loop), its RoPE one ``[TOK, 64]`` load, and its row is written with wide stores at byte
-offset ``row * bytes_per_token`` computed in int64 (caches above 2^31 bytes).  The kernel is bound by
-memory traffic (read 1152 B of bf16 input, write 288..1152 B per token), so it only needs enough
-tokens in flight; the arithmetic per element is a handful of integer / fp32 operations.
+Tiling: one program = ``TOK`` (8) tokens, each a whole row, 4 warps.  A token's 512 latent values are
+one ``[TOK, 512]`` load (per-tile / per-block amax = a reduction over a reshaped view, no per-element
+loop), its RoPE one ``[TOK, 64]`` load, and its row is written with 16-byte stores at byte offset
+``row * bytes_per_token`` computed in int64 (caches above 2^31 bytes).  The slot -> row division is by
+a constexpr block size (a shift for 64), not a 64-bit divide.
+
+Why this should run near copy bandwidth: per token it reads 1152 B (bf16 kv_c + k_pe) and writes
+288..1152 B, so 65,536 tokens are 98..151 MB, 23..36 us at the H200's ~4.2 TB/s.  The work per element
+must stay below that: in the sm_90 SASS the loop-free body is ~6 (bf16), ~11 (fp8_ds_mla) and ~18
+(nvfp4, bf16 input) instructions per element, i.e. 6..18 us of issue time for 33.5 M elements across
+132 SMs, hidden under the memory time with ~7 programs (28 warps, 64 KB of loads) per SM.
+nvfp4 is the expensive one: the recipe's ``e2m1(x / sf)`` is done without dividing (``|x|`` against the
+exact decision points ``t * sf``, see ``_e2m1_codes``), and for bf16 input two values at a time in
+bf16x2 (``_e2m1_bytes_bf16x2``); fp32 / fp16 input takes the one-value-at-a-time path (~31 per element).
 
 Number conversions, and why there are two code paths (``EMULATE``):
   On the GPU, Triton lowers fp32 -> float8e4nv to ``cvt.rn.satfinite.e4m3x2.f32`` (round to nearest

@@ -612,7 +612,7 @@ def _check_common(q, indices, valid_counts, out, lse, head_dim):
 
 
 def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_scale, out, lse, num_splits,
-            split_buffers, block_n, num_warps, num_stages, head_block_size=None, kernel=None):
+            split_buffers, block_n, num_warps, num_stages, head_block_size=None, kernel=None, fp8_family=False):
     t, h, _ = q.shape
     k = indices.shape[1]
     dev = q.device
@@ -661,7 +661,10 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     args = (q, q.stride(0), q.stride(1), kv, indices, indices.stride(0), vc,
             o_dst, *o_strides, l_dst, *l_strides, sm_scale_log2)
     rope = fmt.rope_dim
-    if kernel is not None:  # an experimental variant with the nvfp4 kernel's signature (tools/exp)
+    if kernel is not None and fp8_family:  # experimental variants (tools/exp/variants.py)
+        kernel[grid](*args, float(k_scale), h, k, rows_per_split, BPT=fmt.bytes_per_token,
+                     DS=kind == "fp8_ds_mla", STAGED=False, ROPE=rope, **common)
+    elif kernel is not None:
         kernel[grid](*args, h, k, rows_per_split, BPT=fmt.bytes_per_token, ROPE=rope, **common)
     elif kind == "bf16":
         _fwd_bf16_kernel[grid](*args, h, k, rows_per_split, ROPE=rope, **common)

@@ -191,8 +191,12 @@ def _gather_topk_fp8_kernel(
 ):
     D: tl.constexpr = 512
     HEAD_DIM: tl.constexpr = D + ROPE
-    t = tl.program_id(1).to(tl.int64)
-    k = tl.program_id(0) * BK + tl.arange(0, BK)
+    # One flat grid (no 65535 limit on the token count): consecutive programs = consecutive chunks
+    # of one token's top-k list.
+    pid = tl.program_id(0)
+    chunks = tl.cdiv(K, BK)
+    t = (pid // chunks).to(tl.int64)
+    k = (pid % chunks) * BK + tl.arange(0, BK)
     in_k = k < K
     idx = tl.load(idx_ptr + t * stride_it + k * stride_ik, mask=in_k, other=-1).to(tl.int64)
     valid = in_k & (idx >= 0)
@@ -281,7 +285,7 @@ def gather_topk_fp8(rows: torch.Tensor, fmt, indices: torch.Tensor, valid_counts
     cfg = {"BK": GATHER_ROWS_PER_PROGRAM, "num_warps": GATHER_NUM_WARPS}
     cfg.update(_config or {})
     lay = fmt.layout
-    grid = (triton.cdiv(k, cfg["BK"]), t)
+    grid = (triton.cdiv(k, cfg["BK"]) * t,)
     _gather_topk_fp8_kernel[grid](
         rows, indices, indices.stride(0), indices.stride(1),
         valid_counts if valid_counts is not None else indices, out.view(torch.uint8),
@@ -309,8 +313,10 @@ def _upconvert_kernel(
 ):
     D: tl.constexpr = 512
     HEAD_DIM: tl.constexpr = D + ROPE
-    r = tl.program_id(1).to(tl.int64)
-    pos = tl.program_id(0) * BP + tl.arange(0, BP)
+    pid = tl.program_id(0)
+    tiles = tl.cdiv(max_blocks * BLOCK_SIZE, BP)
+    r = (pid // tiles).to(tl.int64)
+    pos = (pid % tiles) * BP + tl.arange(0, BP)
     seq = tl.load(seq_ptr + r).to(tl.int64)
     ws = tl.load(ws_ptr + r).to(tl.int64)
     blk = pos // BLOCK_SIZE
@@ -411,7 +417,7 @@ def upconvert_context(rows: torch.Tensor, fmt, block_table: torch.Tensor, seq_le
     cfg = {"BP": UPCONVERT_ROWS_PER_PROGRAM, "num_warps": UPCONVERT_NUM_WARPS}
     cfg.update(_config or {})
     lay = fmt.layout
-    grid = (triton.cdiv(max_blocks * block_size, cfg["BP"]), n_req)
+    grid = (triton.cdiv(max_blocks * block_size, cfg["BP"]) * n_req,)
     _upconvert_kernel[grid](
         rows, block_table, block_table.stride(0), block_table.stride(1), seq_lens, workspace_start, out,
         max_blocks, block_stride_rows, float(torch.tensor(k_scale, dtype=torch.float32)),

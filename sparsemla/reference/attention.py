@@ -85,6 +85,8 @@ def sparse_mla(q: torch.Tensor, cache: Union[PagedKVCache, torch.Tensor], indice
         m = mask[t0:t1]
         safe = torch.where(m, idx, torch.zeros_like(idx))
         kv = fetch(safe.reshape(-1), k_scale).reshape(t1 - t0, -1, head_dim)  # [t, K, D]
+        # Masked entries fetched row 0 as a stand-in; zero them so that garbage there (NaN codes) cannot leak.
+        kv = torch.where(m[..., None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
         s = torch.einsum("thd,tkd->thk", q[t0:t1].to(torch.float64), kv) * sm_scale
         s = s.masked_fill(~m[:, None, :], float("-inf"))
         l = torch.logsumexp(s, dim=-1)  # -inf for empty rows

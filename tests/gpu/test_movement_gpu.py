@@ -75,10 +75,14 @@ def assert_rows_equal(got, want, what):
 # ------------------------------------------------------------------------------------------------
 # cache write
 # ------------------------------------------------------------------------------------------------
+WRITE_CASES = [(torch.bfloat16, 1.0, False), (torch.float32, 0.5, False), (torch.float16, 0.37, False),
+               (torch.bfloat16, 1.0, True), (torch.float32, 0.37, True)]
+
+
 @pytest.mark.parametrize("fid", ALL_IDS)
-@pytest.mark.parametrize("emulate", [False, True], ids=["cvt", "bitexact"])
-@pytest.mark.parametrize("dtype,k_scale", [(torch.bfloat16, 1.0), (torch.float32, 0.5), (torch.float16, 0.37)])
-def test_write_65536_tokens_shuffled_strided(fid, emulate, dtype, k_scale):
+@pytest.mark.parametrize("dtype,k_scale,emulate", WRITE_CASES,
+                         ids=["bf16-cvt", "fp32-ks0.5-cvt", "fp16-ks0.37-cvt", "bf16-bitexact", "fp32-ks0.37-bitexact"])
+def test_write_65536_tokens_shuffled_strided(fid, dtype, k_scale, emulate):
     fmt = get_format(fid)
     n, num_blocks, stride = 65536, 1100, 80
     cache, before = strided_cache(fmt, num_blocks, stride, seed=1)

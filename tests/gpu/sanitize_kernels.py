@@ -1,0 +1,38 @@
+"""Run every kernel once on small shapes, for compute-sanitizer memcheck on the H200:
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python3 tests/gpu/sanitize_kernels.py
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from attn_cases import make_case  # noqa: E402
+
+from sparsemla.indices import convert_indices  # noqa: E402
+from sparsemla.kernels.sparse_attention import sparse_mla_fwd, sparse_mla_fwd_staged  # noqa: E402
+from sparsemla.kernels.staging import gather_topk_fp8, upconvert_context  # noqa: E402
+
+
+def main():
+    for fmt in ["bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "fp8_ds_mla-nope", "nvfp4_ds_mla-nope"]:
+        for heads, splits in [(20, 2), (70, 1)]:
+            c = make_case(fmt, 3, heads, 128, ctx=256, block_size=64, device="cuda")
+            sparse_mla_fwd(c["q"], c["cache"].rows, c["fmt"], c["indices"], 0.1, c["valid_counts"],
+                           num_splits=splits)
+            st = gather_topk_fp8(c["cache"].rows, c["fmt"], c["indices"], c["valid_counts"], 1.0)
+            sparse_mla_fwd_staged(c["q"], st, c["indices"], 0.1, c["valid_counts"], num_splits=splits)
+        bt = torch.randint(0, c["cache"].num_blocks, (3, 4), device="cuda", dtype=torch.int32)
+        topk = torch.randint(-1, 256, (3, 128), device="cuda", dtype=torch.int32)
+        convert_indices(topk, torch.arange(3, device="cuda", dtype=torch.int32), bt, 64,
+                        c["cache"].block_stride_rows, True, compact=True)
+        seq = torch.tensor([256, 100, 1], device="cuda", dtype=torch.int32)
+        upconvert_context(c["cache"].rows, c["fmt"], bt, seq, 64, c["cache"].block_stride_rows)
+        torch.cuda.synchronize()
+        print("ok", fmt, flush=True)
+
+
+if __name__ == "__main__":
+    main()
