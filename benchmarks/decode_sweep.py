@@ -107,17 +107,17 @@ def main():
     results = {"copy_bw": copy_bw, "mm": mm, "rows": []}
     variants = {"base": None}
     cases = []
-    # (case id, format, b, h, variant, BN, warps, stages, splits, head block)
+    # (case id, format, b, h, variant, BN, warps, stages, splits, head block, maxnreg)
     fmts = ["fp8_ds_mla", "nvfp4_ds_mla", "bf16", "fp8"]
     for fmt in fmts:
-        for bn, w, st in itertools.product([32, 64], [4, 8], [2, 3]):
-            cases.append(("D-h16", fmt, 128, 16, "base", bn, w, st, None, None))
+        for bn, w, st, mr in [(32, 4, 2, None), (32, 4, 3, None), (64, 4, 3, None), (32, 4, 2, 168),
+                              (64, 4, 2, 168), (32, 4, 3, 128)]:
+            for sp in [1, 2, 3, 4]:
+                cases.append(("D-h16", fmt, 128, 16, "base", bn, w, st, sp, None, mr))
     for fmt in fmts:
-        for bn, w, hb in [(32, 8, 64), (64, 8, 64), (32, 4, 32), (64, 8, 32), (32, 8, 32)]:
-            cases.append(("D-h128", fmt, 128, 128, "base", bn, w, 2, None, hb))
-    for sp in [1, 2, 3, 4, 6]:
-        cases.append(("D-h16", "fp8_ds_mla", 128, 16, "base", 64, 8, 2, sp, None))
-        cases.append(("D-h16", "nvfp4_ds_mla", 128, 16, "base", 32, 8, 2, sp, None))
+        for hb, bn, w, st, mr in [(16, 32, 4, 2, None), (16, 64, 4, 3, None), (16, 32, 4, 2, 168),
+                                  (32, 32, 4, 2, None), (64, 64, 8, 2, None)]:
+            cases.append(("D-h128", fmt, 128, 128, "base", bn, w, st, 1, hb, mr))
     if a.variants:
         import variants as V
         built_variants = V.build()
@@ -128,7 +128,7 @@ def main():
                                     ("nvfp4_ds_mla", "base", 64, 8, 2), ("nvfp4_ds_mla", "diag-nv-noscale", 64, 8, 2),
                                     ("nvfp4_ds_mla", "nv-bcast", 64, 8, 2), ("nvfp4_ds_mla", "nv-bcast", 32, 4, 3),
                                     ("nvfp4_ds_mla", "diag-nv-noscale", 64, 4, 3), ("fp8_ds_mla", "diag-ds-singlep", 64, 4, 3)]:
-            cases.append(("D-h16", fmt, 128, 16, var, bn, w, st, None, None))
+            cases.append(("D-h16", fmt, 128, 16, var, bn, w, st, None, None, None))
     if a.only:
         keep = set(a.only.split(","))
         cases = [c for c in cases if c[1] in keep]
@@ -136,7 +136,7 @@ def main():
         cases = cases[:4]
 
     built = {}
-    for (cid, fname, b, h, var, bn, w, st, sp, hb) in cases:
+    for (cid, fname, b, h, var, bn, w, st, sp, hb, mr) in cases:
         fmt = get_format(fname)
         key = (fname, b)
         if key not in built:
@@ -153,10 +153,10 @@ def main():
         def call():
             if kern is not None and fname == "fp8_ds_mla":  # fp8-family signature
                 return sa._launch(fname, q, cache.rows, fmt, idx, 0.04, None, 1.0, out, lse, sp, None, bn, w, st,
-                                  head_block_size=hb, kernel=kern, fp8_family=True)
+                                  head_block_size=hb, kernel=kern, fp8_family=True, maxnreg=mr)
             return sa._launch(fname, q, cache.rows, fmt, idx, 0.04, None, 1.0, out, lse, sp, None, bn, w, st,
-                              head_block_size=hb, kernel=kern)
-        row = dict(case=cid, fmt=fname, b=b, h=h, variant=var, bn=bn, warps=w, stages=st, splits=sp, hb=hb)
+                              head_block_size=hb, kernel=kern, maxnreg=mr)
+        row = dict(case=cid, fmt=fname, b=b, h=h, variant=var, bn=bn, warps=w, stages=st, splits=sp, hb=hb, maxnreg=mr)
         try:
             t0 = time.time()
             call()
@@ -170,7 +170,7 @@ def main():
             flops = 2 * h * (idx >= 0).sum().item() * (fmt.head_dim + 512)
             sol = max(nbytes / copy_bw, flops / mm) * 1e6
             row.update(us=us, sol_us=sol, pct_sol=100 * sol / us, tbps=nbytes / us / 1e6, tflops=flops / us / 1e6)
-            print(f"{cid:7s} {fname:13s} hb={hb} BN={bn:2d} w={w} st={st} sp={sp}: {us:8.1f} us "
+            print(f"{cid:7s} {fname:13s} hb={hb} BN={bn:2d} w={w} st={st} sp={sp} mr={mr}: {us:8.1f} us "
                   f"({row['pct_sol']:5.1f}% SOL, {row['tbps']:.2f} TB/s, {row['tflops']:.0f} TF/s) err={row['rel_err']:.1e}",
                   flush=True)
         except Exception as e:  # keep sweeping

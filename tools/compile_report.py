@@ -20,7 +20,7 @@ COMMON_SIG = {
     "q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "kv_ptr": "*u8", "idx_ptr": "*i32", "stride_it": "i32",
     "vc_ptr": "*i32", "o_ptr": "*fp32", "stride_ot": "i32", "stride_os": "i32", "stride_oh": "i32",
     "lse_ptr": "*fp32", "stride_lt": "i32", "stride_ls": "i32", "stride_lh": "i32", "sm_scale_log2": "fp32",
-    "H": "i32", "K": "i32", "rows_per_split": "i32",
+    "H": "i32", "K": "i32", "rows_per_split": "i32", "num_splits": "i32",
 }
 
 
@@ -28,7 +28,7 @@ def compile_one(fmt, hb, bn, warps, stages, splits=4, rope=64, out_bf16=False):
     sig = dict(COMMON_SIG)
     if out_bf16:
         sig["o_ptr"] = "*bf16"
-    cons = dict(HB=hb, BN=bn, NUM_SPLITS=splits, NG=1, HAS_VC=True, INTERP=False, ROPE=rope)
+    cons = dict(HB=hb, BN=bn, NG=1, HAS_VC=True, INTERP=False, ROPE=rope)
     bpt = sa.get_format(fmt if fmt != "staged" else "fp8", rope).bytes_per_token
     if fmt == "nvfp4_ds_mla":
         fn = sa._fwd_nvfp4_kernel
@@ -37,8 +37,8 @@ def compile_one(fmt, hb, bn, warps, stages, splits=4, rope=64, out_bf16=False):
         fn = sa._fwd_bf16_kernel
     else:
         fn = sa._fwd_fp8_kernel
-        sig = {**{k: v for k, v in sig.items() if k not in ("H", "K", "rows_per_split")},
-               "k_scale": "fp32", "H": "i32", "K": "i32", "rows_per_split": "i32"}
+        sig = {**{k: v for k, v in sig.items() if k not in ("H", "K", "rows_per_split", "num_splits")},
+               "k_scale": "fp32", "H": "i32", "K": "i32", "rows_per_split": "i32", "num_splits": "i32"}
         cons.update(BPT=bpt, DS=fmt == "fp8_ds_mla", STAGED=fmt == "staged")
     for k in cons:
         sig[k] = "constexpr"

@@ -31,22 +31,10 @@ def build():
     v = nv.replace("_fwd_nvfp4_kernel", "_v_nv_noscale")
     for j in range(4):
         v = v.replace(f"        k{j}_ = k{j}_ * sf\n", "")
-    v = v.replace("""        sf = tl.load((base[:, None] + sc_off[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=vmask,
-                     other=0.0).to(tl.float16)
-""", "")
+    a = v.index("        sf = tl.load(")
+    b = v.index("[BN, 128])\n", a) + len("[BN, 128])\n")
+    v = v[:a] + v[b:]
     out["diag-nv-noscale"] = v
-    # nvfp4: scales loaded as [BN, 32] and expanded by reshape/broadcast
-    v = nv.replace("_fwd_nvfp4_kernel", "_v_nv_bcast")
-    v = v.replace("""        sf = tl.load((base[:, None] + sc_off[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=vmask,
-                     other=0.0).to(tl.float16)
-""", """        sf32 = tl.load((base[:, None] + sc_off32[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=vmask,
-                       other=0.0).to(tl.float16)
-        sf = tl.reshape(tl.broadcast_to(sf32[:, :, None], [BN, 32, 4]), [BN, 128])
-""")
-    v = v.replace("    sc_off = SCALE_OFF + 8 * (blk % 4) + blk // 4\n",
-                  "    sc_off = SCALE_OFF + 8 * (blk % 4) + blk // 4\n    b32 = tl.arange(0, 32)\n    sc_off32 = SCALE_OFF + 8 * (b32 % 4) + b32 // 4\n")
-    out["nv-bcast"] = v
-
     header = src[:src.index("# --------------------------------------------------------------------------------------------------------\n# fp8 family")]
     mods = {}
     d = tempfile.mkdtemp(prefix="smla_variants_")
