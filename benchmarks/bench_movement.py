@@ -162,14 +162,16 @@ def upconvert_workload(fmt, n_req=4, ctx=32768, seed=7):
 
 
 def measure(results, kernel, fmt_id, nbytes, run, configs, reps, copy_bw, sweep, extra=None):
+    """Time the default tiling (and the others with --sweep); a failing variant is recorded, not fatal."""
     best = None
     names = list(configs) if sweep else ["default"]
+    fns = [(name, run(configs[name])) for name in names] + list((extra or {}).items())
     entries = []
-    for name in names:
-        t = time_us(run(configs[name]), reps)
-        entries.append((name, t))
-    for name, fn in (extra or {}).items():
-        entries.append((name, time_us(fn, reps)))
+    for name, fn in fns:
+        try:
+            entries.append((name, time_us(fn, reps)))
+        except Exception as e:  # noqa: BLE001 - keep the other results of a one-shot GPU run
+            results.append({"kernel": kernel, "format": fmt_id, "config": name, "error": f"{type(e).__name__}: {e}"[:300]})
     for name, t in entries:
         gbps = nbytes / (t * 1e-6) / 1e9
         rec = {"kernel": kernel, "format": fmt_id, "config": name, "time_us": round(t, 2), "bytes": nbytes,
@@ -229,6 +231,9 @@ def main():
     print(f"\n{report['device']}: copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write), median of {reps}")
     print(f"{'kernel':36s} {'format':18s} {'config':10s} {'us':>9s} {'GB/s':>8s} {'% copy':>7s}")
     for r in results:
+        if "error" in r:
+            print(f"{r['kernel']:36s} {r['format']:18s} {r['config']:10s} ERROR {r['error'][:60]}")
+            continue
         flag = "" if r["config"] != "default" or r["pct_copy"] >= 70 or r["kernel"].startswith("convert") else "  < 70%"
         print(f"{r['kernel']:36s} {r['format']:18s} {r['config']:10s} {r['time_us']:9.1f} {r['GBps']:8.0f} "
               f"{r['pct_copy']:6.1f}%{flag}")

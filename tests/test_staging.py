@@ -88,6 +88,20 @@ def test_gather_without_valid_counts_int64(fid, device):
     assert torch.equal(got.view(torch.uint8).cpu(), want)
 
 
+def test_gather_ignores_garbage_past_the_valid_count(device):
+    """Entries past valid_counts may hold anything (even out-of-range rows): not checked, not read."""
+    fmt = get_format("fp8_ds_mla")
+    cache, slots = filled_cache("fp8_ds_mla", 20, 4, 4, seed=10, device=device)
+    w = cache.slot_to_row(slots).cpu()
+    idx = torch.tensor([[w[0], w[1], 10 ** 6, -7], [w[2], -1, -1, -1]], dtype=torch.int32)
+    vc = torch.tensor([2, 1], dtype=torch.int32)
+    got = gather_topk_fp8(cache.rows, fmt, idx.to(device), vc.to(device))
+    want = staged_reference(fmt, cache.rows, idx.clamp(min=-1, max=int(w.max())), vc, 1.0)
+    assert torch.equal(got.view(torch.uint8).cpu(), want)
+    with pytest.raises(ValueError, match="indices"):
+        gather_topk_fp8(cache.rows, fmt, idx.to(device), (vc + 1).to(device))
+
+
 def test_fp8_gather_is_a_byte_copy_and_nvfp4_rope_is_copied(device):
     fmt = get_format("fp8")
     cache, slots = filled_cache("fp8", 16, 4, 4, seed=4, device=device, k_scale=0.37)
@@ -153,7 +167,7 @@ def test_upconvert_given_workspace_and_indices_compose(device):
 
 def test_upconvert_errors(device):
     fmt = get_format("fp8_ds_mla")
-    cache, _ = filled_cache("fp8_ds_mla", 16, 4, 4, seed=9, device=device)
+    cache, _ = filled_cache("fp8_ds_mla", 16, 4, 4, seed=9, device=device, spare_blocks=0)
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="seq_lens"):
         upconvert_context(cache.rows, fmt, table, torch.tensor([9, 1], dtype=torch.int32, device=device), 4)
@@ -162,6 +176,12 @@ def test_upconvert_errors(device):
     bad = torch.tensor([[0, 99], [2, 3]], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="block_table"):
         upconvert_context(cache.rows, fmt, bad, torch.tensor([8, 1], dtype=torch.int32, device=device), 4)
+    # a missing block (-1) inside the context is allowed: its positions become zero rows
+    holes = torch.tensor([[0, -1], [2, 3]], dtype=torch.int32, device=device)
+    out, _ = upconvert_context(cache.rows, fmt, holes, torch.tensor([8, 2], dtype=torch.int32, device=device), 4)
+    assert bool((out[4:8].float() == 0).all())
+    assert torch.equal(out[:4].cpu().view(torch.int16),
+                       fmt.decode(cache.rows[:4].cpu()).to(torch.bfloat16).view(torch.int16))
     with pytest.raises(ValueError, match="out"):
         upconvert_context(cache.rows, fmt, table, torch.tensor([8, 8], dtype=torch.int32, device=device), 4,
                           out=torch.zeros(10, fmt.head_dim, dtype=torch.bfloat16, device=device))

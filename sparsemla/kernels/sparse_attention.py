@@ -556,34 +556,38 @@ def head_block(num_heads: int) -> int:
     return hb
 
 
-# (BLOCK_N, num_warps, num_stages) per format for head blocks of 16-32 and of 64, chosen by
-# benchmarks/decode_sweep.py on the H200 (BENCHMARKS.md has the sweep): bigger tiles and deeper
-# pipelines win where the registers allow it; the fp8_ds_mla kernel holds four P tiles and wants BN 32.
+# (heads per program cap, BLOCK_N, num_warps, num_stages) per format, for few heads (<= 32: memory-bound
+# decode) and many (> 32), chosen by benchmarks/decode_sweep.py on the H200 (BENCHMARKS.md has the sweeps).
 _TUNED = {
-    "bf16": ((64, 4, 3), (64, 8, 2)),
-    "fp8": ((64, 4, 3), (64, 8, 2)),
-    "staged": ((64, 4, 3), (64, 8, 2)),
-    "fp8_ds_mla": ((32, 4, 3), (32, 8, 2)),
-    "nvfp4_ds_mla": ((64, 8, 2), (64, 8, 2)),
+    "bf16": ((64, 4, 3), (64, 64, 8, 2)),
+    "fp8": ((32, 4, 3), (64, 64, 8, 2)),
+    "staged": ((32, 4, 3), (64, 64, 8, 2)),
+    "fp8_ds_mla": ((32, 4, 3), (32, 32, 4, 2)),
+    "nvfp4_ds_mla": ((64, 4, 3), (64, 64, 8, 2)),
 }
 
 
 def kernel_config(kind: str, num_heads: int):
-    """(block_n, num_warps, num_stages) for a format kind and head count."""
+    """(heads per program, block_n, num_warps, num_stages) for a format kind and head count."""
     small, large = _TUNED[kind]
-    return small if head_block(num_heads) <= 32 else large
+    if num_heads <= 32:
+        return (head_block(num_heads),) + small
+    return (min(large[0], head_block(num_heads)),) + large[1:]
 
 
-def plan_splits(num_tokens: int, num_heads: int, topk: int, device=None, block_n: int = 64) -> int:
+def plan_splits(num_tokens: int, num_heads: int, topk: int, device=None, block_n: int = 64,
+                head_block_size: int = None) -> int:
     """Split-KV factor for ``num_tokens`` queries of ``num_heads`` heads over ``topk`` rows.
 
-    Split only when the batch alone leaves SMs idle: on the H200 a batch of 128 decode tokens ran
-    fastest unsplit (each split adds partial-output traffic and a combine pass), while a single token
-    needs every SM.  Each split keeps at least two tiles of ``block_n`` rows."""
+    Aim for about two programs per SM: the kernels hold ~200 registers per thread, so two 4-warp programs
+    fit on an SM, and with one program per SM the H200 sat at 6 % occupancy and 30-60 % of DRAM bandwidth
+    (Nsight Compute, D-h16).  At b = 128, h = 16 two splits took bf16 from 132 to 95 us.  Each split keeps
+    at least two tiles of ``block_n`` rows; the partials cost 8 KB per split per token at 16 heads."""
     sms = _num_sms(torch.device(device)) if device is not None else 132
-    groups = -(-num_heads // head_block(num_heads))
+    hb = head_block_size or head_block(num_heads)
+    groups = -(-num_heads // hb)
     programs = max(1, num_tokens * groups)
-    want = max(1, sms // programs)
+    want = max(1, (2 * sms) // programs)
     max_by_len = max(1, topk // (2 * block_n))
     return max(1, min(want, max_by_len, 32))
 
@@ -626,18 +630,18 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
         lse = torch.empty((t, h), dtype=torch.float32, device=dev)
     if t == 0:
         return out, lse
-    hb = head_block_size or head_block(h)
-    ng = -(-h // hb)
     interp = interpreting()
-    kind_cfg = kernel_config(kind, h)
+    cfg_hb, cfg_bn, cfg_w, cfg_st = kernel_config(kind, h)
+    hb = head_block_size or cfg_hb
+    ng = -(-h // hb)
     if block_n is None:
-        block_n = 16 if interp else kind_cfg[0]
+        block_n = 16 if interp else cfg_bn
     if num_warps is None:
-        num_warps = kind_cfg[1]
+        num_warps = cfg_w
     if num_stages is None:
-        num_stages = kind_cfg[2]
+        num_stages = cfg_st
     if num_splits is None:
-        num_splits = plan_splits(t, h, k, dev, block_n)
+        num_splits = plan_splits(t, h, k, dev, block_n, hb)
     num_splits = max(1, min(int(num_splits), max(1, -(-k // block_n))))
     rows_per_split = -(-(-(-k // num_splits)) // block_n) * block_n
     num_splits = max(1, -(-k // rows_per_split)) if k else 1

