@@ -62,7 +62,11 @@ class _RunnerState:
         self.spec = spec
         dev = spec.device
         self.float_ws = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
-        self.page_table = torch.zeros((spec.max_tokens, spec.topk), dtype=torch.int32, device=dev)
+        # Dense page table (query i owns entries kv_indptr[i] .. kv_indptr[i+1]); one extra dump slot at
+        # the end receives the scatter of invalid entries, so run() needs no data-dependent shapes.
+        self.flat_pages = torch.zeros(spec.max_tokens * spec.topk + 1, dtype=torch.int32, device=dev)
+        self.indptr = torch.zeros(spec.max_tokens + 1, dtype=torch.int32, device=dev)
+        self.lens = torch.zeros(spec.max_tokens, dtype=torch.int32, device=dev)
         self.empty = torch.zeros(spec.max_tokens, dtype=torch.bool, device=dev)
         self.wrappers: Dict[int, object] = {}
         self.planned_tokens: Optional[int] = None
@@ -187,14 +191,18 @@ class FlashInferPeer(Backend):
         _, _, kv_dtype, is_fp8 = _kv_views(kv)
         rows, counts = _compact(indices, valid_counts)
         lens = counts.clamp(min=1)  # an empty query is planned with one dummy page (row 0), then zeroed
+        keep = torch.arange(k, device=dev)[None, :] < lens[:, None]
+        pages = rows[keep]  # dense CSR page table (a host sync: this eager path plans on the host anyway)
         idx = device_index(dev)
         if idx not in self._eager_wrappers:
             ws = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
             self._eager_wrappers[idx] = self._module()(ws, backend="fa3")
         wrapper = self._eager_wrappers[idx]
         qo_indptr = torch.arange(t + 1, dtype=torch.int32, device=dev)
-        kv_indptr = torch.arange(t + 1, dtype=torch.int32, device=dev) * k
-        self._plan(wrapper, qo_indptr, kv_indptr, rows.view(-1), lens, h, d - 512, sm_scale, kv_dtype)
+        kv_indptr = torch.zeros(t + 1, dtype=torch.int32, device=dev)
+        kv_indptr[1:] = torch.cumsum(lens, 0)
+        self._plan(wrapper, qo_indptr, kv_indptr, pages.to(torch.int32).contiguous(), lens, h, d - 512, sm_scale,
+                   kv_dtype)
         key = (kv_rows(kv)[1].id, idx)
         if is_fp8 and k_scale != 1.0:
             q = q * k_scale  # same convention as the runner path: the plan holds sm_scale, q carries k_scale
@@ -221,13 +229,19 @@ class FlashInferPeer(Backend):
                 kv_indptr=torch.empty(t + 1, dtype=torch.int32, device=dev),
                 # run() reads the page table from this buffer: make it ours, so the device-side compaction
                 # of each step lands where the captured kernel looks.
-                kv_indices=state.page_table[:t].view(-1),
+                kv_indices=state.flat_pages,
                 kv_len_arr=torch.empty(t, dtype=torch.int32, device=dev), backend="fa3")
         kv_dtype = torch.float8_e4m3fn if spec.fmt.name == "fp8" else torch.bfloat16
         # The page table itself is written on the device by run(); plan() fixes only the lengths.
         host_qo = torch.arange(t + 1, dtype=torch.int32)  # host tensors: planning reads them without a sync
-        self._plan(state.wrappers[t], host_qo, host_qo * spec.topk,
-                   state.page_table[:t].view(-1), lens, spec.num_heads, spec.fmt.rope_dim, spec.sm_scale, kv_dtype)
+        # FlashInfer's CSR: query i's pages are kv_indptr[i] .. kv_indptr[i+1] and that count must equal
+        # its kv length, so the page table is dense and the offsets come from the host's counts.
+        host_indptr = torch.zeros(t + 1, dtype=torch.int32)
+        host_indptr[1:] = torch.cumsum(lens, 0)
+        state.indptr[: t + 1].copy_(host_indptr, non_blocking=False)
+        state.lens[:t].copy_(lens, non_blocking=False)
+        self._plan(state.wrappers[t], host_qo, host_indptr, state.flat_pages, lens, spec.num_heads,
+                   spec.fmt.rope_dim, spec.sm_scale, kv_dtype)
         state.planned_tokens = t
 
     def _runner_forward(self, state, q, kv, indices, valid_counts, k_scale, out, lse):
@@ -236,7 +250,16 @@ class FlashInferPeer(Backend):
             raise RuntimeError(f"flashinfer: run() got {t} tokens but plan() planned {state.planned_tokens}")
         is_fp8 = state.spec.fmt.name == "fp8"
         rows, counts = _compact(indices, valid_counts)
-        state.page_table[:t].copy_(rows)
+        # Scatter each query's valid rows (a prefix after compaction) to its dense segment; entries past
+        # the planned length go to the dump slot.  An empty query keeps one dummy page (row 0), zeroed later.
+        k = rows.shape[1]
+        ar = torch.arange(k, device=rows.device, dtype=torch.int32)
+        lens = state.lens[:t]
+        dest = state.indptr[:t, None] + ar[None, :]
+        keep = ar[None, :] < lens[:, None]
+        dump = state.flat_pages.numel() - 1
+        dest = torch.where(keep, dest, torch.full_like(dest, dump))
+        state.flat_pages.scatter_(0, dest.reshape(-1).long(), rows.reshape(-1))
         torch.eq(counts, 0, out=state.empty[:t])
         if is_fp8 and k_scale != 1.0:
             # The plan holds sm_scale only; the fp8 score scale sm_scale * k_scale goes into q instead.

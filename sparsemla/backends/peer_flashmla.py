@@ -187,10 +187,9 @@ class FlashMLAPeer(Backend):
             kwargs["kv_format"] = "V32_NO_ROPE"
         idx = indices
         if valid_counts is not None:
-            if "topk_length" in names:
-                kwargs["topk_length"] = valid_counts
-            else:
-                idx = mask_past_counts(indices, valid_counts)
+            # The Hopper (legacy) V3.2 decode rejects topk_length ("does not support dynamic topk"):
+            # apply the counts by masking the tail to -1 instead.
+            idx = mask_past_counts(indices, valid_counts)
         kwargs["indices"] = idx.view(t, 1, k).contiguous()
         gm = feats["get_mla_metadata"]
         if _takes_no_required_args(gm):
