@@ -22,13 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from sparsemla.bench.ceilings import measure_copy_bandwidth  # noqa: E402
+from sparsemla.bench.timing import time_fn as _time  # noqa: E402
 from sparsemla.cache import PagedKVCache  # noqa: E402
 from sparsemla.formats import all_formats  # noqa: E402
 from sparsemla.indices import convert_indices_torch  # noqa: E402
@@ -38,42 +39,16 @@ from sparsemla.kernels.convert_indices import convert_indices_triton  # noqa: E4
 
 DEV = "cuda"
 BS = 64
-_FLUSH = None
-
-
-def flush_l2():
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=DEV)
-    _FLUSH.fill_(1)
 
 
 def time_us(fn, reps, warmup=3):
-    """Median time of ``fn`` in microseconds, L2 flushed before each call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        flush_l2()
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    """Median time of ``fn`` in microseconds, L2 flushed before each call (sparsemla.bench.timing)."""
+    return _time(fn, device=DEV, reps=reps, warmup=warmup).median_us
 
 
 def copy_bandwidth(reps):
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
-    x.fill_(3)
-    y = torch.empty_like(x)
-    t = time_us(lambda: y.copy_(x), reps)
-    del x, y
-    torch.cuda.empty_cache()
-    return 2 * (1 << 30) / (t * 1e-6)
+    """Device-to-device copy of 1 GiB, bytes read + written per second."""
+    return measure_copy_bandwidth(DEV, reps=reps)
 
 
 def heavy(n, d, seed):

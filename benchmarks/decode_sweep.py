@@ -9,7 +9,6 @@ in the same run.  Used to choose the kernels' defaults; the published figures co
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -20,50 +19,21 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools", "exp"))
 
+from sparsemla.bench.ceilings import measure_copy_bandwidth, measure_matmul  # noqa: E402
+from sparsemla.bench.timing import time_fn as _time  # noqa: E402
 from sparsemla.cache import PagedKVCache  # noqa: E402
 from sparsemla.formats import get_format  # noqa: E402
 from sparsemla.kernels import sparse_attention as sa  # noqa: E402
 from sparsemla.reference import sparse_mla  # noqa: E402
 
-FLUSH = None
-
-
-def flush_l2():
-    global FLUSH
-    if FLUSH is None:
-        FLUSH = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
-    FLUSH.fill_(1)
-
-
 def time_fn(fn, reps=20, warmup=2):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        flush_l2()
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    ts.sort()
-    return ts[len(ts) // 2]
+    """Median microseconds per call, L2 flushed before each (sparsemla.bench.timing)."""
+    return _time(fn, device="cuda", reps=reps, warmup=warmup).median_us
 
 
 def ceilings():
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    t = time_fn(lambda: y.copy_(x), reps=10)
-    copy_bw = 2 * x.numel() / (t * 1e-6)
-    del x, y
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t = time_fn(lambda: a @ b, reps=10)
-    mm = 2 * 8192 ** 3 / (t * 1e-6)
-    return copy_bw, mm
+    """(copy bytes/s read + written, bf16 matmul FLOP/s), measured now."""
+    return measure_copy_bandwidth("cuda"), measure_matmul("cuda")[0]
 
 
 def heavy(*shape, device="cuda"):

@@ -29,7 +29,6 @@ Under the Triton interpreter ``tl.dot`` on bf16 operands is wrong (it multiplies
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
@@ -40,7 +39,6 @@ from ..formats import KVFormat, get_format
 from ._runtime import interpreting
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 V_DIM = 512
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max, so exp2(m_old - m_new) never sees inf - inf
 
