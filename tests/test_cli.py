@@ -181,3 +181,18 @@ def test_check_list(capsys):
     assert main(["check", "--list"]) == 0
     out = capsys.readouterr().out
     assert "decode" in out and "prefill" in out
+
+
+def test_demo_prints_the_accuracy_table(capsys):
+    rc = main(["demo", "--cpu", "--requests", "2", "--context", "256", "--topk", "64", "--heads", "4",
+               "--formats", "bf16", "--no-progress", "--accuracy"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "Accuracy per KV format through a DSA layer" in out and "sanity check" in out
+    table = [ln for ln in out.splitlines() if ln.startswith("| ") and not ln.startswith("| format")]
+    fmts = [ln.split("|")[1].strip() for ln in table]
+    assert fmts == ["bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16-nope", "fp8-nope", "fp8_ds_mla-nope",
+                    "nvfp4_ds_mla-nope"]
+    # bf16 against itself is exact; every quantized format has a positive error vs the bf16 cache.
+    errs = {f: float(ln.split("|")[3]) for f, ln in zip(fmts, table)}
+    assert errs["bf16"] == 0 and all(errs[f] > 0 for f in fmts if not f.startswith("bf16"))

@@ -47,6 +47,9 @@ def add_parser(sub, name, help_):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--accuracy", action="store_true",
+                   help="also print the per-format accuracy report of a DSA layer and a small model "
+                        "(sparsemla.layer.accuracy; tiny sizes on the CPU, DeepSeek geometry on a GPU: minutes)")
     p.set_defaults(run=run)
     return p
 
@@ -182,6 +185,12 @@ def run(args) -> int:
         with open(args.json, "w") as fjs:
             json.dump({"device": str(device), "requests": requests, "context": context, "topk": topk, "rows": rows},
                       fjs, indent=1)
+    if args.accuracy:
+        from ..layer.accuracy import accuracy_report, format_table
+        print("\nAccuracy per KV format through a DSA layer and a small model"
+              + ("" if gpu else " (tiny CPU sizes: a sanity check, not the published figures)") + ":")
+        acc_rows = accuracy_report(quick=not gpu, device=device)
+        print(format_table(acc_rows))
     bad = [r for r in rows if r.get("error")]
     return 1 if bad else 0
 
