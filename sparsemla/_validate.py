@@ -97,3 +97,24 @@ def check_index_range(name: str, idx: torch.Tensor, upper: int, *, what: str = "
         raise ValueError(f"{name}: entries must be -1 (no token) or >= 0, found {lo}")
     if hi >= upper:
         raise ValueError(f"{name}: entries must be < {upper} (the number of {what}), found {hi}")
+
+
+def check_block_geometry(block_size, block_stride_rows=None) -> int:
+    """Validate a paged-cache geometry; returns ``block_stride_rows`` (default ``block_size``)."""
+    check_positive_int("block_size", block_size)
+    if block_stride_rows is None:
+        block_stride_rows = block_size
+    check_positive_int("block_stride_rows", block_stride_rows)
+    if block_stride_rows < block_size:
+        raise ValueError(f"block_stride_rows: expected >= block_size ({block_size}), got {block_stride_rows}")
+    return block_stride_rows
+
+
+def check_cache_rows(rows, fmt) -> torch.device:
+    """``rows`` must be the contiguous uint8 ``[num_rows, fmt.bytes_per_token]`` row view of a cache;
+    returns its device."""
+    check_tensor("rows", rows, dtype=torch.uint8, ndim=2, contiguous=True)
+    if rows.shape[1] != fmt.bytes_per_token:
+        raise ValueError(f"rows: expected shape [num_rows, {fmt.bytes_per_token}] for {fmt.id}, "
+                         f"got {tuple(rows.shape)}")
+    return rows.device

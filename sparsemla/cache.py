@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ._validate import check_k_scale, check_positive_int, check_tensor
+from ._validate import check_block_geometry, check_k_scale, check_positive_int, check_tensor
 from .formats import KVFormat, get_format
 from .kernels._runtime import triton_runs_on
 
@@ -38,12 +38,7 @@ class PagedKVCache:
         self.fmt: KVFormat = get_format(fmt)
         self.num_blocks = check_positive_int("num_blocks", num_blocks)
         self.block_size = check_positive_int("block_size", block_size)
-        if block_stride_rows is None:
-            block_stride_rows = block_size
-        check_positive_int("block_stride_rows", block_stride_rows)
-        if block_stride_rows < block_size:
-            raise ValueError(f"block_stride_rows: expected >= block_size ({block_size}), got {block_stride_rows}")
-        self.block_stride_rows = block_stride_rows
+        self.block_stride_rows = block_stride_rows = check_block_geometry(block_size, block_stride_rows)
         bpt = self.fmt.bytes_per_token
         num_rows = num_blocks * block_stride_rows
         if _storage is None:

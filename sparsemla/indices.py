@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ._validate import check_positive_int, check_tensor
+from ._validate import check_block_geometry, check_positive_int, check_tensor
 from .kernels._runtime import triton_runs_on
 
 _INT = (torch.int32, torch.int64)
@@ -25,12 +25,7 @@ def _check_convert_args(topk_local, req_id_per_token, block_table, block_size, b
     t = topk_local.shape[0]
     check_tensor("req_id_per_token", req_id_per_token, dtypes=_INT, shape=(t,), device=dev)
     check_tensor("block_table", block_table, dtypes=_INT, ndim=2, device=dev)
-    check_positive_int("block_size", block_size)
-    if block_stride_rows is None:
-        block_stride_rows = block_size
-    check_positive_int("block_stride_rows", block_stride_rows)
-    if block_stride_rows < block_size:
-        raise ValueError(f"block_stride_rows: expected >= block_size ({block_size}), got {block_stride_rows}")
+    block_stride_rows = check_block_geometry(block_size, block_stride_rows)
     if workspace_start is not None:
         check_tensor("workspace_start", workspace_start, dtypes=_INT, shape=(block_table.shape[0],), device=dev)
     return block_stride_rows

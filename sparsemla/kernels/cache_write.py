@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._validate import check_k_scale, check_positive_int, check_tensor
+from .._validate import check_block_geometry, check_cache_rows, check_k_scale, check_tensor
 from ..formats import KVFormat, get_format
 from ._runtime import interpreting
 
@@ -353,11 +353,7 @@ def cache_write(rows: torch.Tensor, fmt, kv_c: torch.Tensor, k_pe: Optional[torc
     """
     fmt = get_format(fmt)
     k_scale = check_k_scale(k_scale)
-    check_tensor("rows", rows, dtype=torch.uint8, ndim=2, contiguous=True)
-    if rows.shape[1] != fmt.bytes_per_token:
-        raise ValueError(f"rows: expected shape [num_rows, {fmt.bytes_per_token}] for {fmt.id}, "
-                         f"got {tuple(rows.shape)}")
-    dev = rows.device
+    dev = check_cache_rows(rows, fmt)
     check_tensor("kv_c", kv_c, dtypes=_INPUT_DTYPES, shape=(None, fmt.kv_lora_rank), device=dev)
     n = kv_c.shape[0]
     if fmt.rope_dim:
@@ -368,10 +364,7 @@ def cache_write(rows: torch.Tensor, fmt, kv_c: torch.Tensor, k_pe: Optional[torc
         raise ValueError(f"k_pe: format {fmt.id} has no RoPE part; expected None, got shape {tuple(k_pe.shape)}")
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int32, torch.int64), shape=(n,), device=dev,
                  contiguous=True)
-    check_positive_int("block_size", block_size)
-    check_positive_int("block_stride_rows", block_stride_rows)
-    if block_stride_rows < block_size:
-        raise ValueError(f"block_stride_rows: expected >= block_size ({block_size}), got {block_stride_rows}")
+    check_block_geometry(block_size, block_stride_rows)
     if n == 0:
         return
     kv_c = _prep_input("kv_c", kv_c)

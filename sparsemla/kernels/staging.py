@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._validate import check_index_range, check_k_scale, check_positive_int, check_tensor
+from .._validate import check_block_geometry, check_cache_rows, check_index_range, check_k_scale, check_tensor
 from ..formats import get_format
 from .cache_write import (apply_inv_k_scale, bf16_bits, e4m3_codes, f32_from_e4m3, format_id, k_scale_mode,
                           use_emulation)
@@ -272,11 +272,7 @@ def gather_topk_fp8(rows: torch.Tensor, fmt, indices: torch.Tensor, valid_counts
     """
     fmt = get_format(fmt)
     k_scale = check_k_scale(k_scale)
-    check_tensor("rows", rows, dtype=torch.uint8, ndim=2, contiguous=True)
-    if rows.shape[1] != fmt.bytes_per_token:
-        raise ValueError(f"rows: expected shape [num_rows, {fmt.bytes_per_token}] for {fmt.id}, "
-                         f"got {tuple(rows.shape)}")
-    dev = rows.device
+    dev = check_cache_rows(rows, fmt)
     check_tensor("indices", indices, dtypes=_INT, ndim=2, device=dev)
     t, k = indices.shape
     if valid_counts is not None:
@@ -402,20 +398,11 @@ def upconvert_context(rows: torch.Tensor, fmt, block_table: torch.Tensor, seq_le
     """
     fmt = get_format(fmt)
     k_scale = check_k_scale(k_scale)
-    check_tensor("rows", rows, dtype=torch.uint8, ndim=2, contiguous=True)
-    if rows.shape[1] != fmt.bytes_per_token:
-        raise ValueError(f"rows: expected shape [num_rows, {fmt.bytes_per_token}] for {fmt.id}, "
-                         f"got {tuple(rows.shape)}")
-    dev = rows.device
+    dev = check_cache_rows(rows, fmt)
     check_tensor("block_table", block_table, dtypes=_INT, ndim=2, device=dev)
     n_req, max_blocks = block_table.shape
     check_tensor("seq_lens", seq_lens, dtypes=_INT, shape=(n_req,), device=dev, contiguous=True)
-    check_positive_int("block_size", block_size)
-    if block_stride_rows is None:
-        block_stride_rows = block_size
-    check_positive_int("block_stride_rows", block_stride_rows)
-    if block_stride_rows < block_size:
-        raise ValueError(f"block_stride_rows: expected >= block_size ({block_size}), got {block_stride_rows}")
+    block_stride_rows = check_block_geometry(block_size, block_stride_rows)
     if workspace_start is None:
         workspace_start = (torch.cumsum(seq_lens, 0) - seq_lens).to(torch.int32)
     else:

@@ -31,7 +31,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .._validate import check_k_scale, check_positive_int, check_sm_scale, check_tensor, same_device
+from .._validate import (check_block_geometry, check_k_scale, check_positive_int, check_sm_scale,
+                         check_tensor, same_device)
 from ..backends import registry
 from ..backends.registry import AttentionConfig, HostPlan, RunnerSpec
 from ..cache import PagedKVCache
@@ -94,12 +95,7 @@ class SparseMLA:
             raise ValueError(f"fmt: format {self.fmt.id} has head_dim {self.fmt.head_dim}, but head_dim is {head_dim}")
         self.head_dim = head_dim
         self.block_size = check_positive_int("block_size", block_size)
-        if block_stride_rows is None:
-            block_stride_rows = block_size
-        check_positive_int("block_stride_rows", block_stride_rows)
-        if block_stride_rows < block_size:
-            raise ValueError(f"block_stride_rows: expected >= block_size ({block_size}), got {block_stride_rows}")
-        self.block_stride_rows = block_stride_rows
+        self.block_stride_rows = block_stride_rows = check_block_geometry(block_size, block_stride_rows)
         self.sm_scale = check_sm_scale(head_dim ** -0.5 if sm_scale is None else sm_scale)
         self.index_topk = check_positive_int("index_topk", topk if index_topk is None else index_topk)
         self.kpool = check_positive_int("kpool", kpool)
