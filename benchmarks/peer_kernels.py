@@ -8,6 +8,7 @@ library's attention call on prepared inputs: FlashInfer's `run()` after one `pla
     python benchmarks/peer_kernels.py --out peers.json
 """
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -46,7 +47,10 @@ def flashinfer_call(fmt, cache, idx, h):
            dtype)
     q = heavy(t, h, fmt.head_dim).to(torch.bfloat16)
     qn, qp = q[..., :512].contiguous(), q[..., 512:].contiguous()
-    return lambda: w.run(qn, qp, ckv, kpe, return_lse=True)
+    kw = {}
+    if fmt.name == "fp8" and "ckv_scale" in inspect.signature(w.run).parameters:
+        kw = {"ckv_scale": 1.0, "kpe_scale": 1.0}  # this build's FP8 plans require the per-tensor scales
+    return lambda: w.run(qn, qp, ckv, kpe, return_lse=True, **kw)
 
 
 def flashmla_call(fmt, cache, idx, h):

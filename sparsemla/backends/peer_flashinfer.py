@@ -157,9 +157,15 @@ class FlashInferPeer(Backend):
         return "a tiny call returned an lse that is neither the natural nor the base-2 log of the reference"
 
     # --- shared pieces ----------------------------------------------------------------------------
-    def _run_kwargs(self):
+    def _run_kwargs(self, is_fp8: bool):
         names = set(inspect.signature(self._module().run).parameters)
-        return {"return_lse_base_on_e": True} if "return_lse_base_on_e" in names else {}
+        kw = {"return_lse_base_on_e": True} if "return_lse_base_on_e" in names else {}
+        if is_fp8 and "ckv_scale" in names:
+            # Builds with a per-tensor KV-scale mode (0.7.2) require these for FP8 caches.  We pass 1 and
+            # keep applying k_scale ourselves (q and out), so the result does not depend on how a build
+            # interprets the scale.
+            kw.update(ckv_scale=1.0, kpe_scale=1.0)
+        return kw
 
     def _plan(self, wrapper, qo_indptr, kv_indptr, kv_indices, lens, h, rope, sm_scale, kv_dtype):
         wrapper.plan(qo_indptr, kv_indptr, kv_indices, lens, h, 512, rope, 1, False, sm_scale,
@@ -169,7 +175,7 @@ class FlashInferPeer(Backend):
         ckv, kpe, _, _ = _kv_views(kv)
         # Separate contiguous halves: the kernel takes q_nope and q_pe as two tensors.
         q_nope, q_pe = q[..., :512].contiguous(), q[..., 512:].contiguous()
-        wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=True, **self._run_kwargs())
+        wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=True, **self._run_kwargs(is_fp8))
         if is_fp8 and k_scale != 1.0:
             out.mul_(k_scale)  # values were stored divided by k_scale
         scale = self._lse_scale.get(key, 1.0)
