@@ -93,12 +93,23 @@ def main():
         built_variants = V.build()
         variants.update({k: v for k, v in built_variants.items()})
         cases = []
-        for fmt, var, bn, w, st in [("fp8_ds_mla", "base", 32, 4, 3), ("fp8_ds_mla", "diag-ds-singlep", 32, 4, 3),
-                                    ("fp8", "base", 64, 4, 3), ("bf16", "base", 64, 4, 3),
-                                    ("nvfp4_ds_mla", "base", 64, 8, 2), ("nvfp4_ds_mla", "diag-nv-noscale", 64, 8, 2),
-                                    ("nvfp4_ds_mla", "nv-bcast", 64, 8, 2), ("nvfp4_ds_mla", "nv-bcast", 32, 4, 3),
-                                    ("nvfp4_ds_mla", "diag-nv-noscale", 64, 4, 3), ("fp8_ds_mla", "diag-ds-singlep", 64, 4, 3)]:
-            cases.append(("D-h16", fmt, 128, 16, var, bn, w, st, None, None, None))
+        # (case, format, b, h, variant, BN, warps, stages, splits, head block)
+        for fmt, var in [("fp8_ds_mla", "base"), ("fp8_ds_mla", "impure-fp8"), ("fp8", "base"), ("fp8", "impure-fp8"),
+                         ("nvfp4_ds_mla", "base"), ("nvfp4_ds_mla", "impure-nv"), ("bf16", "base")]:
+            cfgs = [(32, 4, 3), (64, 4, 2), (32, 4, 2), (64, 8, 2)] if var != "base" else [(None, None, None)]
+            for bn, w, st in cfgs:
+                cases.append(("D-h16", fmt, 128, 16, var, bn, w, st, None, None, None))
+        cases.append(("D-h16", "fp8_ds_mla", 128, 16, "once-fp8", 32, 4, 3, None, None, None))
+        for h in (64, 128):
+            for fmt, var in [("fp8_ds_mla", "base"), ("fp8_ds_mla", "impure-fp8"), ("nvfp4_ds_mla", "base"),
+                             ("nvfp4_ds_mla", "impure-nv"), ("bf16", "base")]:
+                if var == "base":
+                    cases.append((f"D-h{h}", fmt, 128, h, var, None, None, None, None, None, None))
+                    if fmt == "bf16":
+                        cases.append((f"D-h{h}", fmt, 128, h, var, 64, 8, 2, None, 32, None))
+                    continue
+                for hb, bn, w, st in [(16, 32, 4, 3), (16, 64, 4, 2), (32, 32, 8, 3), (32, 64, 8, 2)]:
+                    cases.append((f"D-h{h}", fmt, 128, h, var, bn, w, st, None, hb, None))
     if a.only:
         keep = set(a.only.split(","))
         cases = [c for c in cases if c[1] in keep]
@@ -110,8 +121,6 @@ def main():
         fmt = get_format(fname)
         key = (fname, b)
         if key not in built:
-            built.clear()
-            torch.cuda.empty_cache()
             built[key] = build(fmt, b)
         cache, idx = built[key]
         t = idx.shape[0]
@@ -121,7 +130,7 @@ def main():
         kern = variants[var]
 
         def call():
-            if kern is not None and fname == "fp8_ds_mla":  # fp8-family signature
+            if kern is not None and fname in ("fp8", "fp8_ds_mla"):  # fp8-family signature
                 return sa._launch(fname, q, cache.rows, fmt, idx, 0.04, None, 1.0, out, lse, sp, None, bn, w, st,
                                   head_block_size=hb, kernel=kern, fp8_family=True, maxnreg=mr)
             return sa._launch(fname, q, cache.rows, fmt, idx, 0.04, None, 1.0, out, lse, sp, None, bn, w, st,
@@ -140,7 +149,7 @@ def main():
             flops = 2 * h * (idx >= 0).sum().item() * (fmt.head_dim + 512)
             sol = max(nbytes / copy_bw, flops / mm) * 1e6
             row.update(us=us, sol_us=sol, pct_sol=100 * sol / us, tbps=nbytes / us / 1e6, tflops=flops / us / 1e6)
-            print(f"{cid:7s} {fname:13s} hb={hb} BN={bn:2d} w={w} st={st} sp={sp} mr={mr}: {us:8.1f} us "
+            print(f"{cid:7s} {fname:13s} {var:10s} hb={hb} BN={bn} w={w} st={st} sp={sp} mr={mr}: {us:8.1f} us "
                   f"({row['pct_sol']:5.1f}% SOL, {row['tbps']:.2f} TB/s, {row['tflops']:.0f} TF/s) err={row['rel_err']:.1e}",
                   flush=True)
         except Exception as e:  # keep sweeping

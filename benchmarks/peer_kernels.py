@@ -74,12 +74,15 @@ def flashmla_call(fmt, cache, idx, h):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="peers.json")
+    ap.add_argument("--formats", default="bf16,fp8,fp8_ds_mla,nvfp4_ds_mla", help="comma list of formats")
     a = ap.parse_args()
     copy_bw, mm = ceilings()
     print(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s, bf16 mm {mm / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
     for fname, peers in [("bf16", ["flashinfer"]), ("fp8", ["flashinfer"]), ("fp8_ds_mla", ["flashmla"]),
                          ("nvfp4_ds_mla", [])]:
+        if fname not in a.formats.split(","):
+            continue
         fmt = get_format(fname)
         torch.cuda.empty_cache()
         cache, idx = build(fmt, 128)

@@ -35,14 +35,19 @@ def build():
     b = v.index("[BN, 128])\n", a) + len("[BN, 128])\n")
     v = v[:a] + v[b:]
     out["diag-nv-noscale"] = v
+    # every K tile converted once: the packed conversions made impure, so Triton cannot clone them per
+    # dot operand (it then converts once and moves the fp16 tile through shared memory for each dot)
+    out["impure-fp8"] = fp8.replace("_fwd_fp8_kernel", "_v_impure_fp8")
+    out["impure-nv"] = nv.replace("_fwd_nvfp4_kernel", "_v_impure_nv")
     header = src[:src.index("# --------------------------------------------------------------------------------------------------------\n# fp8 family")]
     mods = {}
     d = tempfile.mkdtemp(prefix="smla_variants_")
     for name, body in out.items():
         path = os.path.join(d, name.replace("-", "_") + ".py")
         helpers = _section(src, "@triton.jit\ndef _fp8_group")
+        head = header.replace("is_pure=True", "is_pure=False") if name.startswith("impure") else header
         with open(path, "w") as f:
-            f.write(header.replace("from ..formats", "from sparsemla.formats").replace("from ._runtime", "from sparsemla.kernels._runtime"))
+            f.write(head.replace("from ..formats", "from sparsemla.formats").replace("from ._runtime", "from sparsemla.kernels._runtime"))
             f.write(helpers)
             f.write(body)
         spec = importlib.util.spec_from_file_location(name.replace("-", "_"), path)
@@ -51,6 +56,8 @@ def build():
         spec.loader.exec_module(mod)
         fn = [getattr(mod, n) for n in dir(mod) if n.startswith("_v_")][0]
         mods[name] = fn
+    import fp8_once
+    mods["once-fp8"] = fp8_once._v_fp8_once
     return mods
 
 
