@@ -262,3 +262,24 @@ def test_native_backend_in_the_runner_under_the_interpreter():
     err = ((o.double() - ro.double()).norm() / ro.double().norm()).item()
     assert err < 1e-2
     assert torch.allclose(l, rl, atol=1e-2, rtol=0)
+
+
+@pytest.mark.parametrize("fmt, k_scale", [("fp8", 0.5), ("nvfp4_ds_mla", 1.0)])
+def test_prefill_through_the_bf16_workspace(fmt, k_scale):
+    """Quantized cache, prefill tokens read from the upconverted bf16 workspace (k_scale applied exactly once);
+    a step whose contexts do not fit falls back to native reads with the same result."""
+    cache = make_cache(fmt, 12)
+    md, topk_local, counts = random_batch([1, 2], 60, 12, 64, 64, 1, seed=17)
+    q = torch.randn(md.num_tokens, 2, 576).bfloat16()
+    ro, rl = expected(md, cache, q, topk_local, counts, 0.05, k_scale=k_scale)
+    for cap, uses in [(200, True), (md.seq_lens_host[1] - 1, False)]:
+        runner = SparseMLA(3, 2, 4, 2, 576, 64, fmt, backend="triton", block_size=BS, block_stride_rows=STRIDE,
+                           sm_scale=0.05, device="cpu", prefill_workspace_tokens=cap)
+        runner.plan(md)
+        assert (runner._ws_plan is not None) == uses
+        o, l = runner.run(q, cache, topk_local, k_scale=k_scale)
+        err = ((o.double() - ro.double()).norm() / ro.double().norm()).item()
+        assert err < 1e-2, (cap, err)
+        assert torch.allclose(l, rl, atol=1e-2, rtol=0)
+    with pytest.raises(ValueError, match="prefill_workspace_tokens"):
+        SparseMLA(3, 2, 4, 2, 576, 64, fmt, backend="triton", device="cpu", prefill_workspace_tokens=-1)

@@ -15,6 +15,14 @@ Split in two, as CUDA graphs need:
 
 Every device buffer is allocated at construction, sized by the maxima given there.
 
+Prefill over a quantized cache (``prefill_workspace_tokens > 0``): ``run`` first dequantizes the contexts of
+the step's prefill requests into an owned bf16 workspace (``kernels.staging.upconvert_context``), points
+their tokens' indices at it, and the prefill kernel reads bf16 rows.  On the H200 the native FP8/FP4
+prefill reached 112-148 TFLOP/s against 224 for bf16 rows, while the upconvert of a 32K-token context
+costs ~17 us (BENCHMARKS.md): the workspace wins whenever a step has more than a handful of prefill
+tokens.  A step whose prefill contexts do not fit (or whose lengths the host does not know) reads the
+cache natively.
+
 Engine loop (sketch)::
 
     attn = SparseMLA(max_tokens=256, max_requests=256, max_blocks_per_request=512, num_heads=16,
@@ -38,6 +46,7 @@ from ..backends.registry import AttentionConfig, HostPlan, RunnerSpec
 from ..cache import PagedKVCache
 from ..formats import KVFormat, get_format
 from ..indices import convert_indices
+from ..kernels.staging import upconvert_context
 from .metadata import BatchMetadata
 
 V_DIM = 512
@@ -77,7 +86,7 @@ class SparseMLA:
                  head_dim: int, topk: int, fmt, backend="auto", block_size: int = 64, device=None, *,
                  block_stride_rows: Optional[int] = None, sm_scale: Optional[float] = None,
                  index_topk: Optional[int] = None, kpool: int = 1, prefill_backend=None,
-                 graph_capture: Optional[bool] = None):
+                 graph_capture: Optional[bool] = None, prefill_workspace_tokens: int = 0):
         self.max_tokens = check_positive_int("max_tokens", max_tokens)
         self.max_requests = check_positive_int("max_requests", max_requests)
         self.max_blocks_per_request = check_positive_int("max_blocks_per_request", max_blocks_per_request)
@@ -141,6 +150,14 @@ class SparseMLA:
                             else self.prefill_backend.make_workspace(spec))
         self._convert_out = _convert_takes_out()
         self._planned: Optional[HostPlan] = None
+
+        # --- the bf16 prefill workspace (quantized formats, native prefill backend only) ---------------
+        cap = check_positive_int("prefill_workspace_tokens", prefill_workspace_tokens, minimum=0)
+        self.prefill_workspace_tokens = cap if (self.fmt.name != "bf16" and self.prefill_backend.name == "triton") else 0
+        self._ws_rows = (torch.empty((self.prefill_workspace_tokens, head_dim), dtype=torch.bfloat16,
+                                     device=self.device) if self.prefill_workspace_tokens else None)
+        self._ws_start = torch.full((max_requests,), -1, **i32)
+        self._ws_plan: Optional[int] = None  # requests to upconvert this step (None: read the cache natively)
 
     # ------------------------------------------------------------------------------------------------
     def plan(self, metadata: BatchMetadata, seq_lens_upper_bound: Optional[Sequence[int]] = None, *,
@@ -217,11 +234,29 @@ class SparseMLA:
             if ctx_host is not None:
                 host_counts = [max(0, min(self.topk, c if c <= self.index_topk else self.index_topk + c % self.kpool))
                                for c in ctx_host]
+        self._ws_plan = self._plan_workspace(md, r) if (exact and self._ws_rows is not None) else None
         plan = HostPlan(t, padded, md.num_decode_tokens, host_counts, self._valid_counts)
         self.decode_backend.plan(self._decode_ws, plan)
         if self.prefill_backend is not self.decode_backend:
             self.prefill_backend.plan(self._prefill_ws, plan)
         self._planned = plan
+
+    def _plan_workspace(self, md: BatchMetadata, r: int) -> Optional[int]:
+        """Workspace starts of the prefill requests (decode requests get -1) when their contexts fit."""
+        if md.num_prefill_tokens == 0 or md.seq_lens_host is None:
+            return None
+        starts, used = [], 0
+        for i, sl in enumerate(md.seq_lens_host):
+            if i < md.num_decode_requests:
+                starts.append(-1)
+            else:
+                starts.append(used)
+                used += sl
+        if used > self.prefill_workspace_tokens:
+            return None
+        self._ws_start.fill_(-1)
+        self._copy(self._ws_start[:r], torch.tensor(starts, dtype=torch.int32))
+        return r
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if src.device.type == "cpu" and self.device.type == "cuda":
@@ -280,24 +315,37 @@ class SparseMLA:
             check_tensor("lse", lse, dtype=torch.float32, shape=(t, h), device=self.device)
 
         rows = self._rows[:t]
+        use_ws = self._ws_plan is not None
+        ws_kw = {}
+        if use_ws:
+            # Prefill requests' contexts -> bf16 workspace; their tokens' indices -> workspace rows.
+            r = self._ws_plan
+            upconvert_context(cache.rows, self.fmt, self._block_table[:r], self._seq_lens[:r], self.block_size,
+                              self.block_stride_rows, k_scale, out=self._ws_rows, workspace_start=self._ws_start[:r],
+                              check=False)
+            ws_kw = {"workspace_start": self._ws_start[:r]}
         if self._convert_out:
             convert_indices(topk_local, self._req_id[:t], self._block_table, self.block_size,
-                            self.block_stride_rows, check=False, out=rows)
+                            self.block_stride_rows, check=False, out=rows, **ws_kw)
         else:  # until convert_indices takes out=: one temporary (served by the graph pool under capture)
             rows.copy_(convert_indices(topk_local, self._req_id[:t], self._block_table, self.block_size,
-                                       self.block_stride_rows, check=False))
+                                       self.block_stride_rows, check=False, **ws_kw))
         valid = self._valid_counts[:t]
 
         # Decode tokens first; padding tokens (past the planned ones) join the last group.
         nd = plan.num_decode_tokens if plan.num_tokens > plan.num_decode_tokens else t
-        same = self.decode_backend is self.prefill_backend and getattr(self.decode_backend, "mixed_batches", False)
+        same = (self.decode_backend is self.prefill_backend and getattr(self.decode_backend, "mixed_batches", False)
+                and not use_ws)
         parts = [("decode", 0, t)] if same else [("decode", 0, nd), ("prefill", nd, t)]
         for mode, a, b in parts:
             if a == b:
                 continue
             backend, ws = ((self.decode_backend, self._decode_ws) if mode == "decode"
                            else (self.prefill_backend, self._prefill_ws))
-            backend.forward(mode, q[a:b], cache, rows[a:b], self.sm_scale, valid[a:b], k_scale, out[a:b], lse[a:b],
+            kv, ks = cache, k_scale
+            if use_ws and mode == "prefill":
+                kv, ks = self._ws_rows, 1.0  # the workspace holds dequantized values (k_scale applied)
+            backend.forward(mode, q[a:b], kv, rows[a:b], self.sm_scale, valid[a:b], ks, out[a:b], lse[a:b],
                             workspace=ws)
         return out, lse
 

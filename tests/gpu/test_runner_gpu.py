@@ -326,3 +326,41 @@ def test_flashinfer_runner_capture_and_replay(fmt):
         assert rel_err(g_out[:b], n_out[:b]) <= 1e-2, f"step {step}"
         assert_close_lse(g_lse[:b], n_lse[:b])
         assert torch.all(g_out[b:] == 0) and torch.all(g_lse[b:] == float("-inf"))
+
+
+# --------------------------------------------------------------------------------------------------------
+# prefill through the bf16 workspace
+# --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt, k_scale", [("fp8_ds_mla", 1.0), ("nvfp4_ds_mla", 1.0), ("fp8", 0.5),
+                                          ("nvfp4_ds_mla-nope", 1.0)])
+def test_mixed_batch_prefill_through_the_workspace(fmt, k_scale):
+    """Decode requests read the cache, prefill requests the upconverted workspace; both against float64."""
+    gen = torch.Generator(device=DEV).manual_seed(11 + hash(fmt) % 1000)
+    cpu = torch.Generator().manual_seed(5)
+    topk, heads = 2048, 16
+    query_lens, seq_lens = [1, 1, 300, 200], [5000, 900, 4096, 2048]
+    num_blocks = sum(-(-s // BS) for s in seq_lens) + 8
+    cache = filled_cache(fmt, num_blocks, gen, k_scale=k_scale)
+    perm = torch.randperm(num_blocks, generator=cpu).tolist()
+    tables, used = [], 0
+    for s in seq_lens:
+        tables.append(perm[used:used + -(-s // BS)])
+        used += len(tables[-1])
+    md = BatchMetadata.from_lists(query_lens, seq_lens, tables, block_size=BS, device=DEV)
+    ctx = md.context_lens_host()
+    counts = torch.tensor([min(c, topk) for c in ctx], dtype=torch.int32)
+    tl = torch.randint(0, max(seq_lens), (len(ctx), topk), generator=cpu, dtype=torch.int32)
+    for i, c in enumerate(ctx):
+        tl[i, :int(counts[i])] = torch.randperm(c, generator=cpu)[:int(counts[i])].to(torch.int32)
+    topk_local = tl.to(DEV)
+    q = heavy(len(ctx) * heads, cache.fmt.head_dim, gen).view(len(ctx), heads, -1).to(torch.bfloat16)
+    runner = SparseMLA(512, 8, 128, heads, cache.fmt.head_dim, topk, fmt, backend="triton", block_size=BS,
+                       sm_scale=0.05, device=DEV, prefill_workspace_tokens=8192)
+    runner.plan(md)
+    assert runner._ws_plan is not None
+    out, lse = runner.run(q, cache, topk_local, k_scale=k_scale)
+    rows = convert_indices_torch(tl, md.req_id_per_token.cpu(), md.block_table.cpu(), BS)
+    rows[torch.arange(topk)[None, :] >= counts[:, None]] = -1
+    ro, rl = sparse_mla(q, cache, rows.to(DEV), 0.05, k_scale=k_scale)
+    assert rel_err(out, ro) <= 1e-2
+    assert_close_lse(lse, rl)
