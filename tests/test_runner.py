@@ -273,7 +273,8 @@ def test_prefill_through_the_bf16_workspace(fmt, k_scale):
     q = torch.randn(md.num_tokens, 2, 576).bfloat16()
     ro, rl = expected(md, cache, q, topk_local, counts, 0.05, k_scale=k_scale)
     for cap, uses in [(200, True), (md.seq_lens_host[1] - 1, False)]:
-        runner = SparseMLA(3, 2, 4, 2, 576, 64, fmt, backend="triton", block_size=BS, block_stride_rows=STRIDE,
+        # max_requests 3 > the 2 planned: the workspace starts must cover every block-table row
+        runner = SparseMLA(3, 3, 4, 2, 576, 64, fmt, backend="triton", block_size=BS, block_stride_rows=STRIDE,
                            sm_scale=0.05, device="cpu", prefill_workspace_tokens=cap)
         runner.plan(md)
         assert (runner._ws_plan is not None) == uses

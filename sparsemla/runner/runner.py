@@ -323,7 +323,7 @@ class SparseMLA:
             upconvert_context(cache.rows, self.fmt, self._block_table[:r], self._seq_lens[:r], self.block_size,
                               self.block_stride_rows, k_scale, out=self._ws_rows, workspace_start=self._ws_start[:r],
                               check=False)
-            ws_kw = {"workspace_start": self._ws_start[:r]}
+            ws_kw = {"workspace_start": self._ws_start}  # one entry per block-table row (-1: read the cache)
         if self._convert_out:
             convert_indices(topk_local, self._req_id[:t], self._block_table, self.block_size,
                             self.block_stride_rows, check=False, out=rows, **ws_kw)
