@@ -32,6 +32,18 @@ def ours(fmt, cache, idx, h):
     return lambda: sparse_mla_fwd(q, cache.rows, fmt, idx, SM, out=out, lse=lse)
 
 
+def ours_graph(fmt, cache, idx, h):
+    """``ours`` captured in a CUDA graph: the replay time is the GPU time without Python launch overhead
+    (what an engine that captures its decode step sees)."""
+    fn = ours(fmt, cache, idx, h)
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def flashinfer_call(fmt, cache, idx, h):
     from flashinfer.mla import BatchMLAPagedAttentionWrapper
     t, k = idx.shape
@@ -75,6 +87,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="peers.json")
     ap.add_argument("--formats", default="bf16,fp8,fp8_ds_mla,nvfp4_ds_mla", help="comma list of formats")
+    ap.add_argument("--batches", default="128", help="comma list of batch sizes (D-small: 1,4,16)")
+    ap.add_argument("--heads", default="16,64,128", help="comma list of head counts")
+    ap.add_argument("--graph", action="store_true", help="also time our call replayed from a CUDA graph")
     a = ap.parse_args()
     copy_bw, mm = ceilings()
     print(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s, bf16 mm {mm / 1e12:.0f} TFLOP/s", flush=True)
@@ -84,24 +99,27 @@ def main():
         if fname not in a.formats.split(","):
             continue
         fmt = get_format(fname)
-        torch.cuda.empty_cache()
-        cache, idx = build(fmt, 128)
-        for h in (16, 64, 128):
-            nbytes = unique_bytes(cache, idx, h, idx.shape[0])
-            flops = 2 * h * idx.numel() * (fmt.head_dim + 512)
-            sol = max(nbytes / copy_bw, flops / mm) * 1e6
-            for who in ["ours"] + peers:
-                r = dict(fmt=fname, h=h, backend=who, sol_us=sol)
-                try:
-                    fn = {"ours": ours, "flashinfer": flashinfer_call, "flashmla": flashmla_call}[who](fmt, cache, idx, h)
-                    r["us"] = time_fn(fn, reps=30)
-                    r["pct_sol"] = 100 * sol / r["us"]
-                    print(f"{fname:13s} h={h:3d} {who:10s} {r['us']:8.1f} us  {r['pct_sol']:5.1f}% SOL", flush=True)
-                except Exception as e:
-                    r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                    print(f"{fname:13s} h={h:3d} {who:10s} ERROR {r['error']}", flush=True)
-                rows.append(r)
-        del cache, idx
+        for b in [int(x) for x in a.batches.split(",")]:
+            torch.cuda.empty_cache()
+            cache, idx = build(fmt, b)
+            for h in [int(x) for x in a.heads.split(",")]:
+                nbytes = unique_bytes(cache, idx, h, idx.shape[0])
+                flops = 2 * h * idx.numel() * (fmt.head_dim + 512)
+                sol = max(nbytes / copy_bw, flops / mm) * 1e6
+                for who in ["ours"] + (["ours-graph"] if a.graph else []) + peers:
+                    r = dict(fmt=fname, b=b, h=h, backend=who, sol_us=sol)
+                    try:
+                        fn = {"ours": ours, "ours-graph": ours_graph, "flashinfer": flashinfer_call,
+                              "flashmla": flashmla_call}[who](fmt, cache, idx, h)
+                        r["us"] = time_fn(fn, reps=30)
+                        r["pct_sol"] = 100 * sol / r["us"]
+                        print(f"{fname:13s} b={b:3d} h={h:3d} {who:10s} {r['us']:8.1f} us  {r['pct_sol']:5.1f}% SOL",
+                              flush=True)
+                    except Exception as e:
+                        r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                        print(f"{fname:13s} b={b:3d} h={h:3d} {who:10s} ERROR {r['error']}", flush=True)
+                    rows.append(r)
+            del cache, idx
     json.dump(dict(copy_bw=copy_bw, mm=mm, rows=rows), open(a.out, "w"), indent=1)
 
 
