@@ -56,8 +56,6 @@ def build():
         spec.loader.exec_module(mod)
         fn = [getattr(mod, n) for n in dir(mod) if n.startswith("_v_")][0]
         mods[name] = fn
-    import fp8_once
-    mods["once-fp8"] = fp8_once._v_fp8_once
     return mods
 
 
