@@ -65,14 +65,56 @@ def unique_bytes(cache, idx, h, t):
     return u * cache.fmt.bytes_per_token + t * h * (cache.fmt.head_dim + 512) * 2 + t * h * 4
 
 
+def _plan_s3():
+    """Third session: deeper cp.async pipelines (BN 32, 5-7 stages) and the "wide" kernels (K tile converted
+    once to bf16 in natural order, one 512-deep QK dot, one [HB, 512] accumulator) at 64/128 heads and
+    prefill; the wide bf16 kernel at 16 heads."""
+    c = []
+    for cid, b, h in (("D-h64", 128, 64), ("D-h128", 128, 128), ("P-2k", 1, 128)):
+        for var, bn, w, st in (("base", 64, 8, 2), ("base", 32, 8, 5), ("base", 32, 8, 7),
+                               ("bf16-wide", 64, 8, 2), ("bf16-wide", 32, 8, 5), ("bf16-wide", 32, 8, 7)):
+            c.append((cid, "bf16", b, h, var, bn, w, st, None, 64, None))
+    for var, bn, w, st in (("base", 64, 4, 3), ("bf16-wide", 64, 4, 3), ("bf16-wide", 32, 4, 5),
+                           ("bf16-wide", 64, 4, 5), ("bf16-wide", 32, 8, 5)):
+        c.append(("D-h16", "bf16", 128, 16, var, bn, w, st, None, 16, None))
+    for fname, wide in (("fp8", "fp8-wide"), ("fp8_ds_mla", "fp8-wide"), ("nvfp4_ds_mla", "nv-wide")):
+        base_cfg = sa._TUNED[fname][1]
+        for cid, b, h in (("D-h64", 128, 64), ("D-h128", 128, 128), ("P-2k", 1, 128)):
+            cfgs = [("base",) + base_cfg[1:], (wide, 32, 8, 5), (wide, 64, 8, 2)]
+            if cid != "P-2k":
+                cfgs += [("base", 32, 8, 5), (wide, 32, 8, 2), (wide, 32, 8, 7), (wide, 64, 8, 4)]
+            for var, bn, w, st in cfgs:
+                c.append((cid, fname, b, h, var, bn, w, st, None, 64, None))
+    return c
+
+
+def _plan_s3b():
+    """The library's wide kernel (every format) at 64/128 heads and prefill, block sizes and stages."""
+    c = []
+    for fname in ("bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla"):
+        for cid, b, h in (("D-h64", 128, 64), ("D-h128", 128, 128), ("P-2k", 1, 128)):
+            for bn, w, st in ((64, 8, 2), (32, 8, 2), (32, 8, 3), (64, 8, 3)):
+                c.append((cid, fname, b, h, "base", bn, w, st, None, 64, None))
+    return c
+
+
+PLANS = {"s3": _plan_s3, "s3b": _plan_s3b}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="sweep.json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default=None, help="comma list of formats to run")
     ap.add_argument("--variants", action="store_true", help="time the tools/exp design variants instead")
+    ap.add_argument("--plan", default=None, help="a named case list instead (see PLANS)")
+    ap.add_argument("--jobs", type=int, default=1, help="compile the cases in this many processes first")
+    ap.add_argument("--warm-shard", default=None, help=argparse.SUPPRESS)  # i/N: compile only (internal)
     a = ap.parse_args()
-    copy_bw, mm = ceilings()
+    if a.warm_shard is None:
+        copy_bw, mm = ceilings()
+    else:
+        copy_bw, mm = 1.0, 1.0
     print(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s, bf16 mm {mm / 1e12:.0f} TFLOP/s", flush=True)
     results = {"copy_bw": copy_bw, "mm": mm, "rows": []}
     variants = {"base": None}
@@ -101,18 +143,36 @@ def main():
         for var in ("base", "impure-nv"):
             for h in (64, 128):
                 cases.append((f"D-h{h}", "nvfp4_ds_mla", 128, h, var, 64, 8, 2, None, 64, None))
+    if a.plan:
+        import variants as V
+        variants.update(V.build())
+        cases = PLANS[a.plan]()
     if a.only:
         keep = set(a.only.split(","))
         cases = [c for c in cases if c[1] in keep]
     if a.quick:
         cases = cases[:4]
 
+    if a.warm_shard is not None:
+        i, n = (int(x) for x in a.warm_shard.split("/"))
+        cases = cases[i::n]
+    elif a.jobs > 1:
+        # Compile every case first in parallel processes (Triton's disk cache), then time one at a time.
+        import subprocess
+        argv = [sys.executable, __file__] + [x for x in sys.argv[1:]]
+        procs = [subprocess.Popen(argv + ["--warm-shard", f"{i}/{a.jobs}", "--out", f"{a.out}.warm{i}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(a.jobs)]
+        for pr in procs:
+            pr.wait()
+        print(f"compiled in {a.jobs} processes", flush=True)
+
     built = {}
     for (cid, fname, b, h, var, bn, w, st, sp, hb, mr) in cases:
         fmt = get_format(fname)
-        key = (fname, b)
+        s_q = int(cid.split("-")[1][:-1]) * 1024 if cid.startswith("P-") else 1  # "P-2k": one request, 2048 queries
+        key = (fname, b, s_q)
         if key not in built:
-            built[key] = build(fmt, b)
+            built[key] = build(fmt, b, s_q=s_q)
         cache, idx = built[key]
         t = idx.shape[0]
         q = (heavy(t, h, fmt.head_dim)).to(torch.bfloat16)
@@ -132,6 +192,8 @@ def main():
             call()
             torch.cuda.synchronize()
             row["compile_s"] = round(time.time() - t0, 2)
+            if a.warm_shard is not None:
+                continue
             ro, rl = sparse_mla(q[:4].double(), cache, idx[:4], 0.04)
             row["rel_err"] = ((out[:4].double() - ro).norm() / ro.norm()).item()  # diag-* variants are wrong on purpose
             row["lse_err"] = (lse[:4] - rl).abs().max().item()

@@ -24,7 +24,8 @@ COMMON_SIG = {
 }
 
 
-def compile_one(fmt, hb, bn, warps, stages, splits=4, rope=64, out_bf16=False):
+def compile_one(fmt, hb, bn, warps, stages, splits=4, rope=64, out_bf16=False, variant=None, wide=False):
+    """variant: a kernel from tools/exp/variants.py with the same signature as the format's kernel."""
     sig = dict(COMMON_SIG)
     if out_bf16:
         sig["o_ptr"] = "*bf16"
@@ -40,6 +41,16 @@ def compile_one(fmt, hb, bn, warps, stages, splits=4, rope=64, out_bf16=False):
         sig = {**{k: v for k, v in sig.items() if k not in ("H", "K", "rows_per_split", "num_splits")},
                "k_scale": "fp32", "H": "i32", "K": "i32", "rows_per_split": "i32", "num_splits": "i32"}
         cons.update(BPT=bpt, DS=fmt == "fp8_ds_mla", STAGED=fmt == "staged")
+    if wide:
+        fn = sa._fwd_wide_kernel
+        sig = {**{k: v for k, v in COMMON_SIG.items() if k not in ("H", "K", "rows_per_split", "num_splits")},
+               "k_scale": "fp32", "H": "i32", "K": "i32", "rows_per_split": "i32", "num_splits": "i32"}
+        cons = dict(HB=hb, BN=bn, NG=1, HAS_VC=True, INTERP=False, ROPE=rope, BPT=bpt, KIND=sa._WIDE_KIND[fmt],
+                    STAGED=fmt == "staged")
+    if variant is not None:
+        if fmt == "bf16":
+            cons["BPT"] = bpt
+        fn = variant
     for k in cons:
         sig[k] = "constexpr"
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cons)
@@ -71,14 +82,21 @@ def main(argv=None):
     ap.add_argument("--stages", nargs="+", type=int, default=[2])
     ap.add_argument("--rope", type=int, default=64)
     ap.add_argument("--dump", default=None)
+    ap.add_argument("--wide", action="store_true", help="the many-heads kernel (_fwd_wide_kernel)")
+    ap.add_argument("--variant", default=None, help="a tools/exp/variants.py name, e.g. bf16-wide")
     a = ap.parse_args(argv)
+    variant = None
+    if a.variant:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "exp"))
+        import variants
+        variant = variants.build()[a.variant]
     for fmt in a.fmt:
         for hb in a.hb:
             for bn in a.bn:
                 for w in a.warps:
                     for st in a.stages:
                         try:
-                            cc = compile_one(fmt, hb, bn, w, st, rope=a.rope)
+                            cc = compile_one(fmt, hb, bn, w, st, rope=a.rope, variant=variant, wide=a.wide)
                         except Exception as e:  # report and go on
                             print(f"{fmt:14s} HB={hb:3d} BN={bn:3d} w={w} st={st}: FAILED {type(e).__name__}: {str(e)[:300]}")
                             continue
@@ -87,7 +105,7 @@ def main(argv=None):
                         if a.dump:
                             os.makedirs(a.dump, exist_ok=True)
                             for ext in ("ttgir", "ptx"):
-                                with open(os.path.join(a.dump, f"{fmt}_hb{hb}_bn{bn}_w{w}_s{st}.{ext}"), "w") as f:
+                                with open(os.path.join(a.dump, f"{a.variant or ''}{'wide_' if a.wide else ''}{fmt}_hb{hb}_bn{bn}_w{w}_s{st}.{ext}"), "w") as f:
                                     f.write(cc.asm[ext])
 
 

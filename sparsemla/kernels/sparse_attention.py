@@ -491,6 +491,114 @@ def _fwd_bf16_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc
 
 
 # --------------------------------------------------------------------------------------------------------
+# Many heads (64 per program, wgmma): every format through one kernel.  Each K tile is converted once, in
+# natural dim order, to bf16 -- e4m3, and e2m1 times its e4m3 block scale, are exact in bf16; fp8_ds_mla's
+# fp32 tile scale is applied in the conversion (one bf16 rounding) -- and then both dots read it from shared
+# memory: QK^T as one 512-deep dot plus the rope dot, P V into one [HB, 512] accumulator.  On the H200
+# (third session) this beat the per-format kernels at 64/128 heads by 15-50 % (fp8_ds_mla D-h128 729 ->
+# 373 us): fewer, larger wgmma groups (Triton waits after every dot of a chain) and q straight from its
+# load into shared memory instead of registers (the fp16 q of the few-heads kernels spilled).
+# --------------------------------------------------------------------------------------------------------
+KIND_BF16 = tl.constexpr(0)
+KIND_FP8 = tl.constexpr(1)
+KIND_DS = tl.constexpr(2)
+KIND_NVFP4 = tl.constexpr(3)
+_WIDE_KIND = {"bf16": 0, "fp8": 1, "staged": 1, "fp8_ds_mla": 2, "nvfp4_ds_mla": 3}
+
+
+@triton.jit
+def _e4m3_to_bf16(x8):
+    """uint8 e4m3 codes -> bf16 (exact)."""
+    return x8.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def _wide_tile(base, vmask, KIND: tl.constexpr, ROPE: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
+    """Rows at byte addresses base [BN] -> their first 512 dims as bf16 [BN, 512], scales applied."""
+    d = tl.arange(0, 512)
+    if KIND == KIND_BF16:
+        return tl.load(base.to(tl.pointer_type(tl.bfloat16))[:, None] + d[None, :], mask=vmask, other=0.0)
+    elif KIND == KIND_FP8:
+        return _e4m3_to_bf16(tl.load(base[:, None] + d[None, :], mask=vmask, other=0))
+    elif KIND == KIND_DS:
+        k8 = tl.load(base[:, None] + d[None, :], mask=vmask, other=0).to(tl.float8e4nv, bitcast=True)
+        sc4 = tl.load((base + 512).to(tl.pointer_type(tl.float32))[:, None] + tl.arange(0, 4)[None, :], mask=vmask,
+                      other=0.0)
+        scl = tl.reshape(tl.broadcast_to(sc4[:, :, None], [BN, 4, 128]), [BN, 512])
+        return (k8.to(tl.float32) * scl).to(tl.bfloat16)
+    else:
+        # int16 lane c = dims 4c..4c+3; the 32 block scales (permuted, see kv-formats.md) expanded to lanes.
+        SCALE_OFF: tl.constexpr = 320 if ROPE else 256
+        lanes = tl.load(base.to(tl.pointer_type(tl.int16))[:, None] + tl.arange(0, 128)[None, :], mask=vmask, other=0)
+        blk = tl.arange(0, 32)
+        sf = tl.load((base[:, None] + (SCALE_OFF + 8 * (blk % 4) + blk // 4)[None, :]).to(tl.pointer_type(tl.float8e4nv)),
+                     mask=vmask, other=0.0).to(tl.float16)
+        sf = tl.reshape(tl.broadcast_to(sf[:, :, None], [BN, 32, 4]), [BN, 128])
+        v0, v1, v2, v3 = _e2m1x4_to_f16(lanes, INTERP)
+        # join(join(v0, v2), join(v1, v3))[c, i, j] = v_{2i + j}: dims 4c..4c+3 in order
+        kf = tl.reshape(tl.join(tl.join(v0 * sf, v2 * sf), tl.join(v1 * sf, v3 * sf)), [BN, 512])
+        return kf.to(tl.bfloat16)
+
+
+@triton.jit
+def _wide_rope(base, vmask, KIND: tl.constexpr, INTERP: tl.constexpr):
+    """The 64 rope dims of the rows as bf16 [BN, 64] (bf16 in bf16 and fp8_ds_mla rows, e4m3 otherwise)."""
+    if KIND == KIND_BF16:
+        return tl.load(base.to(tl.pointer_type(tl.bfloat16))[:, None] + 512 + tl.arange(0, 64)[None, :], mask=vmask,
+                       other=0.0)
+    elif KIND == KIND_DS:
+        return tl.load((base + 528).to(tl.pointer_type(tl.bfloat16))[:, None] + tl.arange(0, 64)[None, :], mask=vmask,
+                       other=0.0)
+    else:
+        # e4m3 pairs as int16 lanes through the packed conversion: a uint8 tile here made ptxas spill.
+        off: tl.constexpr = 256 if KIND == KIND_FP8 else 128
+        lo, hi = _e4m3x2_to_f16(tl.load(base.to(tl.pointer_type(tl.int16))[:, None] + off + tl.arange(0, 32)[None, :],
+                                        mask=vmask, other=0), INTERP)
+        return tl.reshape(tl.join(lo, hi), [lo.shape[0], 64]).to(tl.bfloat16)
+
+
+@triton.jit
+def _fwd_wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+                     o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
+                     sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+                     BPT: tl.constexpr, KIND: tl.constexpr, STAGED: tl.constexpr, ROPE: tl.constexpr,
+                     HB: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr,
+                     HAS_VC: tl.constexpr, INTERP: tl.constexpr):
+    t, s, heads, hm, k_begin, k_end = _program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HB, HAS_VC)
+    d = tl.arange(0, 512)
+    q_row = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+    q = _bf16_operand(tl.load(q_row + d[None, :], mask=hm[:, None], other=0.0), INTERP)
+    if ROPE:
+        qpe = _bf16_operand(tl.load(q_row + 512 + tl.arange(0, 64)[None, :], mask=hm[:, None], other=0.0), INTERP)
+    score_scale = sm_scale_log2
+    if KIND == KIND_FP8:
+        score_scale = score_scale * k_scale  # plain fp8 rows hold value / k_scale
+    m_i = tl.full([HB], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([HB], tl.float32)
+    acc = tl.zeros([HB, 512], tl.float32)
+    for k0 in range(k_begin, k_end, BN):
+        row, valid = _tile_rows(idx_ptr, t, stride_it, k0, k_end, K, BN, STAGED)
+        base = tl.multiple_of(kv_ptr + row * BPT, 16)  # 16-byte rows (see _fwd_fp8_kernel)
+        vmask = valid[:, None]
+        if ROPE:
+            # rope first: converted before the main tile, it does not add to the tile's register peak
+            sc = tl.dot(qpe, tl.trans(_bf16_operand(_wide_rope(base, vmask, KIND, INTERP), INTERP)))
+        kk = _bf16_operand(_wide_tile(base, vmask, KIND, ROPE, BN, INTERP), INTERP)
+        if ROPE:
+            sc = tl.dot(q, tl.trans(kk), sc)
+        else:
+            sc = tl.dot(q, tl.trans(kk))
+        sc = tl.where(valid[None, :], sc * score_scale, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
+        acc = tl.dot(_bf16_operand(p.to(tl.bfloat16), INTERP), kk, acc * alpha[:, None])
+    inv_l, lse = _finish(l_i, m_i)
+    if KIND == KIND_FP8:
+        inv_l = inv_l * k_scale
+    _store_chunk(o_ptr, t, s, heads, hm, d, acc * inv_l[:, None], stride_ot, stride_os, stride_oh)
+    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=hm)
+
+
+# --------------------------------------------------------------------------------------------------------
 # combine split partials
 # --------------------------------------------------------------------------------------------------------
 @triton.jit
@@ -547,23 +655,26 @@ def head_block(num_heads: int) -> int:
     return hb
 
 
-# (heads per program cap, BLOCK_N, num_warps, num_stages) per format, for few heads (<= 32: memory-bound
-# decode) and many (> 32), chosen by benchmarks/decode_sweep.py on the H200 (BENCHMARKS.md has the sweeps).
+# (BLOCK_N, num_warps, num_stages) per format for few heads (<= 32: memory-bound decode, mma.sync kernels),
+# chosen by benchmarks/decode_sweep.py on the H200 (BENCHMARKS.md has the sweeps).  More heads use the wide
+# kernel with 64 heads per program, BLOCK_N 64, 8 warps, 2 stages: deeper pipelines (BLOCK_N 32, 5-7 stages)
+# were 5-30 % slower there (third-session sweep), the shared memory being taken by q (72 KB) and the tiles.
 _TUNED = {
-    "bf16": ((64, 4, 3), (64, 64, 8, 2)),
-    "fp8": ((32, 4, 3), (64, 64, 8, 2)),
-    "staged": ((32, 4, 3), (64, 64, 8, 2)),
-    "fp8_ds_mla": ((32, 4, 3), (32, 32, 4, 2)),
-    "nvfp4_ds_mla": ((32, 4, 3), (64, 64, 8, 2)),
+    "bf16": (64, 4, 3),
+    "fp8": (32, 4, 3),
+    "staged": (32, 4, 3),
+    "fp8_ds_mla": (32, 4, 3),
+    "nvfp4_ds_mla": (32, 4, 3),
 }
+_WIDE = (64, 64, 8, 2)
+WIDE_MIN_HEADS = 33
 
 
 def kernel_config(kind: str, num_heads: int):
-    """(heads per program, block_n, num_warps, num_stages) for a format kind and head count."""
-    small, large = _TUNED[kind]
-    if num_heads <= 32:
-        return (head_block(num_heads),) + small
-    return (min(large[0], head_block(num_heads)),) + large[1:]
+    """(heads per program, block_n, num_warps, num_stages, wide kernel?) for a format kind and head count."""
+    if num_heads >= WIDE_MIN_HEADS:
+        return _WIDE + (True,)
+    return (head_block(num_heads),) + _TUNED[kind] + (False,)
 
 
 def plan_splits(num_tokens: int, num_heads: int, topk: int, device=None, block_n: int = 64,
@@ -622,7 +733,8 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     if t == 0:
         return out, lse
     interp = interpreting()
-    cfg_hb, cfg_bn, cfg_w, cfg_st = kernel_config(kind, h)
+    cfg_hb, cfg_bn, cfg_w, cfg_st, wide = kernel_config(kind, h)
+    wide = wide and kernel is None and (head_block_size or cfg_hb) >= 64
     hb = head_block_size or cfg_hb
     ng = -(-h // hb)
     if block_n is None:
@@ -667,6 +779,9 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
                      DS=kind == "fp8_ds_mla", STAGED=False, ROPE=rope, **common)
     elif kernel is not None:
         kernel[grid](*args, h, k, rows_per_split, num_splits, BPT=fmt.bytes_per_token, ROPE=rope, **common)
+    elif wide:
+        _fwd_wide_kernel[grid](*args, float(k_scale), h, k, rows_per_split, num_splits, BPT=fmt.bytes_per_token,
+                               KIND=_WIDE_KIND[kind], STAGED=kind == "staged", ROPE=rope, **common)
     elif kind == "bf16":
         _fwd_bf16_kernel[grid](*args, h, k, rows_per_split, num_splits, ROPE=rope, **common)
     elif kind == "nvfp4_ds_mla":
