@@ -3,8 +3,10 @@ measured in the same run.
 
     python3 benchmarks/bench_movement.py --out movement.json [--quick] [--sweep]
 
-* cache write: 65,536 tokens per format (bf16 kv_c + k_pe in, shuffled slots of a 64-token-block cache);
-  bytes = input read (kv_c, k_pe, slot mapping) + rows written.
+* cache write: 65,536 tokens per format (bf16 kv_c + k_pe in, 64-token blocks), two slot patterns:
+  ``scatter`` (every slot shuffled: the worst case, decode-like) and ``prefill`` (whole blocks of
+  consecutive slots, the blocks shuffled: what a prefill or chunked-prefill step writes); bytes = input
+  read (kv_c, k_pe, slot mapping) + rows written.
 * top-k gather to FP8: b 128 query tokens, top-k 2048, each of its own request with a 32K-token context
   (distinct random positions, block size 64, blocks shuffled), rows from ``convert_indices``;
   bytes = valid rows read + indices read + staged rows written.
@@ -62,18 +64,23 @@ def heavy(n, d, seed):
 # workloads: each returns (label, bytes moved, {config name: callable})
 # ------------------------------------------------------------------------------------------------
 WRITE_CONFIGS = {"default": None, "tok4_w4": {"TOK": 4, "num_warps": 4}, "tok8_w8": {"TOK": 8, "num_warps": 8},
-                 "tok16_w4": {"TOK": 16, "num_warps": 4}, "tok16_w8": {"TOK": 16, "num_warps": 8}}
+                 "tok16_w4": {"TOK": 16, "num_warps": 4}, "tok16_w8": {"TOK": 16, "num_warps": 8},
+                 "tok32_w8": {"TOK": 32, "num_warps": 8}, "tok2_w4": {"TOK": 2, "num_warps": 4}}
 GATHER_CONFIGS = {"default": None, "bk8_w4": {"BK": 8, "num_warps": 4}, "bk16_w8": {"BK": 16, "num_warps": 8},
                   "bk32_w4": {"BK": 32, "num_warps": 4}, "bk32_w8": {"BK": 32, "num_warps": 8}}
 UPCONVERT_CONFIGS = {"default": None, "bp8_w4": {"BP": 8, "num_warps": 4}, "bp16_w8": {"BP": 16, "num_warps": 8},
                      "bp32_w4": {"BP": 32, "num_warps": 4}, "bp32_w8": {"BP": 32, "num_warps": 8}}
 
 
-def write_workload(fmt, n=65536, seed=0):
+def write_workload(fmt, n=65536, seed=0, pattern="scatter"):
     num_blocks = 2 * n // BS
     cache = PagedKVCache(fmt, num_blocks, BS, DEV)
     g = torch.Generator(device=DEV).manual_seed(seed)
-    slots = torch.randperm(cache.num_slots, generator=g, device=DEV)[:n].to(torch.int32)
+    if pattern == "scatter":
+        slots = torch.randperm(cache.num_slots, generator=g, device=DEV)[:n].to(torch.int32)
+    else:  # prefill: consecutive slots in shuffled blocks
+        blocks = torch.randperm(num_blocks, generator=g, device=DEV)[:n // BS]
+        slots = (blocks[:, None] * BS + torch.arange(BS, device=DEV)[None, :]).flatten().to(torch.int32)
     kv = heavy(n, 512, seed + 1)
     pe = heavy(n, fmt.rope_dim, seed + 2) if fmt.rope_dim else None
     nbytes = n * (512 * 2 + fmt.rope_dim * 2 + 4 + fmt.bytes_per_token)
@@ -84,6 +91,7 @@ def write_workload(fmt, n=65536, seed=0):
     if fmt.name == "nvfp4_ds_mla":     # the fp32 (non-pair) path, for comparison
         extra["fp32_path"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0,
                                                     _config={"pairs": False})
+        extra["cvt_path"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0, _emulate=False)
     return nbytes, run, extra
 
 
@@ -163,6 +171,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="5 timed runs, smaller gather/upconvert (smoke test)")
     ap.add_argument("--sweep", action="store_true", help="also time other tilings of each kernel")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--only", default=None, help="comma list of kernels: write,gather,upconvert,convert")
     args = ap.parse_args()
     reps = 5 if args.quick else max(args.reps, 30)
     torch.manual_seed(0)
@@ -170,21 +179,24 @@ def main():
     results = []
     fmts = all_formats()
 
-    for fmt in fmts:
-        nbytes, run, extra = write_workload(fmt, n=65536)
-        measure(results, "cache_write_65536", fmt.id, nbytes, run, WRITE_CONFIGS, reps, copy_bw, args.sweep, extra)
-        torch.cuda.empty_cache()
+    only = set(args.only.split(",")) if args.only else {"write", "gather", "upconvert", "convert"}
+    for fmt in fmts if "write" in only else []:
+        for pattern in ("scatter", "prefill"):
+            nbytes, run, extra = write_workload(fmt, n=65536, pattern=pattern)
+            name = "cache_write_65536" + ("" if pattern == "scatter" else "_prefill")
+            measure(results, name, fmt.id, nbytes, run, WRITE_CONFIGS, reps, copy_bw, args.sweep, extra)
+            torch.cuda.empty_cache()
 
     b = 16 if args.quick else 128
     pos, req, table = decode_rows(b=b)
-    for fmt in fmts:
+    for fmt in fmts if "gather" in only else []:
         nbytes, run, cache = gather_workload(fmt, pos, req, table)
         measure(results, f"gather_topk_b{b}_k2048", fmt.id, nbytes, run, GATHER_CONFIGS, reps, copy_bw, args.sweep)
         del cache
         torch.cuda.empty_cache()
 
     n_req = 1 if args.quick else 4
-    for fmt in fmts:
+    for fmt in fmts if "upconvert" in only else []:
         nbytes, run, cache = upconvert_workload(fmt, n_req=n_req)
         measure(results, f"upconvert_{n_req}x32k", fmt.id, nbytes, run, UPCONVERT_CONFIGS, reps, copy_bw, args.sweep)
         del cache
@@ -193,9 +205,10 @@ def main():
     pos, req, table = decode_rows(b=128)
     t = time_us(lambda: convert_indices_triton(pos, req, table, BS, BS, True, True), reps)
     nbytes = pos.numel() * 8 + 128 * 4
-    results.append({"kernel": "convert_indices_b128_k2048_compact", "format": "-", "config": "default",
-                    "time_us": round(t, 2), "bytes": nbytes, "GBps": round(nbytes / (t * 1e-6) / 1e9, 1),
-                    "pct_copy": round(100 * nbytes / (t * 1e-6) / copy_bw, 1)})
+    if "convert" in only:
+            results.append({"kernel": "convert_indices_b128_k2048_compact", "format": "-", "config": "default",
+                        "time_us": round(t, 2), "bytes": nbytes, "GBps": round(nbytes / (t * 1e-6) / 1e9, 1),
+                        "pct_copy": round(100 * nbytes / (t * 1e-6) / copy_bw, 1)})
 
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": __import__("triton").__version__, "copy_GBps": round(copy_bw / 1e9, 1),
