@@ -40,7 +40,7 @@ def heavy(*shape, device="cuda"):
     return torch.randn(*shape, device=device) * torch.exp(0.5 * torch.randn(*shape, device=device))
 
 
-def build(fmt, b, ctx=32768, topk=2048, block=64, s_q=1, pool=65536, seed=0):
+def build(fmt, b, ctx=32768, topk=2048, block=64, s_q=1, pool=65536, seed=0, sort=False):
     g = torch.Generator(device="cuda").manual_seed(seed)
     nblk = ctx // block
     cache = PagedKVCache(fmt, b * nblk, block, "cuda")
@@ -55,6 +55,8 @@ def build(fmt, b, ctx=32768, topk=2048, block=64, s_q=1, pool=65536, seed=0):
         rows[s0:s0 + m] = enc[torch.randperm(pool, device="cuda", generator=g)[:m]]
     bt = torch.randperm(b * nblk, device="cuda", generator=g).view(b, nblk).to(torch.int32)
     pos = torch.rand(b * s_q, ctx, device="cuda", generator=g).argsort(dim=1)[:, :topk]
+    if sort:
+        pos = pos.sort(dim=1).values
     req = torch.arange(b, device="cuda").repeat_interleave(s_q)
     idx = bt[req[:, None], pos // block].to(torch.int64) * block + pos % block
     return cache, idx.to(torch.int32).contiguous()
@@ -98,7 +100,14 @@ def _plan_s3b():
     return c
 
 
-PLANS = {"s3": _plan_s3, "s3b": _plan_s3b}
+def _plan_dense():
+    """Room for a dense shortcut: the sparse kernel over a 2K context with every token selected, rows in
+    random vs ascending order (a dense kernel would read them in order, without indices)."""
+    return [(cid, f, 1, h, "base", None, None, None, None, None, None)
+            for cid in ("PD-2k", "PDs-2k") for f in ("bf16", "fp8_ds_mla") for h in (128, 16)]
+
+
+PLANS = {"s3": _plan_s3, "s3b": _plan_s3b, "dense": _plan_dense}
 
 
 def main():
@@ -169,10 +178,13 @@ def main():
     built = {}
     for (cid, fname, b, h, var, bn, w, st, sp, hb, mr) in cases:
         fmt = get_format(fname)
-        s_q = int(cid.split("-")[1][:-1]) * 1024 if cid.startswith("P-") else 1  # "P-2k": one request, 2048 queries
-        key = (fname, b, s_q)
+        # "P-2k": one request, 2048 queries, 32K context; "PD-2k" / "PDs-2k": a 2K context with every token
+        # selected (what a dense shortcut would compute), in random / ascending order
+        s_q = int(cid.split("-")[1][:-1]) * 1024 if cid.startswith("P") else 1
+        ctx = 2048 if cid.startswith("PD") else 32768
+        key = (fname, b, s_q, cid[:3])
         if key not in built:
-            built[key] = build(fmt, b, s_q=s_q)
+            built[key] = build(fmt, b, ctx=ctx, s_q=s_q, sort=cid.startswith("PDs"))
         cache, idx = built[key]
         t = idx.shape[0]
         q = (heavy(t, h, fmt.head_dim)).to(torch.bfloat16)

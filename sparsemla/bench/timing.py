@@ -2,7 +2,11 @@
 
 On CUDA each run is bracketed by CUDA events, after writing a buffer larger than L2 (256 MB at
 least) so that the cache starts cold, as it does in a serving step where other layers ran in
-between.  Everything the call launches (split-KV partials and the combine, index conversion) lies
+between -- and then reading half of it back, so that L2 is left holding clean lines.  Without the
+read, the flush's last ~60 MB stay dirty in L2 and are written back *inside* the timed run as the
+kernel's own traffic evicts them: on the H200 that made cache-write timings bimodal (the same kernel
+at 48 % and 77 % of copy bandwidth in one sweep, third session) and charged every memory-bound kernel
+up to one L2 of extra DRAM writes.  Everything the call launches (split-KV partials and the combine, index conversion) lies
 between the two events.  The flush itself lies outside them.
 
 On CPU (no GPU: the scaled-down path) the same loop uses ``time.perf_counter``; there is no
@@ -76,7 +80,7 @@ def time_fn(fn: Callable[[], object], *, device=None, reps: int = 50, warmup: in
         device: where it runs (``cuda...`` -> CUDA events, anything else -> perf_counter).
         reps: timed runs (the benchmark standard is >= 30; the median is reported).
         warmup: untimed runs first (compilation, autotuning, allocator warm-up).
-        flush_l2: write a buffer larger than L2 before each timed run (CUDA only).
+        flush_l2: write a buffer larger than L2, then read half of it, before each timed run (CUDA only).
     """
     if reps < 1:
         raise ValueError(f"reps: expected >= 1, got {reps}")
@@ -99,6 +103,7 @@ def _time_cuda(fn, device, reps, warmup, flush_l2) -> Timing:
         for i in range(reps):
             if buf is not None:
                 buf.zero_()
+                buf[: buf.numel() // 2].view(torch.float32).amax()  # read back: clean lines in L2
             starts[i].record()
             fn()
             ends[i].record()

@@ -77,19 +77,19 @@ def main():
     t = a + torch.randint(-2, 3, (n, 2), generator=g, device=dev, dtype=torch.int32)
     t = t.clamp(0, 0x7F7F)
     t[n // 2:] = torch.randint(0, 0x7F80, (n - n // 2, 2), generator=g, device=dev, dtype=torch.int32)
-    aw = (a[:, 0] | (a[:, 1] << 16)).to(torch.int64).to(torch.int32)
-    tw = (t[:, 0] | (t[:, 1] << 16)).to(torch.int64).to(torch.int32)
+    aw = (a[:, 0] | (a[:, 1] << 16)).view(torch.uint32)
+    tw = (t[:, 0] | (t[:, 1] << 16)).view(torch.uint32)
     for strict in (False, True):
         mo = []
         for em in (True, False):
-            o = torch.empty(n, dtype=torch.int32, device=dev)
+            o = torch.empty(n, dtype=torch.uint32, device=dev)
             _k_mask[grid(n)](aw, tw, o, n, STRICT=strict, EMULATE=em)
             mo.append(o)
-        bad = (mo[0] != mo[1]).nonzero().flatten()
+        bad = (mo[0].view(torch.int32) != mo[1].view(torch.int32)).nonzero().flatten()
         print(f"_bf16x2_mask strict={strict} mismatches:", bad.numel())
         for i in bad[:8].tolist():
-            print("   a", hex(aw[i].item() & 0xFFFFFFFF), "t", hex(tw[i].item() & 0xFFFFFFFF), "emu",
-                  hex(mo[0][i].item() & 0xFFFFFFFF), "cvt", hex(mo[1][i].item() & 0xFFFFFFFF))
+            print("   a", hex(aw.view(torch.int32)[i].item() & 0xFFFFFFFF), "t", hex(tw.view(torch.int32)[i].item() & 0xFFFFFFFF),
+                  "emu", hex(mo[0].view(torch.int32)[i].item() & 0xFFFFFFFF), "cvt", hex(mo[1].view(torch.int32)[i].item() & 0xFFFFFFFF))
     # 4) _nvfp4_scale
     am = torch.rand(1 << 20, generator=g, device=dev) * torch.exp(4 * torch.randn(1 << 20, generator=g, device=dev))
     so = []
