@@ -12,7 +12,14 @@ its split in tiles of ``BN`` gathered rows; per tile it does ``S = Q K^T`` and `
 dots and an online softmax (base 2, ``sm_scale * log2(e)`` folded in).  Splits (split-KV) let a small batch
 fill all SMs; their normalized partial outputs and lse are merged by ``_combine_kernel``.
 
-Number formats on the tensor cores, and why:
+Two kernel shapes, chosen by head count (``kernel_config``):
+- up to 32 heads (memory-bound decode): one kernel per format family (``_fwd_bf16_kernel``,
+  ``_fwd_fp8_kernel``, ``_fwd_nvfp4_kernel``), 16-32 heads per program on mma.sync, FP8/FP4 rows read as int16
+  lanes and converted on the operand registers (below);
+- more than 32 heads (compute-bound): ``_fwd_wide_kernel`` for every format, 64 heads per program on wgmma,
+  each K tile converted once to bf16 in natural dim order and read from shared memory by both dots.
+
+Number formats on the tensor cores (few-heads kernels), and why:
 - e4m3 -> fp16 is exact and is one packed ``cvt.rn.f16x2.e4m3x2`` per two values (e4m3 -> bf16 costs two more
   conversions), so every FP8 and FP4 format multiplies in fp16.  The query is brought into fp16 range by a
   per-token power of two (exact), which is divided back out of the scores.
