@@ -107,7 +107,17 @@ def _plan_dense():
             for cid in ("PD-2k", "PDs-2k") for f in ("bf16", "fp8_ds_mla") for h in (128, 16)]
 
 
-PLANS = {"s3": _plan_s3, "s3b": _plan_s3b, "dense": _plan_dense}
+def _plan_h32():
+    """20 and 32 heads: the few-heads kernels (32 heads per program) against the wide kernel (64)."""
+    c = []
+    for f in ("nvfp4_ds_mla", "fp8_ds_mla", "fp8"):
+        for cid, h in (("D-h20", 20), ("D-h32", 32)):
+            c.append((cid, f, 128, h, "base", 32, 4, 3, None, 32, None))
+            c.append((cid, f, 128, h, "base", 64, 8, 2, None, 64, None))
+    return c
+
+
+PLANS = {"s3": _plan_s3, "s3b": _plan_s3b, "dense": _plan_dense, "h32": _plan_h32}
 
 
 def main():

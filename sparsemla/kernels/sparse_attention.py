@@ -674,12 +674,14 @@ _TUNED = {
     "nvfp4_ds_mla": (32, 4, 3),
 }
 _WIDE = (64, 64, 8, 2)
-WIDE_MIN_HEADS = 33
+# Fewest heads that take the wide kernel.  NVFP4 switches at 17: its few-heads kernel at 32 heads (348 us at
+# D-h32) was slower than the wide kernel at 64 (271 us, the same work as at 17-64 heads; H200, third session).
+WIDE_MIN_HEADS = {"nvfp4_ds_mla": 17}
 
 
 def kernel_config(kind: str, num_heads: int):
     """(heads per program, block_n, num_warps, num_stages, wide kernel?) for a format kind and head count."""
-    if num_heads >= WIDE_MIN_HEADS:
+    if num_heads >= WIDE_MIN_HEADS.get(kind, 33):
         return _WIDE + (True,)
     return (head_block(num_heads),) + _TUNED[kind] + (False,)
 
