@@ -117,7 +117,14 @@ def _plan_h32():
     return c
 
 
-PLANS = {"s3": _plan_s3, "s3b": _plan_s3b, "dense": _plan_dense, "h32": _plan_h32}
+def _plan_stages():
+    """The wide kernel with 2 or 3 stages (3: the indices are prefetched two tiles ahead), twice over."""
+    return [(cid, f, b, h, "base", 64, 8, st, None, 64, None)
+            for rep in range(2) for cid, b, h in (("D-h64", 128, 64), ("D-h128", 128, 128), ("P-2k", 1, 128))
+            for f in ("bf16", "fp8_ds_mla", "nvfp4_ds_mla") for st in (2, 3)]
+
+
+PLANS = {"s3": _plan_s3, "s3b": _plan_s3b, "dense": _plan_dense, "h32": _plan_h32, "stages": _plan_stages}
 
 
 def main():
