@@ -664,8 +664,9 @@ def head_block(num_heads: int) -> int:
 
 # (BLOCK_N, num_warps, num_stages) per format for few heads (<= 32: memory-bound decode, mma.sync kernels),
 # chosen by benchmarks/decode_sweep.py on the H200 (BENCHMARKS.md has the sweeps).  More heads use the wide
-# kernel with 64 heads per program, BLOCK_N 64, 8 warps, 2 stages: deeper pipelines (BLOCK_N 32, 5-7 stages)
-# were 5-30 % slower there (third-session sweep), the shared memory being taken by q (72 KB) and the tiles.
+# kernel with 64 heads per program, BLOCK_N 64, 8 warps, 2-3 stages (_WIDE_STAGES): deeper pipelines
+# (BLOCK_N 32, 5-7 stages) were 5-30 % slower there (third-session sweep), the shared memory being taken by
+# q (72 KB) and the tiles.
 _TUNED = {
     "bf16": (64, 4, 3),
     "fp8": (32, 4, 3),
@@ -674,6 +675,10 @@ _TUNED = {
     "nvfp4_ds_mla": (32, 4, 3),
 }
 _WIDE = (64, 64, 8, 2)
+# 3 stages prefetch the indices two tiles ahead (all of their loads become asynchronous copies); on the H200
+# that helped bf16 (D-h128 309 -> 295 us, P-2k 257 -> 271 TFLOP/s; D-h64 198 -> 202) and NVFP4 (2-3 %) but
+# slowed fp8_ds_mla by 7 % (two repetitions, sweep plan `stages`, third session).
+_WIDE_STAGES = {"bf16": 3, "nvfp4_ds_mla": 3}
 # Fewest heads that take the wide kernel.  NVFP4 switches at 17: its few-heads kernel at 32 heads (348 us at
 # D-h32) was slower than the wide kernel at 64 (271 us, the same work as at 17-64 heads; H200, third session).
 WIDE_MIN_HEADS = {"nvfp4_ds_mla": 17}
@@ -682,7 +687,7 @@ WIDE_MIN_HEADS = {"nvfp4_ds_mla": 17}
 def kernel_config(kind: str, num_heads: int):
     """(heads per program, block_n, num_warps, num_stages, wide kernel?) for a format kind and head count."""
     if num_heads >= WIDE_MIN_HEADS.get(kind, 33):
-        return _WIDE + (True,)
+        return _WIDE[:3] + (_WIDE_STAGES.get(kind, _WIDE[3]), True)
     return (head_block(num_heads),) + _TUNED[kind] + (False,)
 
 
