@@ -1,3 +1,5 @@
+#!/usr/bin/env bash
+# Nsight Compute on the wide bf16 kernel (P-2k, 128 heads): details + per-SASS stall samples into $OUT.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 which ncu || ls /usr/local/cuda*/bin/ncu
 N=$(which ncu || ls /usr/local/cuda*/bin/ncu | head -1)
