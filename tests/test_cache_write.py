@@ -38,10 +38,11 @@ def heavy_tailed(n, dim, seed, dtype=torch.float32, device="cpu"):
     return x.to(dtype).to(device)
 
 
-def write_and_expect(fmt, kv, pe, slots, k_scale, num_rows, block_size, stride_rows, device, poison=POISON):
+def write_and_expect(fmt, kv, pe, slots, k_scale, num_rows, block_size, stride_rows, device, poison=POISON,
+                     config=None):
     """Run the kernel on a poisoned cache; return (cache rows, expected rows from fmt.encode)."""
     rows = torch.full((num_rows, fmt.bytes_per_token), poison, dtype=torch.uint8, device=device)
-    cache_write(rows, fmt, kv, pe, slots, block_size, stride_rows, k_scale)
+    cache_write(rows, fmt, kv, pe, slots, block_size, stride_rows, k_scale, _config=config)
     expect = torch.full_like(rows, poison)
     keep = slots >= 0
     s = slots[keep].to(torch.int64)
@@ -89,6 +90,20 @@ def test_int64_slots_and_row_strided_input(fid, device):
     slots = torch.tensor(list(range(40, 40 - n, -1)), dtype=torch.int64, device=device)
     rows, expect = write_and_expect(fmt, kv, pe, slots, 1.0, 48, 16, 16, device)
     assert first_mismatch(rows, expect) is None, first_mismatch(rows, expect)
+
+
+@pytest.mark.parametrize("fid", ["nvfp4_ds_mla", "nvfp4_ds_mla-nope"])
+def test_nvfp4_aligned_rows_option(fid, device):
+    """The opt-in 16-byte-aligned read of bf16 pairs (``_config={"aligned": True}``) writes the same bytes,
+    for contiguous input and for the row-strided slice of a fused [N, 576] tensor."""
+    fmt = get_format(fid)
+    n = 21
+    fused = heavy_tailed(n, 576, seed=5, dtype=torch.bfloat16, device=device)
+    for kv in (fused[:, :512].contiguous(), fused[:, :512]):
+        pe = fused[:, 512:] if fmt.rope_dim else None
+        slots = torch.arange(n, dtype=torch.int32, device=device).flip(0)
+        rows, expect = write_and_expect(fmt, kv, pe, slots, 1.0, 32, 8, 8, device, config={"aligned": True})
+        assert first_mismatch(rows, expect) is None, first_mismatch(rows, expect)
 
 
 @pytest.mark.parametrize("fid", ["fp8", "nvfp4_ds_mla"])

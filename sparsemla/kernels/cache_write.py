@@ -10,13 +10,16 @@ loop), its RoPE one ``[TOK, 64]`` load, and its row is written with 16-byte stor
 a constexpr block size (a shift for 64), not a 64-bit divide.
 
 Why this should run near copy bandwidth: per token it reads 1152 B (bf16 kv_c + k_pe) and writes
-288..1152 B, so 65,536 tokens are 98..151 MB, 23..36 us at the H200's ~4.2 TB/s.  The work per element
-must stay below that: in the sm_90 SASS the loop-free body is ~6 (bf16), ~11 (fp8_ds_mla) and ~18
-(nvfp4, bf16 input) instructions per element, i.e. 6..18 us of issue time for 33.5 M elements across
-132 SMs, hidden under the memory time with ~7 programs (28 warps, 64 KB of loads) per SM.
-nvfp4 is the expensive one: the recipe's ``e2m1(x / sf)`` is done without dividing (``|x|`` against the
-exact decision points ``t * sf``, see ``_e2m1_codes``), and for bf16 input two values at a time in
-bf16x2 (``_e2m1_bytes_bf16x2``); fp32 / fp16 input takes the one-value-at-a-time path (~31 per element).
+288..1152 B, so 65,536 tokens are 98..151 MB, 23..36 us at the H200's ~4.2 TB/s; bf16, fp8 and
+fp8_ds_mla (rope and NoPE) measured 82-94 % of copy bandwidth (BENCHMARKS.md).  nvfp4 is the expensive
+one and stays at 51-59 %: the recipe's ``e2m1(x / sf)`` is done without dividing (``|x|`` against the
+exact decision points ``t * sf``, see ``_e2m1_codes``), and for bf16 input two values at a time in bf16x2
+(``_e2m1_bytes_bf16x2``); fp32 / fp16 input takes the one-value-at-a-time path.  Counted in the sm_90
+SASS (third session), the bf16-pair kernel is ~4,700 instructions per program of 16 tokens (~73 per
+element): Triton cannot see that the input rows are 16-byte aligned (``kv_stride // 2``), so it loads one
+word per instruction and spreads each 16-value block over 8 threads, and every thread recomputes the
+thresholds of 32 blocks.  With an alignment hint (``_config={"aligned": True}``, opt-in) the count drops
+to ~2,800; it has not been timed on the GPU yet.
 
 Number conversions, and why there are two code paths (``EMULATE``):
   On the GPU, Triton lowers fp32 -> float8e4nv to ``cvt.rn.satfinite.e4m3x2.f32`` (round to nearest
@@ -394,7 +397,9 @@ def cache_write(rows: torch.Tensor, fmt, kv_c: torch.Tensor, k_pe: Optional[torc
     # bf16 pairs as uint32 words need an even row stride and a 4-byte aligned start.
     pairs = (fmt.name == "nvfp4_ds_mla" and kv_c.dtype == torch.bfloat16 and kv_c.stride(0) % 2 == 0
              and kv_c.data_ptr() % 4 == 0 and cfg.get("pairs", True))
-    aligned = pairs and kv_c.stride(0) % 8 == 0 and kv_c.data_ptr() % 16 == 0 and cfg.get("aligned", True)
+    # Opt-in until measured on the GPU (third session: sm_90 SASS 4656 -> 2784 instructions per program
+    # with the hint, but no device time was left to time it or run the GPU suite on it).
+    aligned = pairs and kv_c.stride(0) % 8 == 0 and kv_c.data_ptr() % 16 == 0 and cfg.get("aligned", False)
     emulate = use_emulation(_emulate)
     if _emulate is None and fmt.name == "nvfp4_ds_mla":
         # nvfp4: the integer compares (SWAR) measured faster than the bf16x2 set instructions on the H200
