@@ -67,29 +67,6 @@ def unique_bytes(cache, idx, h, t):
     return u * cache.fmt.bytes_per_token + t * h * (cache.fmt.head_dim + 512) * 2 + t * h * 4
 
 
-def _plan_s3():
-    """Third session: deeper cp.async pipelines (BN 32, 5-7 stages) and the "wide" kernels (K tile converted
-    once to bf16 in natural order, one 512-deep QK dot, one [HB, 512] accumulator) at 64/128 heads and
-    prefill; the wide bf16 kernel at 16 heads."""
-    c = []
-    for cid, b, h in (("D-h64", 128, 64), ("D-h128", 128, 128), ("P-2k", 1, 128)):
-        for var, bn, w, st in (("base", 64, 8, 2), ("base", 32, 8, 5), ("base", 32, 8, 7),
-                               ("bf16-wide", 64, 8, 2), ("bf16-wide", 32, 8, 5), ("bf16-wide", 32, 8, 7)):
-            c.append((cid, "bf16", b, h, var, bn, w, st, None, 64, None))
-    for var, bn, w, st in (("base", 64, 4, 3), ("bf16-wide", 64, 4, 3), ("bf16-wide", 32, 4, 5),
-                           ("bf16-wide", 64, 4, 5), ("bf16-wide", 32, 8, 5)):
-        c.append(("D-h16", "bf16", 128, 16, var, bn, w, st, None, 16, None))
-    for fname, wide in (("fp8", "fp8-wide"), ("fp8_ds_mla", "fp8-wide"), ("nvfp4_ds_mla", "nv-wide")):
-        base_cfg = sa._TUNED[fname][1]
-        for cid, b, h in (("D-h64", 128, 64), ("D-h128", 128, 128), ("P-2k", 1, 128)):
-            cfgs = [("base",) + base_cfg[1:], (wide, 32, 8, 5), (wide, 64, 8, 2)]
-            if cid != "P-2k":
-                cfgs += [("base", 32, 8, 5), (wide, 32, 8, 2), (wide, 32, 8, 7), (wide, 64, 8, 4)]
-            for var, bn, w, st in cfgs:
-                c.append((cid, fname, b, h, var, bn, w, st, None, 64, None))
-    return c
-
-
 def _plan_s3b():
     """The library's wide kernel (every format) at 64/128 heads and prefill, block sizes and stages."""
     c = []
@@ -124,7 +101,7 @@ def _plan_stages():
             for f in ("bf16", "fp8_ds_mla", "nvfp4_ds_mla") for st in (2, 3)]
 
 
-PLANS = {"s3": _plan_s3, "s3b": _plan_s3b, "dense": _plan_dense, "h32": _plan_h32, "stages": _plan_stages}
+PLANS = {"s3b": _plan_s3b, "dense": _plan_dense, "h32": _plan_h32, "stages": _plan_stages}
 
 
 def main():
