@@ -356,6 +356,18 @@ def _fwd_fp8_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_
 # q and the output are split the same way once per program).  e2m1 x e4m3 scale is exact in fp16.
 # --------------------------------------------------------------------------------------------------------
 @triton.jit
+def _nvfp4_lane_scales(base, vmask, SCALE_OFF: tl.constexpr, BN: tl.constexpr):
+    """The 32 e4m3 block scales of the rows at byte addresses ``base`` [BN] as fp16, expanded to the 128
+    int16 lanes ([BN, 128]; lane c = dims 4c..4c+3 lies in block c // 4).  Block b's scale sits at byte
+    ``SCALE_OFF + 8 * (b % 4) + b // 4`` (kv-formats.md).  32 bytes per row expanded in registers were
+    faster on the H200 than gathering one scale byte per lane (251 vs 288 us at D-h16)."""
+    blk = tl.arange(0, 32)
+    sf = tl.load((base[:, None] + (SCALE_OFF + 8 * (blk % 4) + blk // 4)[None, :]).to(tl.pointer_type(tl.float8e4nv)),
+                 mask=vmask, other=0.0).to(tl.float16)
+    return tl.reshape(tl.broadcast_to(sf[:, :, None], [BN, 32, 4]), [BN, 128])
+
+
+@triton.jit
 def _fwd_nvfp4_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                       o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                       sm_scale_log2, H, K, rows_per_split, num_splits,
@@ -379,9 +391,6 @@ def _fwd_nvfp4_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, v
         qpe_e = _load_q_f16(q_row, hm, 512, 2 * r, c)
         qpe_o = _load_q_f16(q_row, hm, 513, 2 * r, c)
     score_scale = sm_scale_log2 / c
-    # Scale of 16-dim block b sits at byte SCALE_OFF + 8 * (b % 4) + b // 4; lane c is in block c // 4.
-    blk = tl.arange(0, 32)
-    sc_off = SCALE_OFF + 8 * (blk % 4) + blk // 4
 
     m_i = tl.full([HB], _NEG_BIG, tl.float32)
     l_i = tl.zeros([HB], tl.float32)
@@ -394,11 +403,7 @@ def _fwd_nvfp4_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, v
         base = tl.multiple_of(kv_ptr + row * BPT, 16)
         vmask = valid[:, None]
         packed = tl.load(base.to(tl.pointer_type(tl.int16))[:, None] + c128[None, :], mask=vmask, other=0)
-        # 32 scale bytes per row, expanded to the 128 lanes (4 lanes = one 16-dim block) in registers:
-        # faster on the H200 than gathering one scale byte per lane (251 vs 288 us at D-h16).
-        sf = tl.load((base[:, None] + sc_off[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=vmask,
-                     other=0.0).to(tl.float16)
-        sf = tl.reshape(tl.broadcast_to(sf[:, :, None], [BN, 32, 4]), [BN, 128])
+        sf = _nvfp4_lane_scales(base, vmask, SCALE_OFF, BN)
         k0_, k1_, k2_, k3_ = _e2m1x4_to_f16(packed, INTERP)
         k0_ = k0_ * sf
         k1_ = k1_ * sf
@@ -534,13 +539,10 @@ def _wide_tile(base, vmask, KIND: tl.constexpr, ROPE: tl.constexpr, BN: tl.const
         scl = tl.reshape(tl.broadcast_to(sc4[:, :, None], [BN, 4, 128]), [BN, 512])
         return (k8.to(tl.float32) * scl).to(tl.bfloat16)
     else:
-        # int16 lane c = dims 4c..4c+3; the 32 block scales (permuted, see kv-formats.md) expanded to lanes.
+        # int16 lane c = dims 4c..4c+3
         SCALE_OFF: tl.constexpr = 320 if ROPE else 256
         lanes = tl.load(base.to(tl.pointer_type(tl.int16))[:, None] + tl.arange(0, 128)[None, :], mask=vmask, other=0)
-        blk = tl.arange(0, 32)
-        sf = tl.load((base[:, None] + (SCALE_OFF + 8 * (blk % 4) + blk // 4)[None, :]).to(tl.pointer_type(tl.float8e4nv)),
-                     mask=vmask, other=0.0).to(tl.float16)
-        sf = tl.reshape(tl.broadcast_to(sf[:, :, None], [BN, 32, 4]), [BN, 128])
+        sf = _nvfp4_lane_scales(base, vmask, SCALE_OFF, BN)
         v0, v1, v2, v3 = _e2m1x4_to_f16(lanes, INTERP)
         # join(join(v0, v2), join(v1, v3))[c, i, j] = v_{2i + j}: dims 4c..4c+3 in order
         kf = tl.reshape(tl.join(tl.join(v0 * sf, v2 * sf), tl.join(v1 * sf, v3 * sf)), [BN, 512])
