@@ -24,33 +24,34 @@ COMMON_SIG = {
 }
 
 
+def _with_k_scale(sig):
+    """The fp8-family / wide signature: k_scale sits between sm_scale_log2 and H."""
+    head = {k: v for k, v in sig.items() if k not in ("H", "K", "rows_per_split", "num_splits")}
+    return {**head, "k_scale": "fp32", "H": "i32", "K": "i32", "rows_per_split": "i32", "num_splits": "i32"}
+
+
 def compile_one(fmt, hb, bn, warps, stages, splits=4, rope=64, out_bf16=False, variant=None, wide=False):
-    """variant: a kernel from tools/exp/variants.py with the same signature as the format's kernel."""
+    """Compile one attention kernel for sm_90.  wide: the many-heads kernel; variant: a kernel from
+    tools/exp/variants.py with the same signature as the format's kernel (it gets BPT like _launch passes)."""
     sig = dict(COMMON_SIG)
     if out_bf16:
         sig["o_ptr"] = "*bf16"
     cons = dict(HB=hb, BN=bn, NG=1, HAS_VC=True, INTERP=False, ROPE=rope)
     bpt = sa.get_format(fmt if fmt != "staged" else "fp8", rope).bytes_per_token
-    if fmt == "nvfp4_ds_mla":
+    if wide:
+        fn, sig = sa._fwd_wide_kernel, _with_k_scale(sig)
+        cons.update(BPT=bpt, KIND=sa._WIDE_KIND[fmt], STAGED=fmt == "staged")
+    elif fmt == "nvfp4_ds_mla":
         fn = sa._fwd_nvfp4_kernel
         cons["BPT"] = bpt
     elif fmt == "bf16":
         fn = sa._fwd_bf16_kernel
     else:
-        fn = sa._fwd_fp8_kernel
-        sig = {**{k: v for k, v in sig.items() if k not in ("H", "K", "rows_per_split", "num_splits")},
-               "k_scale": "fp32", "H": "i32", "K": "i32", "rows_per_split": "i32", "num_splits": "i32"}
+        fn, sig = sa._fwd_fp8_kernel, _with_k_scale(sig)
         cons.update(BPT=bpt, DS=fmt == "fp8_ds_mla", STAGED=fmt == "staged")
-    if wide:
-        fn = sa._fwd_wide_kernel
-        sig = {**{k: v for k, v in COMMON_SIG.items() if k not in ("H", "K", "rows_per_split", "num_splits")},
-               "k_scale": "fp32", "H": "i32", "K": "i32", "rows_per_split": "i32", "num_splits": "i32"}
-        cons = dict(HB=hb, BN=bn, NG=1, HAS_VC=True, INTERP=False, ROPE=rope, BPT=bpt, KIND=sa._WIDE_KIND[fmt],
-                    STAGED=fmt == "staged")
     if variant is not None:
-        if fmt == "bf16":
-            cons["BPT"] = bpt
         fn = variant
+        cons["BPT"] = bpt
     for k in cons:
         sig[k] = "constexpr"
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cons)

@@ -31,9 +31,7 @@ def build():
     v = nv.replace("_fwd_nvfp4_kernel", "_v_nv_noscale")
     for j in range(4):
         v = v.replace(f"        k{j}_ = k{j}_ * sf\n", "")
-    a = v.index("        sf = tl.load(")
-    b = v.index("[BN, 128])\n", a) + len("[BN, 128])\n")
-    v = v[:a] + v[b:]
+    v = v.replace("        sf = _nvfp4_lane_scales(base, vmask, SCALE_OFF, BN)\n", "")
     out["diag-nv-noscale"] = v
     # every K tile converted once: the packed conversions made impure, so Triton cannot clone them per
     # dot operand (it then converts once and moves the fp16 tile through shared memory for each dot)
@@ -44,7 +42,8 @@ def build():
     d = tempfile.mkdtemp(prefix="smla_variants_")
     for name, body in out.items():
         path = os.path.join(d, name.replace("-", "_") + ".py")
-        helpers = _section(src, "@triton.jit\ndef _fp8_group") + _section(src, "@triton.jit\ndef _bf16_operand")
+        nv_scales = src[src.index("@triton.jit\ndef _nvfp4_lane_scales"):src.index("@triton.jit\ndef _fwd_nvfp4_kernel")]
+        helpers = _section(src, "@triton.jit\ndef _fp8_group") + nv_scales
         head = header.replace("is_pure=True", "is_pure=False") if name.startswith("impure") else header
         with open(path, "w") as f:
             f.write(head.replace("from ..formats", "from sparsemla.formats").replace("from ._runtime", "from sparsemla.kernels._runtime"))
