@@ -8,14 +8,14 @@ suite (tests/gpu/test_movement_gpu.py) repeats this at realistic sizes, on both 
 """
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from sparsemla.cache import PagedKVCache
 from sparsemla.formats import all_formats, get_format
 from sparsemla.formats import _numerics as nm
-from sparsemla.kernels.cache_write import bf16_bits, cache_write, e4m3_codes, f32_from_e4m3, k_scale_mode
+from sparsemla.kernels.cache_write import cache_write, k_scale_mode
 from sparsemla.kernels._runtime import interpreting
+
+from conversion_probe import probe_conversions
 
 ALL = all_formats()
 ALL_IDS = [f.id for f in ALL]
@@ -257,26 +257,6 @@ def test_empty_and_all_skipped(device):
 # --------------------------------------------------------------------------------------------
 # the bit-exact conversion helpers used under the interpreter (the GPU suite also runs them there)
 # --------------------------------------------------------------------------------------------
-@triton.jit
-def _convert_probe(x_ptr, e4_ptr, bf_ptr, back_ptr, N, EMULATE: tl.constexpr, BLOCK: tl.constexpr):
-    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = o < N
-    x = tl.load(x_ptr + o, mask=m, other=0.0)
-    q = e4m3_codes(x, EMULATE)
-    tl.store(e4_ptr + o, q, mask=m)
-    tl.store(bf_ptr + o, bf16_bits(x, EMULATE), mask=m)
-    tl.store(back_ptr + o, f32_from_e4m3(q, EMULATE), mask=m)
-
-
-def probe_conversions(x: torch.Tensor, emulate: bool):
-    n = x.numel()
-    e4 = torch.empty(n, dtype=torch.uint8, device=x.device)
-    bf = torch.empty(n, dtype=torch.int16, device=x.device)
-    back = torch.empty(n, dtype=torch.float32, device=x.device)
-    _convert_probe[(triton.cdiv(n, 1024),)](x, e4, bf, back, n, EMULATE=emulate, BLOCK=1024)
-    return e4, bf, back
-
-
 def conversion_probe_values(device):
     g = torch.Generator().manual_seed(5)
     rnd = torch.randint(-2 ** 31, 2 ** 31 - 1, (20000,), generator=g, dtype=torch.int64).to(torch.int32)

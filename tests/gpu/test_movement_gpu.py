@@ -13,18 +13,22 @@ Run: ``python3 -m pytest -m gpu tests/gpu/test_movement_gpu.py -v``
 * staging: the top-k gather (b 128, top-k 2048, 32K-token contexts) and the context upconvert
   (4 x 32K) against the formats' decoders, k_scale 1 and 0.5.
 """
+import os
+import sys
+
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from sparsemla.cache import PagedKVCache
 from sparsemla.formats import all_formats, get_format
 from sparsemla.formats import _numerics as nm
 from sparsemla.indices import convert_indices_torch, pooled_width
-from sparsemla.kernels.cache_write import bf16_bits, cache_write, e4m3_codes, f32_from_e4m3
+from sparsemla.kernels.cache_write import cache_write
 from sparsemla.kernels.convert_indices import convert_indices_triton
 from sparsemla.kernels.staging import gather_topk_fp8, upconvert_context
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from conversion_probe import probe_conversions  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -159,17 +163,6 @@ def test_write_nvfp4_every_scale_and_decision_point(dtype, emulate):
     assert_rows_equal(rows, fmt.encode(x, pe), "nvfp4 decision points")
 
 
-@triton.jit
-def _convert_probe(x_ptr, e4_ptr, bf_ptr, back_ptr, N, EMULATE: tl.constexpr, BLOCK: tl.constexpr):
-    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = o < N
-    x = tl.load(x_ptr + o, mask=m, other=0.0)
-    q = e4m3_codes(x, EMULATE)
-    tl.store(e4_ptr + o, q, mask=m)
-    tl.store(bf_ptr + o, bf16_bits(x, EMULATE), mask=m)
-    tl.store(back_ptr + o, f32_from_e4m3(q, EMULATE), mask=m)
-
-
 @pytest.mark.parametrize("emulate", [False, True], ids=["cvt", "bitexact"])
 def test_conversions_on_2e7_random_bit_patterns(emulate):
     """Both conversion paths against PyTorch on 20 M random fp32 bit patterns plus the hard values."""
@@ -177,11 +170,7 @@ def test_conversions_on_2e7_random_bit_patterns(emulate):
     bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (20_000_000,), generator=g, device=DEV, dtype=torch.int64)
     x = torch.cat([bits.to(torch.int32).view(torch.float32), _hard_e4m3_values().to(DEV)])
     x = x[~torch.isnan(x)]
-    n = x.numel()
-    e4 = torch.empty(n, dtype=torch.uint8, device=DEV)
-    bf = torch.empty(n, dtype=torch.int16, device=DEV)
-    back = torch.empty(n, dtype=torch.float32, device=DEV)
-    _convert_probe[(triton.cdiv(n, 1024),)](x, e4, bf, back, n, EMULATE=emulate, BLOCK=1024)
+    e4, bf, back = probe_conversions(x, emulate)
     ref = nm.e4m3_encode(x)
     assert torch.equal(e4, ref), f"e4m3: {x[e4 != ref][:5].tolist()}"
     assert torch.equal(bf, x.to(torch.bfloat16).view(torch.int16))
