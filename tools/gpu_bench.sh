@@ -6,10 +6,7 @@ set -u
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
 START=$(date +%s)
 left() { echo $(( ${BUDGET:-585} - ($(date +%s) - START) )); }
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .peers/apache_tvm_ffi-*.whl
-tar xzf .peers/flashinfer_trim.tgz -C /tmp/site
-export PYTHONPATH=/tmp/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+source tools/peers_env.sh
 # a) re-checks, in parallel (correctness only)
 ( timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_movement_gpu.py -k "nvfp4 or fp16" > $OUT/r_movement.log 2>&1; echo rc=$? >> $OUT/r_movement.log ) &
 ( timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_sparse_attention_gpu.py -k "nvfp4" > $OUT/r_attention.log 2>&1; echo rc=$? >> $OUT/r_attention.log ) &

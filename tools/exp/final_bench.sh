@@ -3,10 +3,7 @@
 # prefill through the runner, data movement, and the dense-shortcut room check.  Results in $OUT.
 set -u
 START=$(date +%s)
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .peers/apache_tvm_ffi-*.whl
-tar xzf .peers/flashinfer_trim.tgz -C /tmp/site
-export PYTHONPATH=/tmp/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+source tools/peers_env.sh
 timeout 200 python3 benchmarks/peer_kernels.py --heads 16,64,128 --out $OUT/peers.json > $OUT/peers.txt 2>&1; echo "peers rc=$? $(( $(date +%s) - START ))s"
 timeout 120 python3 benchmarks/peer_kernels.py --batches 1,4,16 --heads 16,128 --graph --out $OUT/small.json > $OUT/small.txt 2>&1; echo "small rc=$? $(( $(date +%s) - START ))s"
 timeout 100 python3 benchmarks/prefill_runner.py --heads 128 16 --reps 5 --out $OUT/prefill.json > $OUT/prefill.txt 2>&1; echo "prefill rc=$? $(( $(date +%s) - START ))s"

@@ -2,10 +2,7 @@
 # `sparsemla bench` over every standard configuration (our triton backend and the peers through the runner).
 set -u
 START=$(date +%s)
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .peers/apache_tvm_ffi-*.whl
-tar xzf .peers/flashinfer_trim.tgz -C /tmp/site
-export PYTHONPATH=/tmp/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+source tools/peers_env.sh
 B="python3 -m sparsemla.cli bench --no-progress --reps 30 --backends triton,flashmla,flashinfer"
 timeout 200 $B --configs D-h16,D-h32,D-h64,D-h128 --out $OUT/b1 > $OUT/b1.txt 2>&1; echo "b1 rc=$? $(( $(date +%s) - START ))s"
 timeout 130 $B --configs D-h128-mtp,D-small*,D-k* --out $OUT/b2 > $OUT/b2.txt 2>&1; echo "b2 rc=$? $(( $(date +%s) - START ))s"
