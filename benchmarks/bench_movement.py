@@ -92,8 +92,8 @@ def write_workload(fmt, n=65536, seed=0, pattern="scatter"):
         extra["fp32_path"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0,
                                                     _config={"pairs": False})
         extra["cvt_path"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0, _emulate=False)
-        extra["aligned_hint"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0,
-                                                       _config={"aligned": True})
+        extra["no_hint"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0,
+                                                  _config={"aligned": False})
     return nbytes, run, extra
 
 

@@ -93,16 +93,17 @@ def test_int64_slots_and_row_strided_input(fid, device):
 
 
 @pytest.mark.parametrize("fid", ["nvfp4_ds_mla", "nvfp4_ds_mla-nope"])
-def test_nvfp4_aligned_rows_option(fid, device):
-    """The opt-in 16-byte-aligned read of bf16 pairs (``_config={"aligned": True}``) writes the same bytes,
-    for contiguous input and for the row-strided slice of a fused [N, 576] tensor."""
+@pytest.mark.parametrize("aligned", [True, False])
+def test_nvfp4_aligned_rows_option(fid, aligned, device):
+    """The 16-byte-aligned read of bf16 pairs (default) and the unhinted one (``_config={"aligned": False}``)
+    write the same bytes, for contiguous input and for the row-strided slice of a fused [N, 576] tensor."""
     fmt = get_format(fid)
     n = 21
     fused = heavy_tailed(n, 576, seed=5, dtype=torch.bfloat16, device=device)
     for kv in (fused[:, :512].contiguous(), fused[:, :512]):
         pe = fused[:, 512:] if fmt.rope_dim else None
         slots = torch.arange(n, dtype=torch.int32, device=device).flip(0)
-        rows, expect = write_and_expect(fmt, kv, pe, slots, 1.0, 32, 8, 8, device, config={"aligned": True})
+        rows, expect = write_and_expect(fmt, kv, pe, slots, 1.0, 32, 8, 8, device, config={"aligned": aligned})
         assert first_mismatch(rows, expect) is None, first_mismatch(rows, expect)
 
 
