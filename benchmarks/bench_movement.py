@@ -65,7 +65,9 @@ def heavy(n, d, seed):
 # ------------------------------------------------------------------------------------------------
 WRITE_CONFIGS = {"default": None, "tok4_w4": {"TOK": 4, "num_warps": 4}, "tok8_w8": {"TOK": 8, "num_warps": 8},
                  "tok16_w4": {"TOK": 16, "num_warps": 4}, "tok16_w8": {"TOK": 16, "num_warps": 8},
-                 "tok32_w8": {"TOK": 32, "num_warps": 8}, "tok2_w4": {"TOK": 2, "num_warps": 4}}
+                 "tok32_w8": {"TOK": 32, "num_warps": 8}, "tok2_w4": {"TOK": 2, "num_warps": 4},
+                 "tok8_w4": {"TOK": 8, "num_warps": 4}, "tok8_w2": {"TOK": 8, "num_warps": 2},
+                 "tok4_w2": {"TOK": 4, "num_warps": 2}}
 GATHER_CONFIGS = {"default": None, "bk8_w4": {"BK": 8, "num_warps": 4}, "bk16_w8": {"BK": 16, "num_warps": 8},
                   "bk32_w4": {"BK": 32, "num_warps": 4}, "bk32_w8": {"BK": 32, "num_warps": 8}}
 UPCONVERT_CONFIGS = {"default": None, "bp8_w4": {"BP": 8, "num_warps": 4}, "bp16_w8": {"BP": 16, "num_warps": 8},
@@ -174,12 +176,15 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time other tilings of each kernel")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--only", default=None, help="comma list of kernels: write,gather,upconvert,convert")
+    ap.add_argument("--formats", default=None, help="comma list of format ids (default: all)")
     args = ap.parse_args()
     reps = 5 if args.quick else max(args.reps, 30)
     torch.manual_seed(0)
     copy_bw = copy_bandwidth(reps)
     results = []
     fmts = all_formats()
+    if args.formats:
+        fmts = [f for f in fmts if f.id in args.formats.split(",")]
 
     only = set(args.only.split(",")) if args.only else {"write", "gather", "upconvert", "convert"}
     for fmt in fmts if "write" in only else []:

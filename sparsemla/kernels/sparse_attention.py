@@ -525,33 +525,54 @@ def _e4m3_to_bf16(x8):
 
 
 @triton.jit
-def _wide_tile(base, vmask, KIND: tl.constexpr, ROPE: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
-    """Rows at byte addresses base [BN] -> their first 512 dims as bf16 [BN, 512], scales applied."""
+def _tile_raw(base, vmask, KIND: tl.constexpr, ROPE: tl.constexpr, BN: tl.constexpr):
+    """The loads of a K tile (rows at byte addresses base [BN]), unconverted: (main part, scales).
+
+    Split from the conversion (``_tile_bf16``) so that a kernel can issue the next tile's loads before it
+    works on the current one (``_fwd_narrow_kernel``)."""
     d = tl.arange(0, 512)
     if KIND == KIND_BF16:
-        return tl.load(base.to(tl.pointer_type(tl.bfloat16))[:, None] + d[None, :], mask=vmask, other=0.0)
+        return tl.load(base.to(tl.pointer_type(tl.bfloat16))[:, None] + d[None, :], mask=vmask, other=0.0), 0
     elif KIND == KIND_FP8:
-        return _e4m3_to_bf16(tl.load(base[:, None] + d[None, :], mask=vmask, other=0))
+        return tl.load(base[:, None] + d[None, :], mask=vmask, other=0), 0
     elif KIND == KIND_DS:
-        k8 = tl.load(base[:, None] + d[None, :], mask=vmask, other=0).to(tl.float8e4nv, bitcast=True)
         sc4 = tl.load((base + 512).to(tl.pointer_type(tl.float32))[:, None] + tl.arange(0, 4)[None, :], mask=vmask,
                       other=0.0)
-        scl = tl.reshape(tl.broadcast_to(sc4[:, :, None], [BN, 4, 128]), [BN, 512])
-        return (k8.to(tl.float32) * scl).to(tl.bfloat16)
+        return tl.load(base[:, None] + d[None, :], mask=vmask, other=0), sc4
     else:
         # int16 lane c = dims 4c..4c+3
         SCALE_OFF: tl.constexpr = 320 if ROPE else 256
         lanes = tl.load(base.to(tl.pointer_type(tl.int16))[:, None] + tl.arange(0, 128)[None, :], mask=vmask, other=0)
-        sf = _nvfp4_lane_scales(base, vmask, SCALE_OFF, BN)
-        v0, v1, v2, v3 = _e2m1x4_to_f16(lanes, INTERP)
+        return lanes, _nvfp4_lane_scales(base, vmask, SCALE_OFF, BN)
+
+
+@triton.jit
+def _tile_bf16(main, aux, KIND: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
+    """``_tile_raw``'s loads -> the first 512 dims as bf16 [BN, 512], scales applied."""
+    if KIND == KIND_BF16:
+        return main
+    elif KIND == KIND_FP8:
+        return _e4m3_to_bf16(main)
+    elif KIND == KIND_DS:
+        scl = tl.reshape(tl.broadcast_to(aux[:, :, None], [BN, 4, 128]), [BN, 512])
+        return (main.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scl).to(tl.bfloat16)
+    else:
+        v0, v1, v2, v3 = _e2m1x4_to_f16(main, INTERP)
         # join(join(v0, v2), join(v1, v3))[c, i, j] = v_{2i + j}: dims 4c..4c+3 in order
-        kf = tl.reshape(tl.join(tl.join(v0 * sf, v2 * sf), tl.join(v1 * sf, v3 * sf)), [BN, 512])
+        kf = tl.reshape(tl.join(tl.join(v0 * aux, v2 * aux), tl.join(v1 * aux, v3 * aux)), [BN, 512])
         return kf.to(tl.bfloat16)
 
 
 @triton.jit
-def _wide_rope(base, vmask, KIND: tl.constexpr, INTERP: tl.constexpr):
-    """The 64 rope dims of the rows as bf16 [BN, 64] (bf16 in bf16 and fp8_ds_mla rows, e4m3 otherwise)."""
+def _wide_tile(base, vmask, KIND: tl.constexpr, ROPE: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
+    """Rows at byte addresses base [BN] -> their first 512 dims as bf16 [BN, 512], scales applied."""
+    main, aux = _tile_raw(base, vmask, KIND, ROPE, BN)
+    return _tile_bf16(main, aux, KIND, BN, INTERP)
+
+
+@triton.jit
+def _rope_raw(base, vmask, KIND: tl.constexpr):
+    """The loads of the 64 rope dims: bf16 [BN, 64] (bf16, fp8_ds_mla) or int16 lanes of e4m3 pairs [BN, 32]."""
     if KIND == KIND_BF16:
         return tl.load(base.to(tl.pointer_type(tl.bfloat16))[:, None] + 512 + tl.arange(0, 64)[None, :], mask=vmask,
                        other=0.0)
@@ -561,9 +582,23 @@ def _wide_rope(base, vmask, KIND: tl.constexpr, INTERP: tl.constexpr):
     else:
         # e4m3 pairs as int16 lanes through the packed conversion: a uint8 tile here made ptxas spill.
         off: tl.constexpr = 256 if KIND == KIND_FP8 else 128
-        lo, hi = _e4m3x2_to_f16(tl.load(base.to(tl.pointer_type(tl.int16))[:, None] + off + tl.arange(0, 32)[None, :],
-                                        mask=vmask, other=0), INTERP)
+        return tl.load(base.to(tl.pointer_type(tl.int16))[:, None] + off + tl.arange(0, 32)[None, :], mask=vmask,
+                       other=0)
+
+
+@triton.jit
+def _rope_bf16(raw, KIND: tl.constexpr, INTERP: tl.constexpr):
+    if KIND == KIND_BF16 or KIND == KIND_DS:
+        return raw
+    else:
+        lo, hi = _e4m3x2_to_f16(raw, INTERP)
         return tl.reshape(tl.join(lo, hi), [lo.shape[0], 64]).to(tl.bfloat16)
+
+
+@triton.jit
+def _wide_rope(base, vmask, KIND: tl.constexpr, INTERP: tl.constexpr):
+    """The 64 rope dims of the rows as bf16 [BN, 64] (bf16 in bf16 and fp8_ds_mla rows, e4m3 otherwise)."""
+    return _rope_bf16(_rope_raw(base, vmask, KIND), KIND, INTERP)
 
 
 @triton.jit
@@ -604,6 +639,76 @@ def _fwd_wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc
     if KIND == KIND_FP8:
         inv_l = inv_l * k_scale
     _store_chunk(o_ptr, t, s, heads, hm, d, acc * inv_l[:, None], stride_ot, stride_os, stride_oh)
+    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=hm)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Few heads, transposed: the gathered rows are the MMA's M dimension.
+# --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_narrow_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+                       o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
+                       sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+                       BPT: tl.constexpr, KIND: tl.constexpr, STAGED: tl.constexpr, ROPE: tl.constexpr,
+                       HB: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr,
+                       HAS_VC: tl.constexpr, INTERP: tl.constexpr):
+    """``S^T = K Q^T`` ([BN, HB]) and ``O^T += V^T P^T`` ([512, HB]) for 16-32 heads, every format.
+
+    With the heads as M (the few-heads kernels above) a 16-head tile wastes most of a 64-row wgmma and
+    mma.sync keeps all of q as register fragments in every warp (~144 registers at 16 heads).  Transposed,
+    the rows (BN) and the value dims (512) are M, the heads are N (16 or 32: wgmma allows N = 8..256),
+    q^T and P^T are B operands read from shared memory, and each K tile is converted once to bf16 in natural
+    dim order (the wide kernel's ``_wide_tile``) for both dots.  The online softmax runs down the columns.
+    """
+    t, s, heads, hm, k_begin, k_end = _program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HB, HAS_VC)
+    d = tl.arange(0, 512)
+    q_col = q_ptr + t.to(tl.int64) * stride_qt + heads[None, :] * stride_qh
+    qt = _bf16_operand(tl.load(q_col + d[:, None], mask=hm[None, :], other=0.0), INTERP)            # [512, HB]
+    if ROPE:
+        qpet = _bf16_operand(tl.load(q_col + 512 + tl.arange(0, 64)[:, None], mask=hm[None, :], other=0.0), INTERP)
+    score_scale = sm_scale_log2
+    if KIND == KIND_FP8:
+        score_scale = score_scale * k_scale  # plain fp8 rows hold value / k_scale
+    m_i = tl.full([HB], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([HB], tl.float32)
+    acc = tl.zeros([512, HB], tl.float32)
+    # Triton's pipeliner turns only loads that feed a dot unchanged into asynchronous copies; a tile that is
+    # converted in registers first would be a synchronous load at the top of every iteration.  So the next
+    # tile's loads are issued by hand one iteration ahead (registers), before the current tile's math.
+    row, valid = _tile_rows(idx_ptr, t, stride_it, k_begin, k_end, K, BN, STAGED)
+    base = tl.multiple_of(kv_ptr + row * BPT, 16)  # 16-byte rows (see _fwd_fp8_kernel)
+    main, aux = _tile_raw(base, valid[:, None], KIND, ROPE, BN)
+    if ROPE:
+        rraw = _rope_raw(base, valid[:, None], KIND)
+    for k0 in range(k_begin, k_end, BN):
+        cur_valid = valid
+        cur_main = main
+        cur_aux = aux
+        if ROPE:
+            cur_rope = rraw
+        row, valid = _tile_rows(idx_ptr, t, stride_it, k0 + BN, k_end, K, BN, STAGED)
+        base = tl.multiple_of(kv_ptr + row * BPT, 16)
+        main, aux = _tile_raw(base, valid[:, None], KIND, ROPE, BN)
+        if ROPE:
+            rraw = _rope_raw(base, valid[:, None], KIND)
+            sc = tl.dot(_bf16_operand(_rope_bf16(cur_rope, KIND, INTERP), INTERP), qpet)
+        kk = _bf16_operand(_tile_bf16(cur_main, cur_aux, KIND, BN, INTERP), INTERP)                # [BN, 512]
+        if ROPE:
+            sc = tl.dot(kk, qt, sc)
+        else:
+            sc = tl.dot(kk, qt)
+        sc = tl.where(cur_valid[:, None], sc * score_scale, float("-inf"))                          # [BN, HB]
+        m_new = tl.maximum(m_i, tl.max(sc, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+        acc = tl.dot(tl.trans(kk), _bf16_operand(p.to(tl.bfloat16), INTERP), acc * alpha[None, :])
+    inv_l, lse = _finish(l_i, m_i)
+    if KIND == KIND_FP8:
+        inv_l = inv_l * k_scale
+    optr = o_ptr + t.to(tl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh + d[:, None]
+    tl.store(optr, (acc * inv_l[None, :]).to(o_ptr.dtype.element_ty), mask=hm[None, :])
     tl.store(lse_ptr + t.to(tl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=hm)
 
 
@@ -677,6 +782,8 @@ _TUNED = {
     "nvfp4_ds_mla": (32, 4, 3),
 }
 _WIDE = (64, 64, 8, 2)
+# Formats whose few-heads decode takes the transposed kernel (_fwd_narrow_kernel): (BLOCK_N, warps, stages).
+_NARROW: dict = {}
 # 3 stages prefetch the indices two tiles ahead (all of their loads become asynchronous copies); on the H200
 # that helped bf16 (D-h128 309 -> 295 us, P-2k 257 -> 271 TFLOP/s; D-h64 198 -> 202) and NVFP4 (2-3 %) but
 # slowed fp8_ds_mla by 7 % (two repetitions, sweep plan `stages`, third session).
@@ -738,7 +845,7 @@ def _check_common(q, indices, valid_counts, out, lse, head_dim):
 
 def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_scale, out, lse, num_splits,
             split_buffers, block_n, num_warps, num_stages, head_block_size=None, kernel=None, fp8_family=False,
-            maxnreg=None):
+            maxnreg=None, narrow=None):
     t, h, _ = q.shape
     k = indices.shape[1]
     dev = q.device
@@ -751,6 +858,10 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     interp = interpreting()
     cfg_hb, cfg_bn, cfg_w, cfg_st, wide = kernel_config(kind, h)
     wide = wide and kernel is None and (head_block_size or cfg_hb) >= 64
+    # narrow=None: the tuned choice (_NARROW); True/False force the transposed few-heads kernel (sweeps).
+    narrow = kernel is None and not wide and (kind in _NARROW if narrow is None else narrow)
+    if narrow and kind in _NARROW:
+        cfg_bn, cfg_w, cfg_st = _NARROW[kind]
     hb = head_block_size or cfg_hb
     ng = -(-h // hb)
     if block_n is None:
@@ -798,6 +909,9 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     elif wide:
         _fwd_wide_kernel[grid](*args, float(k_scale), h, k, rows_per_split, num_splits, BPT=fmt.bytes_per_token,
                                KIND=_WIDE_KIND[kind], STAGED=kind == "staged", ROPE=rope, **common)
+    elif narrow:
+        _fwd_narrow_kernel[grid](*args, float(k_scale), h, k, rows_per_split, num_splits, BPT=fmt.bytes_per_token,
+                                 KIND=_WIDE_KIND[kind], STAGED=kind == "staged", ROPE=rope, **common)
     elif kind == "bf16":
         _fwd_bf16_kernel[grid](*args, h, k, rows_per_split, num_splits, ROPE=rope, **common)
     elif kind == "nvfp4_ds_mla":
