@@ -806,15 +806,19 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, device=None, block_n
 
     Aim for about two programs per SM: the kernels hold ~200 registers per thread, so two 4-warp programs
     fit on an SM, and with one program per SM the H200 sat at 6 % occupancy and 30-60 % of DRAM bandwidth
-    (Nsight Compute, D-h16).  At b = 128, h = 16 two splits took bf16 from 132 to 95 us.  Each split keeps
-    at least two tiles of ``block_n`` rows; the partials cost 8 KB per split per token at 16 heads."""
+    (Nsight Compute, D-h16).  At b = 128, h = 16 two splits took bf16 from 132 to 95 us.  A split may be
+    as short as 32 rows (one tile of the few-heads FP8/FP4 kernels; the launcher caps the count at one
+    tile of its own BLOCK_N per split): at b = 1 a single tile per program was fastest on the H200 (fourth
+    session, ``benchmarks/small_sweep.py``: h 16, 64 splits of 32 rows 12-23 us vs 15-26 with 32 splits
+    of 64; h 128, 32 splits of 64 rows 20.5-22.6 us vs 24-28 with 16 of 128).  The partials cost 2 KB per
+    split per token and head (``block_n`` is kept for callers; the floor is 32 rows)."""
     sms = _num_sms(torch.device(device)) if device is not None else 132
     hb = head_block_size or head_block(num_heads)
     groups = -(-num_heads // hb)
     programs = max(1, num_tokens * groups)
     want = max(1, (2 * sms) // programs)
-    max_by_len = max(1, topk // (2 * block_n))
-    return max(1, min(want, max_by_len, 32))
+    max_by_len = max(1, topk // 32)
+    return max(1, min(want, max_by_len, 64))
 
 
 def split_buffer_shapes(num_tokens: int, num_heads: int, num_splits: int):
