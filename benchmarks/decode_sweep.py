@@ -101,26 +101,7 @@ def _plan_stages():
             for f in ("bf16", "fp8_ds_mla", "nvfp4_ds_mla") for st in (2, 3)]
 
 
-def _plan_narrow():
-    """Few heads: the transposed kernel (variant "narrow": rows as the MMA's M, next tile prefetched into
-    registers) against the current few-heads kernels ("base" with the library defaults), twice over."""
-    c = []
-    for rep in range(2):
-        for f in ("fp8_ds_mla", "fp8", "nvfp4_ds_mla", "bf16"):
-            c.append(("D-h16", f, 128, 16, "base", None, None, None, None, None, None))
-            for bn, w, sp, mr in ((32, 8, 1, None), (32, 8, 2, None), (32, 8, 2, 128), (16, 8, 2, None),
-                                  (16, 8, 2, 128), (16, 8, 4, 128), (32, 4, 2, None)):
-                if rep == 0 or (bn, w, sp, mr) in ((32, 8, 2, None), (16, 8, 2, 128)):
-                    c.append(("D-h16", f, 128, 16, "narrow", bn, w, 1, sp, None, mr))
-    for f in ("fp8_ds_mla", "fp8", "nvfp4_ds_mla"):
-        for cid, h in (("D-h32", 32), ("D-h20", 20)):
-            c.append((cid, f, 128, h, "base", None, None, None, None, None, None))
-            for bn, w, sp, mr in ((32, 8, 2, None), (16, 8, 2, None), (16, 8, 1, None)):
-                c.append((cid, f, 128, h, "narrow", bn, w, 1, sp, 32, mr))
-    return c
-
-
-PLANS = {"narrow": _plan_narrow, "s3b": _plan_s3b, "dense": _plan_dense, "h32": _plan_h32, "stages": _plan_stages}
+PLANS = {"s3b": _plan_s3b, "dense": _plan_dense, "h32": _plan_h32, "stages": _plan_stages}
 
 
 def main():
@@ -203,15 +184,14 @@ def main():
         q = (heavy(t, h, fmt.head_dim)).to(torch.bfloat16)
         out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
         lse = torch.empty((t, h), dtype=torch.float32, device="cuda")
-        kern = variants[var] if var not in ("base", "narrow") else None
-        nar = True if var == "narrow" else None
+        kern = variants[var] if var != "base" else None
 
         def call():
             if kern is not None and fname in ("fp8", "fp8_ds_mla"):  # fp8-family signature
                 return sa._launch(fname, q, cache.rows, fmt, idx, 0.04, None, 1.0, out, lse, sp, None, bn, w, st,
                                   head_block_size=hb, kernel=kern, fp8_family=True, maxnreg=mr)
             return sa._launch(fname, q, cache.rows, fmt, idx, 0.04, None, 1.0, out, lse, sp, None, bn, w, st,
-                              head_block_size=hb, kernel=kern, maxnreg=mr, narrow=nar)
+                              head_block_size=hb, kernel=kern, maxnreg=mr)
         row = dict(case=cid, fmt=fname, b=b, h=h, variant=var, bn=bn, warps=w, stages=st, splits=sp, hb=hb, maxnreg=mr)
         try:
             t0 = time.time()

@@ -21,17 +21,11 @@ ap.add_argument("--fmt", default="fp8_ds_mla")
 ap.add_argument("--heads", type=int, default=16)
 ap.add_argument("--batch", type=int, default=128)
 ap.add_argument("--s-q", type=int, default=1, help="query tokens per request (prefill: --batch 1 --s-q 2048)")
-ap.add_argument("--narrow", action="store_true", help="force the transposed few-heads kernel (BN 32, 8 warps)")
 a = ap.parse_args()
 fmt = get_format(a.fmt)
 cache, idx = build(fmt, a.batch, s_q=a.s_q)
 q = heavy(idx.shape[0], a.heads, fmt.head_dim).to(torch.bfloat16)
 for _ in range(3):
-    if a.narrow:
-        out = torch.empty(q.shape[0], a.heads, 512, dtype=torch.bfloat16, device="cuda")
-        lse = torch.empty(q.shape[0], a.heads, dtype=torch.float32, device="cuda")
-        sa._launch(fmt.name, q, cache.rows, fmt, idx, 0.04, None, 1.0, out, lse, 2, None, 32, 8, 1, narrow=True)
-    else:
-        sa.sparse_mla_fwd(q, cache.rows, fmt, idx, 0.04)
+    sa.sparse_mla_fwd(q, cache.rows, fmt, idx, 0.04)
 torch.cuda.synchronize()
 print("done")

@@ -59,23 +59,6 @@ def test_many_heads_wide_kernel(fmt, device):
     _check(out, lse, c, 0.07, ks)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("heads", [5, 20])
-def test_transposed_few_heads_kernel(fmt, heads, device):
-    """The transposed few-heads kernel (rows as the MMA's M, the next tile's loads issued one iteration
-    ahead), forced on: 5 heads in a 16-head block, 20 in a 32-head block; k_scale 0.5 on plain fp8."""
-    from sparsemla.kernels import sparse_attention as sa
-    ks = 0.5 if fmt.startswith("fp8") else 1.0
-    c = make_case(fmt, 3, heads, 48, device=device, k_scale=ks)
-    t = c["q"].shape[0]
-    out = torch.full((t, heads, 512), float("nan"), dtype=torch.bfloat16, device=device)  # poisoned
-    lse = torch.full((t, heads), float("nan"), dtype=torch.float32, device=device)
-    fmt_o = c["fmt"]
-    sa._launch(fmt_o.name, c["q"], c["cache"].rows, fmt_o, c["indices"], 0.07, c["valid_counts"], ks, out, lse, 2,
-               None, None, None, None, narrow=True)
-    _check(out, lse, c, 0.07, ks)
-
-
 @pytest.mark.parametrize("splits", [1, 3])
 def test_split_kv_and_combine(splits, device):
     c = make_case("fp8_ds_mla", 3, 16, 96, device=device)

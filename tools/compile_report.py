@@ -30,18 +30,16 @@ def _with_k_scale(sig):
     return {**head, "k_scale": "fp32", "H": "i32", "K": "i32", "rows_per_split": "i32", "num_splits": "i32"}
 
 
-def compile_one(fmt, hb, bn, warps, stages, splits=4, rope=64, out_bf16=False, variant=None, wide=False,
-                narrow=False):
-    """Compile one attention kernel for sm_90.  wide: the many-heads kernel; narrow: the transposed few-heads
-    kernel (same signature as wide); variant: a kernel from
+def compile_one(fmt, hb, bn, warps, stages, splits=4, rope=64, out_bf16=False, variant=None, wide=False):
+    """Compile one attention kernel for sm_90.  wide: the many-heads kernel; variant: a kernel from
     tools/exp/variants.py with the same signature as the format's kernel (it gets BPT like _launch passes)."""
     sig = dict(COMMON_SIG)
     if out_bf16:
         sig["o_ptr"] = "*bf16"
     cons = dict(HB=hb, BN=bn, NG=1, HAS_VC=True, INTERP=False, ROPE=rope)
     bpt = sa.get_format(fmt if fmt != "staged" else "fp8", rope).bytes_per_token
-    if wide or narrow:
-        fn, sig = (sa._fwd_narrow_kernel if narrow else sa._fwd_wide_kernel), _with_k_scale(sig)
+    if wide:
+        fn, sig = sa._fwd_wide_kernel, _with_k_scale(sig)
         cons.update(BPT=bpt, KIND=sa._WIDE_KIND[fmt], STAGED=fmt == "staged")
     elif fmt == "nvfp4_ds_mla":
         fn = sa._fwd_nvfp4_kernel
@@ -86,7 +84,6 @@ def main(argv=None):
     ap.add_argument("--rope", type=int, default=64)
     ap.add_argument("--dump", default=None)
     ap.add_argument("--wide", action="store_true", help="the many-heads kernel (_fwd_wide_kernel)")
-    ap.add_argument("--narrow", action="store_true", help="the transposed few-heads kernel (_fwd_narrow_kernel)")
     ap.add_argument("--variant", default=None, help="a tools/exp/variants.py name, e.g. bf16-wide")
     a = ap.parse_args(argv)
     variant = None
@@ -100,7 +97,7 @@ def main(argv=None):
                 for w in a.warps:
                     for st in a.stages:
                         try:
-                            cc = compile_one(fmt, hb, bn, w, st, rope=a.rope, variant=variant, wide=a.wide, narrow=a.narrow)
+                            cc = compile_one(fmt, hb, bn, w, st, rope=a.rope, variant=variant, wide=a.wide)
                         except Exception as e:  # report and go on
                             print(f"{fmt:14s} HB={hb:3d} BN={bn:3d} w={w} st={st}: FAILED {type(e).__name__}: {str(e)[:300]}")
                             continue
@@ -109,7 +106,7 @@ def main(argv=None):
                         if a.dump:
                             os.makedirs(a.dump, exist_ok=True)
                             for ext in ("ttgir", "ptx"):
-                                with open(os.path.join(a.dump, f"{a.variant or ''}{'wide_' if a.wide else 'narrow_' if a.narrow else ''}{fmt}_hb{hb}_bn{bn}_w{w}_s{st}.{ext}"), "w") as f:
+                                with open(os.path.join(a.dump, f"{a.variant or ''}{'wide_' if a.wide else ''}{fmt}_hb{hb}_bn{bn}_w{w}_s{st}.{ext}"), "w") as f:
                                     f.write(cc.asm[ext])
 
 

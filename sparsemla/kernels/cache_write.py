@@ -434,10 +434,6 @@ def cache_write(rows: torch.Tensor, fmt, kv_c: torch.Tensor, k_pe: Optional[torc
     # it off (the benchmark's ``no_hint`` comparison).
     aligned = pairs and kv_c.stride(0) % 8 == 0 and kv_c.data_ptr() % 16 == 0 and cfg.get("aligned", True)
     emulate = use_emulation(_emulate)
-    if _emulate is None and fmt.name == "nvfp4_ds_mla":
-        # nvfp4: the integer compares (SWAR) measured faster than the bf16x2 set instructions on the H200
-        # (65,536-token write, 42.8 vs 48.1 us, third session), so the exact integer path is the default.
-        emulate = True
     grid = (triton.cdiv(n, cfg["TOK"]),)
     _cache_write_kernel[grid](
         rows, kv_c, kv_c.stride(0), pe, pe.stride(0), slot_mapping,

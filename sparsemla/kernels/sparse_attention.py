@@ -525,54 +525,33 @@ def _e4m3_to_bf16(x8):
 
 
 @triton.jit
-def _tile_raw(base, vmask, KIND: tl.constexpr, ROPE: tl.constexpr, BN: tl.constexpr):
-    """The loads of a K tile (rows at byte addresses base [BN]), unconverted: (main part, scales).
-
-    Split from the conversion (``_tile_bf16``) so that a kernel can issue the next tile's loads before it
-    works on the current one (``_fwd_narrow_kernel``)."""
+def _wide_tile(base, vmask, KIND: tl.constexpr, ROPE: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
+    """Rows at byte addresses base [BN] -> their first 512 dims as bf16 [BN, 512], scales applied."""
     d = tl.arange(0, 512)
     if KIND == KIND_BF16:
-        return tl.load(base.to(tl.pointer_type(tl.bfloat16))[:, None] + d[None, :], mask=vmask, other=0.0), 0
+        return tl.load(base.to(tl.pointer_type(tl.bfloat16))[:, None] + d[None, :], mask=vmask, other=0.0)
     elif KIND == KIND_FP8:
-        return tl.load(base[:, None] + d[None, :], mask=vmask, other=0), 0
+        return _e4m3_to_bf16(tl.load(base[:, None] + d[None, :], mask=vmask, other=0))
     elif KIND == KIND_DS:
+        k8 = tl.load(base[:, None] + d[None, :], mask=vmask, other=0).to(tl.float8e4nv, bitcast=True)
         sc4 = tl.load((base + 512).to(tl.pointer_type(tl.float32))[:, None] + tl.arange(0, 4)[None, :], mask=vmask,
                       other=0.0)
-        return tl.load(base[:, None] + d[None, :], mask=vmask, other=0), sc4
+        scl = tl.reshape(tl.broadcast_to(sc4[:, :, None], [BN, 4, 128]), [BN, 512])
+        return (k8.to(tl.float32) * scl).to(tl.bfloat16)
     else:
         # int16 lane c = dims 4c..4c+3
         SCALE_OFF: tl.constexpr = 320 if ROPE else 256
         lanes = tl.load(base.to(tl.pointer_type(tl.int16))[:, None] + tl.arange(0, 128)[None, :], mask=vmask, other=0)
-        return lanes, _nvfp4_lane_scales(base, vmask, SCALE_OFF, BN)
-
-
-@triton.jit
-def _tile_bf16(main, aux, KIND: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
-    """``_tile_raw``'s loads -> the first 512 dims as bf16 [BN, 512], scales applied."""
-    if KIND == KIND_BF16:
-        return main
-    elif KIND == KIND_FP8:
-        return _e4m3_to_bf16(main)
-    elif KIND == KIND_DS:
-        scl = tl.reshape(tl.broadcast_to(aux[:, :, None], [BN, 4, 128]), [BN, 512])
-        return (main.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scl).to(tl.bfloat16)
-    else:
-        v0, v1, v2, v3 = _e2m1x4_to_f16(main, INTERP)
+        sf = _nvfp4_lane_scales(base, vmask, SCALE_OFF, BN)
+        v0, v1, v2, v3 = _e2m1x4_to_f16(lanes, INTERP)
         # join(join(v0, v2), join(v1, v3))[c, i, j] = v_{2i + j}: dims 4c..4c+3 in order
-        kf = tl.reshape(tl.join(tl.join(v0 * aux, v2 * aux), tl.join(v1 * aux, v3 * aux)), [BN, 512])
+        kf = tl.reshape(tl.join(tl.join(v0 * sf, v2 * sf), tl.join(v1 * sf, v3 * sf)), [BN, 512])
         return kf.to(tl.bfloat16)
 
 
 @triton.jit
-def _wide_tile(base, vmask, KIND: tl.constexpr, ROPE: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
-    """Rows at byte addresses base [BN] -> their first 512 dims as bf16 [BN, 512], scales applied."""
-    main, aux = _tile_raw(base, vmask, KIND, ROPE, BN)
-    return _tile_bf16(main, aux, KIND, BN, INTERP)
-
-
-@triton.jit
-def _rope_raw(base, vmask, KIND: tl.constexpr):
-    """The loads of the 64 rope dims: bf16 [BN, 64] (bf16, fp8_ds_mla) or int16 lanes of e4m3 pairs [BN, 32]."""
+def _wide_rope(base, vmask, KIND: tl.constexpr, INTERP: tl.constexpr):
+    """The 64 rope dims of the rows as bf16 [BN, 64] (bf16 in bf16 and fp8_ds_mla rows, e4m3 otherwise)."""
     if KIND == KIND_BF16:
         return tl.load(base.to(tl.pointer_type(tl.bfloat16))[:, None] + 512 + tl.arange(0, 64)[None, :], mask=vmask,
                        other=0.0)
@@ -582,23 +561,9 @@ def _rope_raw(base, vmask, KIND: tl.constexpr):
     else:
         # e4m3 pairs as int16 lanes through the packed conversion: a uint8 tile here made ptxas spill.
         off: tl.constexpr = 256 if KIND == KIND_FP8 else 128
-        return tl.load(base.to(tl.pointer_type(tl.int16))[:, None] + off + tl.arange(0, 32)[None, :], mask=vmask,
-                       other=0)
-
-
-@triton.jit
-def _rope_bf16(raw, KIND: tl.constexpr, INTERP: tl.constexpr):
-    if KIND == KIND_BF16 or KIND == KIND_DS:
-        return raw
-    else:
-        lo, hi = _e4m3x2_to_f16(raw, INTERP)
+        lo, hi = _e4m3x2_to_f16(tl.load(base.to(tl.pointer_type(tl.int16))[:, None] + off + tl.arange(0, 32)[None, :],
+                                        mask=vmask, other=0), INTERP)
         return tl.reshape(tl.join(lo, hi), [lo.shape[0], 64]).to(tl.bfloat16)
-
-
-@triton.jit
-def _wide_rope(base, vmask, KIND: tl.constexpr, INTERP: tl.constexpr):
-    """The 64 rope dims of the rows as bf16 [BN, 64] (bf16 in bf16 and fp8_ds_mla rows, e4m3 otherwise)."""
-    return _rope_bf16(_rope_raw(base, vmask, KIND), KIND, INTERP)
 
 
 @triton.jit
@@ -639,76 +604,6 @@ def _fwd_wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc
     if KIND == KIND_FP8:
         inv_l = inv_l * k_scale
     _store_chunk(o_ptr, t, s, heads, hm, d, acc * inv_l[:, None], stride_ot, stride_os, stride_oh)
-    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=hm)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Few heads, transposed: the gathered rows are the MMA's M dimension.
-# --------------------------------------------------------------------------------------------------------
-@triton.jit
-def _fwd_narrow_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
-                       o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
-                       sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-                       BPT: tl.constexpr, KIND: tl.constexpr, STAGED: tl.constexpr, ROPE: tl.constexpr,
-                       HB: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr,
-                       HAS_VC: tl.constexpr, INTERP: tl.constexpr):
-    """``S^T = K Q^T`` ([BN, HB]) and ``O^T += V^T P^T`` ([512, HB]) for 16-32 heads, every format.
-
-    With the heads as M (the few-heads kernels above) a 16-head tile wastes most of a 64-row wgmma and
-    mma.sync keeps all of q as register fragments in every warp (~144 registers at 16 heads).  Transposed,
-    the rows (BN) and the value dims (512) are M, the heads are N (16 or 32: wgmma allows N = 8..256),
-    q^T and P^T are B operands read from shared memory, and each K tile is converted once to bf16 in natural
-    dim order (the wide kernel's ``_wide_tile``) for both dots.  The online softmax runs down the columns.
-    """
-    t, s, heads, hm, k_begin, k_end = _program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HB, HAS_VC)
-    d = tl.arange(0, 512)
-    q_col = q_ptr + t.to(tl.int64) * stride_qt + heads[None, :] * stride_qh
-    qt = _bf16_operand(tl.load(q_col + d[:, None], mask=hm[None, :], other=0.0), INTERP)            # [512, HB]
-    if ROPE:
-        qpet = _bf16_operand(tl.load(q_col + 512 + tl.arange(0, 64)[:, None], mask=hm[None, :], other=0.0), INTERP)
-    score_scale = sm_scale_log2
-    if KIND == KIND_FP8:
-        score_scale = score_scale * k_scale  # plain fp8 rows hold value / k_scale
-    m_i = tl.full([HB], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([HB], tl.float32)
-    acc = tl.zeros([512, HB], tl.float32)
-    # Triton's pipeliner turns only loads that feed a dot unchanged into asynchronous copies; a tile that is
-    # converted in registers first would be a synchronous load at the top of every iteration.  So the next
-    # tile's loads are issued by hand one iteration ahead (registers), before the current tile's math.
-    row, valid = _tile_rows(idx_ptr, t, stride_it, k_begin, k_end, K, BN, STAGED)
-    base = tl.multiple_of(kv_ptr + row * BPT, 16)  # 16-byte rows (see _fwd_fp8_kernel)
-    main, aux = _tile_raw(base, valid[:, None], KIND, ROPE, BN)
-    if ROPE:
-        rraw = _rope_raw(base, valid[:, None], KIND)
-    for k0 in range(k_begin, k_end, BN):
-        cur_valid = valid
-        cur_main = main
-        cur_aux = aux
-        if ROPE:
-            cur_rope = rraw
-        row, valid = _tile_rows(idx_ptr, t, stride_it, k0 + BN, k_end, K, BN, STAGED)
-        base = tl.multiple_of(kv_ptr + row * BPT, 16)
-        main, aux = _tile_raw(base, valid[:, None], KIND, ROPE, BN)
-        if ROPE:
-            rraw = _rope_raw(base, valid[:, None], KIND)
-            sc = tl.dot(_bf16_operand(_rope_bf16(cur_rope, KIND, INTERP), INTERP), qpet)
-        kk = _bf16_operand(_tile_bf16(cur_main, cur_aux, KIND, BN, INTERP), INTERP)                # [BN, 512]
-        if ROPE:
-            sc = tl.dot(kk, qt, sc)
-        else:
-            sc = tl.dot(kk, qt)
-        sc = tl.where(cur_valid[:, None], sc * score_scale, float("-inf"))                          # [BN, HB]
-        m_new = tl.maximum(m_i, tl.max(sc, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
-        m_i = m_new
-        acc = tl.dot(tl.trans(kk), _bf16_operand(p.to(tl.bfloat16), INTERP), acc * alpha[None, :])
-    inv_l, lse = _finish(l_i, m_i)
-    if KIND == KIND_FP8:
-        inv_l = inv_l * k_scale
-    optr = o_ptr + t.to(tl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh + d[:, None]
-    tl.store(optr, (acc * inv_l[None, :]).to(o_ptr.dtype.element_ty), mask=hm[None, :])
     tl.store(lse_ptr + t.to(tl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=hm)
 
 
@@ -782,8 +677,6 @@ _TUNED = {
     "nvfp4_ds_mla": (32, 4, 3),
 }
 _WIDE = (64, 64, 8, 2)
-# Formats whose few-heads decode takes the transposed kernel (_fwd_narrow_kernel): (BLOCK_N, warps, stages).
-_NARROW: dict = {}
 # 3 stages prefetch the indices two tiles ahead (all of their loads become asynchronous copies); on the H200
 # that helped bf16 (D-h128 309 -> 295 us, P-2k 257 -> 271 TFLOP/s; D-h64 198 -> 202) and NVFP4 (2-3 %) but
 # slowed fp8_ds_mla by 7 % (two repetitions, sweep plan `stages`, third session).
@@ -806,19 +699,21 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, device=None, block_n
 
     Aim for about two programs per SM: the kernels hold ~200 registers per thread, so two 4-warp programs
     fit on an SM, and with one program per SM the H200 sat at 6 % occupancy and 30-60 % of DRAM bandwidth
-    (Nsight Compute, D-h16).  At b = 128, h = 16 two splits took bf16 from 132 to 95 us.  A split may be
-    as short as 32 rows (one tile of the few-heads FP8/FP4 kernels; the launcher caps the count at one
-    tile of its own BLOCK_N per split): at b = 1 a single tile per program was fastest on the H200 (fourth
-    session, ``benchmarks/small_sweep.py``: h 16, 64 splits of 32 rows 12-23 us vs 15-26 with 32 splits
-    of 64; h 128, 32 splits of 64 rows 20.5-22.6 us vs 24-28 with 16 of 128).  The partials cost 2 KB per
-    split per token and head (``block_n`` is kept for callers; the floor is 32 rows)."""
+    (Nsight Compute, D-h16).  At b = 128, h = 16 two splits took bf16 from 132 to 95 us.  Each split keeps
+    at least two tiles of ``block_n`` rows (up to 32 splits); the partials cost 2 KB per split per token
+    and head.  With one or two programs' worth of work (b = 1) a split may be one 32-row tile (up to 64
+    splits; the launcher caps the count at one tile of its own BLOCK_N): on the H200 that took b = 1 from
+    15-26 to 13-23 us at 16 heads and from 22-28 to 20-22 us at 128 heads, but made b = 4 slower (h 16:
+    fp8 20 -> 29 us; h 128: 31-35 -> 43-45), the combine step then merging 2-4x more partials (fourth
+    session, ``benchmarks/small_sweep.py``)."""
     sms = _num_sms(torch.device(device)) if device is not None else 132
     hb = head_block_size or head_block(num_heads)
     groups = -(-num_heads // hb)
     programs = max(1, num_tokens * groups)
     want = max(1, (2 * sms) // programs)
-    max_by_len = max(1, topk // 32)
-    return max(1, min(want, max_by_len, 64))
+    if programs <= 2:
+        return max(1, min(want, topk // 32, 64))
+    return max(1, min(want, max(1, topk // (2 * block_n)), 32))
 
 
 def split_buffer_shapes(num_tokens: int, num_heads: int, num_splits: int):
@@ -849,7 +744,7 @@ def _check_common(q, indices, valid_counts, out, lse, head_dim):
 
 def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_scale, out, lse, num_splits,
             split_buffers, block_n, num_warps, num_stages, head_block_size=None, kernel=None, fp8_family=False,
-            maxnreg=None, narrow=None):
+            maxnreg=None):
     t, h, _ = q.shape
     k = indices.shape[1]
     dev = q.device
@@ -862,10 +757,6 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     interp = interpreting()
     cfg_hb, cfg_bn, cfg_w, cfg_st, wide = kernel_config(kind, h)
     wide = wide and kernel is None and (head_block_size or cfg_hb) >= 64
-    # narrow=None: the tuned choice (_NARROW); True/False force the transposed few-heads kernel (sweeps).
-    narrow = kernel is None and not wide and (kind in _NARROW if narrow is None else narrow)
-    if narrow and kind in _NARROW:
-        cfg_bn, cfg_w, cfg_st = _NARROW[kind]
     hb = head_block_size or cfg_hb
     ng = -(-h // hb)
     if block_n is None:
@@ -913,9 +804,6 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     elif wide:
         _fwd_wide_kernel[grid](*args, float(k_scale), h, k, rows_per_split, num_splits, BPT=fmt.bytes_per_token,
                                KIND=_WIDE_KIND[kind], STAGED=kind == "staged", ROPE=rope, **common)
-    elif narrow:
-        _fwd_narrow_kernel[grid](*args, float(k_scale), h, k, rows_per_split, num_splits, BPT=fmt.bytes_per_token,
-                                 KIND=_WIDE_KIND[kind], STAGED=kind == "staged", ROPE=rope, **common)
     elif kind == "bf16":
         _fwd_bf16_kernel[grid](*args, h, k, rows_per_split, num_splits, ROPE=rope, **common)
     elif kind == "nvfp4_ds_mla":

@@ -11,6 +11,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from attn_cases import make_case  # noqa: E402
 
+from sparsemla.cache import PagedKVCache  # noqa: E402
+from sparsemla.formats import get_format  # noqa: E402
 from sparsemla.indices import convert_indices  # noqa: E402
 from sparsemla.kernels.sparse_attention import sparse_mla_fwd, sparse_mla_fwd_staged  # noqa: E402
 from sparsemla.kernels.staging import gather_topk_fp8, upconvert_context  # noqa: E402
@@ -30,6 +32,15 @@ def main():
                         c["cache"].block_stride_rows, True, compact=True)
         seq = torch.tensor([256, 100, 1], device="cuda", dtype=torch.int32)
         upconvert_context(c["cache"].rows, c["fmt"], bt, seq, 64, c["cache"].block_stride_rows)
+        # cache writes into the last rows of an exactly sized cache: 21 tokens (not a multiple of the
+        # kernel's tokens per program), one skipped, bf16 and fp32 input (the word-store and pair paths)
+        f = get_format(fmt)
+        small = PagedKVCache(f, 2, 64, "cuda")
+        slots = torch.tensor([127 - i for i in range(20)] + [-1], dtype=torch.int32, device="cuda")
+        for dt in (torch.bfloat16, torch.float32):
+            kv = torch.randn(21, 512, device="cuda").to(dt)
+            pe = torch.randn(21, f.rope_dim, device="cuda").to(dt) if f.rope_dim else None
+            small.write(kv, pe, slots)
         torch.cuda.synchronize()
         print("ok", fmt, flush=True)
 
