@@ -101,7 +101,18 @@ def _plan_stages():
             for f in ("bf16", "fp8_ds_mla", "nvfp4_ds_mla") for st in (2, 3)]
 
 
-PLANS = {"s3b": _plan_s3b, "dense": _plan_dense, "h32": _plan_h32, "stages": _plan_stages}
+def _plan_dsv2():
+    """fp8_ds_mla few-heads kernel: the current library ("base") against an older version ("old-fp8", from
+    SMLA_OLD_SRC, see tools/exp/variants.py), alternating."""
+    c = []
+    for cid, h, f, reps in (("D-h16", 16, "fp8_ds_mla", 3), ("D-h32", 32, "fp8_ds_mla", 2), ("D-h16", 16, "fp8", 1)):
+        for rep in range(reps):
+            for var in ("base", "old-fp8"):
+                c.append((cid, f, 128, h, var, None, None, None, None, None, None))
+    return c
+
+
+PLANS = {"dsv2": _plan_dsv2, "s3b": _plan_s3b, "dense": _plan_dense, "h32": _plan_h32, "stages": _plan_stages}
 
 
 def main():

@@ -95,7 +95,8 @@ def main():
     print(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s, bf16 mm {mm / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
     for fname, peers in [("bf16", ["flashinfer"]), ("fp8", ["flashinfer"]), ("fp8_ds_mla", ["flashmla"]),
-                         ("nvfp4_ds_mla", [])]:
+                         ("nvfp4_ds_mla", []), ("bf16-nope", []), ("fp8-nope", []), ("fp8_ds_mla-nope", []),
+                         ("nvfp4_ds_mla-nope", [])]:
         if fname not in a.formats.split(","):
             continue
         fmt = get_format(fname)

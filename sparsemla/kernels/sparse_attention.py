@@ -220,6 +220,21 @@ def _fp8_group(kp, vmask, g: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _split4(x):
+    """[..., 4] -> its four columns [...]."""
+    a02, a13 = tl.split(tl.reshape(x, x.shape[:-1] + [2, 2]))  # (col 0, col 2), (col 1, col 3)
+    c0, c2 = tl.split(a02)
+    c1, c3 = tl.split(a13)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _join4(c0, c1, c2, c3):
+    """Four scalars -> a [4] vector (inverse of ``_split4``)."""
+    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [4])
+
+
+@triton.jit
 def _fwd_fp8_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                     o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                     sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
@@ -265,6 +280,11 @@ def _fwd_fp8_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_
     ao2 = tl.zeros([HB, 64], tl.float32)
     ae3 = tl.zeros([HB, 64], tl.float32)
     ao3 = tl.zeros([HB, 64], tl.float32)
+    # fp8_ds_mla: the factors f_g the PV accumulators of group g are held divided by (see below)
+    f0 = sm_scale_log2 * 0.0 + 1.0
+    f1 = f0
+    f2 = f0
+    f3 = f0
     for k0 in range(k_begin, k_end, BN):
         row, valid = _tile_rows(idx_ptr, t, stride_it, k0, k_end, K, BN, STAGED)
         # Rows are 16-byte multiples and the cache is 16-byte aligned; Triton cannot see that through a
@@ -282,11 +302,10 @@ def _fwd_fp8_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_
         d3 = tl.dot(qe3, tl.trans(ke3)) + tl.dot(qo3, tl.trans(ko3))
         if DS:
             # fp8_ds_mla: the tile scales multiply the scores per column, never the elements.
-            sp = (base + 512).to(tl.pointer_type(tl.float32))
-            sc0 = tl.load(sp, mask=valid, other=0.0)
-            sc1 = tl.load(sp + 1, mask=valid, other=0.0)
-            sc2 = tl.load(sp + 2, mask=valid, other=0.0)
-            sc3 = tl.load(sp + 3, mask=valid, other=0.0)
+            # the four tile scales of each row: one 16-byte load, split into [BN] columns
+            sc4 = tl.load((base + 512).to(tl.pointer_type(tl.float32))[:, None] + tl.arange(0, 4)[None, :],
+                          mask=vmask, other=0.0)
+            sc0, sc1, sc2, sc3 = _split4(sc4)
             sc = (d0 * sc0[None, :] + d1 * sc1[None, :] + d2 * sc2[None, :] + d3 * sc3[None, :]) * score_scale
             if ROPE:
                 kpe = tl.load((base + 528).to(tl.pointer_type(tl.bfloat16))[:, None] + tl.arange(0, 64)[None, :],
@@ -306,24 +325,33 @@ def _fwd_fp8_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_
         p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
         a2 = alpha[:, None]
         if DS:
-            # Value scales go into P as ratios <= 1 (fp16-safe; exact for the pow2 writer); the tile max
-            # multiplies the product.
-            mx0 = tl.maximum(tl.max(sc0), 1e-30)
-            mx1 = tl.maximum(tl.max(sc1), 1e-30)
-            mx2 = tl.maximum(tl.max(sc2), 1e-30)
-            mx3 = tl.maximum(tl.max(sc3), 1e-30)
+            # Value scales go into P as ratios <= 1 to the tile's largest scale mx (fp16-safe; exact for
+            # the pow2 writer).  Group g's accumulator holds its value divided by f_g, the previous
+            # tile's mx, so the rescale is one multiply by alpha * f_g / mx_g and the dot accumulates in
+            # place (no separate multiply-add of each dot by mx).  A tile without a positive scale
+            # (no valid row) keeps f_g.  One [4] reduction gives all four maxima.
+            mxr = tl.max(sc4, 0)
+            mx0, mx1, mx2, mx3 = _split4(tl.where(mxr > 0, mxr, _join4(f0, f1, f2, f3)))
             p0 = (p * (sc0 / mx0)[None, :]).to(tl.float16)
             p1 = (p * (sc1 / mx1)[None, :]).to(tl.float16)
             p2 = (p * (sc2 / mx2)[None, :]).to(tl.float16)
             p3 = (p * (sc3 / mx3)[None, :]).to(tl.float16)
-            ae0 = ae0 * a2 + tl.dot(p0, ke0) * mx0
-            ao0 = ao0 * a2 + tl.dot(p0, ko0) * mx0
-            ae1 = ae1 * a2 + tl.dot(p1, ke1) * mx1
-            ao1 = ao1 * a2 + tl.dot(p1, ko1) * mx1
-            ae2 = ae2 * a2 + tl.dot(p2, ke2) * mx2
-            ao2 = ao2 * a2 + tl.dot(p2, ko2) * mx2
-            ae3 = ae3 * a2 + tl.dot(p3, ke3) * mx3
-            ao3 = ao3 * a2 + tl.dot(p3, ko3) * mx3
+            r0 = a2 * (f0 / mx0)
+            r1 = a2 * (f1 / mx1)
+            r2 = a2 * (f2 / mx2)
+            r3 = a2 * (f3 / mx3)
+            ae0 = tl.dot(p0, ke0, ae0 * r0)
+            ao0 = tl.dot(p0, ko0, ao0 * r0)
+            ae1 = tl.dot(p1, ke1, ae1 * r1)
+            ao1 = tl.dot(p1, ko1, ao1 * r1)
+            ae2 = tl.dot(p2, ke2, ae2 * r2)
+            ao2 = tl.dot(p2, ko2, ao2 * r2)
+            ae3 = tl.dot(p3, ke3, ae3 * r3)
+            ao3 = tl.dot(p3, ko3, ao3 * r3)
+            f0 = mx0
+            f1 = mx1
+            f2 = mx2
+            f3 = mx3
         else:
             p16 = p.to(tl.float16)
             ae0 = tl.dot(p16, ke0, ae0 * a2)
@@ -339,14 +367,14 @@ def _fwd_fp8_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_
     if not DS:
         inv_l = inv_l * k_scale  # values were stored divided by k_scale
     il = inv_l[:, None]
-    _store_chunk(o_ptr, t, s, heads, hm, e, ae0 * il, stride_ot, stride_os, stride_oh)
-    _store_chunk(o_ptr, t, s, heads, hm, e + 1, ao0 * il, stride_ot, stride_os, stride_oh)
-    _store_chunk(o_ptr, t, s, heads, hm, e + 128, ae1 * il, stride_ot, stride_os, stride_oh)
-    _store_chunk(o_ptr, t, s, heads, hm, e + 129, ao1 * il, stride_ot, stride_os, stride_oh)
-    _store_chunk(o_ptr, t, s, heads, hm, e + 256, ae2 * il, stride_ot, stride_os, stride_oh)
-    _store_chunk(o_ptr, t, s, heads, hm, e + 257, ao2 * il, stride_ot, stride_os, stride_oh)
-    _store_chunk(o_ptr, t, s, heads, hm, e + 384, ae3 * il, stride_ot, stride_os, stride_oh)
-    _store_chunk(o_ptr, t, s, heads, hm, e + 385, ao3 * il, stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, e, ae0 * (il * f0), stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, e + 1, ao0 * (il * f0), stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, e + 128, ae1 * (il * f1), stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, e + 129, ao1 * (il * f1), stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, e + 256, ae2 * (il * f2), stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, e + 257, ao2 * (il * f2), stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, e + 384, ae3 * (il * f3), stride_ot, stride_os, stride_oh)
+    _store_chunk(o_ptr, t, s, heads, hm, e + 385, ao3 * (il * f3), stride_ot, stride_os, stride_oh)
     tl.store(lse_ptr + t.to(tl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=hm)
 
 

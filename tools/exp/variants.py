@@ -37,6 +37,11 @@ def build():
     # dot operand (it then converts once and moves the fp16 tile through shared memory for each dot)
     out["impure-fp8"] = fp8.replace("_fwd_fp8_kernel", "_v_impure_fp8")
     out["impure-nv"] = nv.replace("_fwd_nvfp4_kernel", "_v_impure_nv")
+    # an older library version of the fp8-family kernel (A/B in one process): SMLA_OLD_SRC = a copy of that
+    # version's sparse_attention.py
+    if os.environ.get("SMLA_OLD_SRC"):
+        old = open(os.environ["SMLA_OLD_SRC"]).read()
+        out["old-fp8"] = _section(old, "@triton.jit\ndef _fwd_fp8_kernel").replace("_fwd_fp8_kernel", "_v_old_fp8")
     header = src[:src.index("# --------------------------------------------------------------------------------------------------------\n# fp8 family")]
     mods = {}
     d = tempfile.mkdtemp(prefix="smla_variants_")
