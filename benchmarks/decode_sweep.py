@@ -112,7 +112,18 @@ def _plan_dsv2():
     return c
 
 
-PLANS = {"dsv2": _plan_dsv2, "s3b": _plan_s3b, "dense": _plan_dense, "h32": _plan_h32, "stages": _plan_stages}
+def _plan_occ():
+    """Few-heads FP8/FP4 kernels at D-h16 with a register cap and more splits (3-4 programs per SM)."""
+    c = []
+    for f in ("fp8_ds_mla", "fp8", "nvfp4_ds_mla"):
+        c.append(("D-h16", f, 128, 16, "base", None, None, None, None, None, None))
+        for sp, mr in ((3, 168), (3, 160), (4, 128), (2, 168)):
+            c.append(("D-h16", f, 128, 16, "base", 32, 4, 3, sp, None, mr))
+        c.append(("D-h16", f, 128, 16, "base", None, None, None, None, None, None))
+    return c
+
+
+PLANS = {"occ": _plan_occ, "dsv2": _plan_dsv2, "s3b": _plan_s3b, "dense": _plan_dense, "h32": _plan_h32, "stages": _plan_stages}
 
 
 def main():
