@@ -12,14 +12,14 @@ a constexpr block size (a shift for 64), not a 64-bit divide.
 Why this should run near copy bandwidth: per token it reads 1152 B (bf16 kv_c + k_pe) and writes
 288..1152 B, so 65,536 tokens are 98..151 MB, 23..36 us at the H200's ~4.2 TB/s; bf16, fp8 and
 fp8_ds_mla (rope and NoPE) measured 82-94 % of copy bandwidth (BENCHMARKS.md).  nvfp4 is the expensive
-one and stays at 51-59 %: the recipe's ``e2m1(x / sf)`` is done without dividing (``|x|`` against the
+one and stays at 52-55 %: the recipe's ``e2m1(x / sf)`` is done without dividing (``|x|`` against the
 exact decision points ``t * sf``, see ``_e2m1_codes``), and for bf16 input two values at a time in bf16x2
-(``_e2m1_bytes_bf16x2``); fp32 / fp16 input takes the one-value-at-a-time path.  Counted in the sm_90
-SASS (third session), the bf16-pair kernel is ~4,700 instructions per program of 16 tokens (~73 per
-element): Triton cannot see that the input rows are 16-byte aligned (``kv_stride // 2``), so it loads one
-word per instruction and spreads each 16-value block over 8 threads, and every thread recomputes the
-thresholds of 32 blocks.  With an alignment hint (``_config={"aligned": True}``, opt-in) the count drops
-to ~2,800; it has not been timed on the GPU yet.
+(``_e2m1_bytes_bf16x2``); fp32 / fp16 input takes the one-value-at-a-time path.  Nsight Compute on the
+H200 shows the ALU pipe 85 % busy.  Three instruction cuts did not change the time (fourth session): an
+alignment hint on 16-byte-aligned bf16 rows (on by default, ``_config={"aligned": False}`` turns it off;
+SASS 4,656 -> 2,784 per 16 tokens), 32-bit word stores instead of byte stores, ``max.bf16x2`` for the
+block amax.  The GPU default is the convert-instruction path (``set.*.bf16x2`` compares), 10-15 % faster
+than the exact integer compares there.
 
 Number conversions, and why there are two code paths (``EMULATE``):
   On the GPU, Triton lowers fp32 -> float8e4nv to ``cvt.rn.satfinite.e4m3x2.f32`` (round to nearest
@@ -224,8 +224,8 @@ def _e2m1_bytes_bf16x2(w, sf, EMULATE: tl.constexpr):
     The same decision points as ``_e2m1_codes`` (see there why ``|x|`` vs ``t * sf`` is exact), but
     both values of a pair are compared at once in bf16x2 (a bf16 input and the thresholds are exact
     in bf16), and the thresholds of the binary search are chosen with bit masks: ~18 instead of ~31
-    instructions per element for the whole kernel (sm_90 SASS), which keeps nvfp4 writes under the
-    memory time on the H200."""
+    instructions per element for the whole kernel (sm_90 SASS).  The write is still bound by the ALU pipe
+    on the H200 (module docstring)."""
     a = w & 0x7FFF7FFF
     t075 = _pair_threshold(sf, 0.75)
     t35 = _pair_threshold(sf, 3.5)

@@ -25,7 +25,8 @@ Number formats on the tensor cores (few-heads kernels), and why:
   per-token power of two (exact), which is divided back out of the scores.
 - fp8_ds_mla: the four per-128-dim fp32 tile scales are never applied per element.  QK is four 128-deep dots,
   each scaled per column (per row of the cache); for PV, P is multiplied per column by ``scale / tile_max``
-  (a ratio <= 1, exactly a power of two for the pow2 writer) and the dot by ``tile_max``.
+  (a ratio <= 1, exactly a power of two for the pow2 writer), and each group's accumulator is kept divided
+  by the previous tile's ``tile_max``, so the rescale stays one multiply and the dot accumulates in place.
 - nvfp4_ds_mla: an e2m1 value times its e4m3 block scale has at most 5 significant bits and lies in
   [2^-13, 2688], so the product is exact in fp16.  Byte k holds dims 2k (low nibble) and 2k+1 (high nibble):
   rather than interleaving them, the 512 dims are handled as an "even" and an "odd" half, each a 256-deep dot,
