@@ -15,7 +15,7 @@ from sparsemla.formats import _numerics as nm
 from sparsemla.kernels.cache_write import cache_write, k_scale_mode
 from sparsemla.kernels._runtime import interpreting
 
-from conversion_probe import probe_conversions
+from conversion_probe import every_bf16_amax, probe_conversions, probe_nvfp4_scales
 
 ALL = all_formats()
 ALL_IDS = [f.id for f in ALL]
@@ -284,6 +284,17 @@ def test_emulated_conversions_are_exact(device):
     same = (back == dec) | (torch.isnan(back) & torch.isnan(dec))
     assert bool(same.all())
     assert torch.equal(back.view(torch.int32)[dec == 0], dec.view(torch.int32)[dec == 0])   # signed zeros
+
+
+def test_nvfp4_scale_shortcut_on_every_bf16_amax(device):
+    """The bf16-pair path's block scale (``_nvfp4_scale_bf16``: a multiply and a ceiling on the bits)
+    equals the recipe's (``_nvfp4_scale``: correctly rounded amax / 6, e4m3 round trip, one code up) for
+    every non-negative bf16 amax, +inf included, in code and value."""
+    x = every_bf16_amax(device)
+    c1, s1, c2, s2 = probe_nvfp4_scales(x)
+    bad = (c1 != c2) | (s1 != s2)
+    assert not bool(bad.any()), f"{int(bad.sum())} mismatches, first amax {x[bad][:5].tolist()}"
+    assert int(c2.max()) == 0x7E and int(c2.min()) == 1     # saturates at 448; floor 2^-9
 
 
 def test_k_scale_mode():

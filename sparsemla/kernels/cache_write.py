@@ -208,11 +208,19 @@ def _bf16x2_max(a, b):
 
 
 @triton.jit
-def _pair_threshold(sf, t: tl.constexpr):
+def _pair_threshold(sf, t: tl.constexpr, T2: tl.constexpr, EMULATE: tl.constexpr):
     """``t * sf`` (exact, at most 7 significant bits, so exact in bf16 too) as a bf16 pair: uint32
-    ``[TOK, NB, 1]`` with the same bf16 in both halves."""
-    b = (sf * t).to(tl.uint32, bitcast=True) >> 16
-    return (b | (b << 16))[:, :, None]
+    ``[TOK, NB, 1]`` with the same bf16 in both halves.  ``T2`` is ``t`` as such a pair; on the GPU the
+    product is one ``mul.rn.bf16x2`` of the pair of ``sf`` (exact in bf16: 4 significant bits) by ``T2``
+    (the FMA pipe; the write is bound by the ALU pipe)."""
+    if EMULATE:
+        b = (sf * t).to(tl.uint32, bitcast=True) >> 16
+        return (b | (b << 16))[:, :, None]
+    else:
+        b = sf.to(tl.uint32, bitcast=True) >> 16
+        t2 = tl.full(b.shape, T2, tl.uint32)
+        return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [b | (b << 16), t2],
+                                         dtype=tl.uint32, is_pure=True, pack=1)[:, :, None]
 
 
 @triton.jit
@@ -227,14 +235,16 @@ def _e2m1_bytes_bf16x2(w, sf, EMULATE: tl.constexpr):
     instructions per element for the whole kernel (sm_90 SASS).  The write is still bound by the ALU pipe
     on the H200 (module docstring)."""
     a = w & 0x7FFF7FFF
-    t075 = _pair_threshold(sf, 0.75)
-    t35 = _pair_threshold(sf, 3.5)
-    m2 = _bf16x2_mask(a, _pair_threshold(sf, 1.75), False, EMULATE)          # bit 2: |x| >= 1.75 sf
+    t075 = _pair_threshold(sf, 0.75, 0x3F403F40, EMULATE)
+    t35 = _pair_threshold(sf, 3.5, 0x40604060, EMULATE)
+    # bit 2: |x| >= 1.75 sf
+    m2 = _bf16x2_mask(a, _pair_threshold(sf, 1.75, 0x3FE03FE0, EMULATE), False, EMULATE)
     m1 = _bf16x2_mask(a, t075 ^ ((t075 ^ t35) & m2), False, EMULATE)           # bit 1: >= 3.5 / 0.75 sf
-    t25 = _pair_threshold(sf, 2.5)
-    t025 = _pair_threshold(sf, 0.25)
-    hi = t25 ^ ((t25 ^ _pair_threshold(sf, 5.0)) & m1)                          # bit 0: > 5 / 2.5 sf
-    lo = t025 ^ ((t025 ^ _pair_threshold(sf, 1.25)) & m1)                       #        > 1.25 / 0.25 sf
+    t25 = _pair_threshold(sf, 2.5, 0x40204020, EMULATE)
+    t025 = _pair_threshold(sf, 0.25, 0x3E803E80, EMULATE)
+    # bit 0: > 5 / 2.5 sf (hi) or > 1.25 / 0.25 sf (lo)
+    hi = t25 ^ ((t25 ^ _pair_threshold(sf, 5.0, 0x40A040A0, EMULATE)) & m1)
+    lo = t025 ^ ((t025 ^ _pair_threshold(sf, 1.25, 0x3FA03FA0, EMULATE)) & m1)
     m0 = _bf16x2_mask(a, lo ^ ((lo ^ hi) & m2), True, EMULATE)
     # Each half: sign (bit 15 -> bit 3) | code bits; then the high half's nibble (bits 16..19) moves
     # next to the low one (bits 4..7).
@@ -273,6 +283,30 @@ def _store_words(rows_ptr, base, off: tl.constexpr, words, m2):
     """Store uint32 ``words [TOK, NW]`` at byte ``base + off`` of each row (rows and ``off`` 4-byte aligned)."""
     wp = (rows_ptr + base + off).to(tl.pointer_type(tl.uint32))
     tl.store(wp[:, None] + tl.arange(0, words.shape[1])[None, :], words, mask=m2)
+
+
+@triton.jit
+def _nvfp4_scale_bf16(amax):
+    """``_nvfp4_scale`` for a block amax that is a bf16 value (at most 8 significant bits), in ~15
+    instructions instead of ~60 (a correctly rounded division and the e4m3 round trips).
+
+    The recipe's code (round ``max(amax / 6, 2^-9)`` to e4m3, one code up if below) is the smallest e4m3
+    value >= that target, saturated at 448.  ``amax * C`` with C a little below 1/6 gives the same answer:
+    an exact multiple ``6 g`` of an e4m3 value g lands just below g (so the ceiling is g), and any other
+    bf16 amax is at least one bf16 step (2^-8 relative) away from ``6 g``, far more than C's error.  The
+    ceiling to 3 mantissa bits is an integer add-and-mask on the fp32 bits (normal e4m3) or
+    ``ceil(t * 512) / 512`` (subnormal e4m3, below 2^-6).  tests/test_cache_write.py compares it with
+    ``_nvfp4_scale`` on every positive bf16 value."""
+    t = tl.maximum(amax * 0.16666650772094727, 0.001953125)
+    tb = t.to(tl.uint32, bitcast=True)
+    cb = (tb + 0xFFFFF) & 0xFFF00000                        # ceil to 3 mantissa bits (carries into the exponent)
+    m = tl.math.ceil(tl.minimum(t, 0.015625) * 512.0)       # subnormal e4m3: m * 2^-9, m = 1..8
+    sub = t < 0.015625
+    code = tl.where(sub, m.to(tl.uint32), (cb >> 20) - 960)
+    sf = tl.where(sub, m * 0.001953125, cb.to(tl.float32, bitcast=True))
+    code = tl.minimum(code, 0x7E)
+    sf = tl.minimum(sf, 448.0)
+    return code.to(tl.uint8), sf
 
 
 # --------------------------------------------------------------------------------------------------
@@ -359,7 +393,7 @@ def _cache_write_kernel(
             else:
                 a2 = tl.reduce(a, 2, _bf16x2_max)                              # both halves' max, then one
                 amax_bits = tl.maximum(a2 & 0xFFFF, a2 >> 16)
-            sf_code, sf = _nvfp4_scale((amax_bits << 16).to(tl.float32, bitcast=True))
+            sf_code, sf = _nvfp4_scale_bf16((amax_bits << 16).to(tl.float32, bitcast=True))
             packed = tl.reshape(_e2m1_bytes_bf16x2(w3, sf, EMULATE), [TOK, 256]).to(tl.uint8)
         else:
             x = tl.load(kv_ptr + tok[:, None] * kv_stride + col[None, :], mask=m2, other=0.0).to(tl.float32)

@@ -28,7 +28,7 @@ from sparsemla.kernels.convert_indices import convert_indices_triton
 from sparsemla.kernels.staging import gather_topk_fp8, upconvert_context
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from conversion_probe import probe_conversions  # noqa: E402
+from conversion_probe import every_bf16_amax, probe_conversions, probe_nvfp4_scales  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -186,6 +186,15 @@ def _big_cache(fid):
     cache.rows.fill_(0xA5)
     assert cache.rows.numel() > 2 ** 31
     return cache
+
+
+def test_nvfp4_scale_shortcut_on_every_bf16_amax():
+    """The bf16-pair write's block-scale shortcut equals the recipe on every non-negative bf16 amax, on
+    the GPU's instructions (ceil, integer ops)."""
+    x = every_bf16_amax("cuda")
+    c1, s1, c2, s2 = probe_nvfp4_scales(x)
+    bad = (c1 != c2) | (s1 != s2)
+    assert not bool(bad.any()), f"{int(bad.sum())} mismatches, first amax {x[bad][:5].tolist()}"
 
 
 @pytest.mark.parametrize("fid", ALL_IDS)
