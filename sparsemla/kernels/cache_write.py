@@ -279,6 +279,14 @@ def _bytes_to_words(b, TOK: tl.constexpr, NW: tl.constexpr):
 
 
 @triton.jit
+def _quad_words(b):
+    """Byte values ``[..., 4]`` (0..255) -> little-endian uint32 words ``[...]``."""
+    b02, b13 = tl.split(tl.reshape(b.to(tl.uint32), b.shape[:-1] + [2, 2]))   # bytes (0, 2) and (1, 3)
+    lo, hi = tl.split(b02 | (b13 << 8))
+    return lo | (hi << 16)
+
+
+@triton.jit
 def _store_words(rows_ptr, base, off: tl.constexpr, words, m2):
     """Store uint32 ``words [TOK, NW]`` at byte ``base + off`` of each row (rows and ``off`` 4-byte aligned)."""
     wp = (rows_ptr + base + off).to(tl.pointer_type(tl.uint32))
@@ -375,7 +383,6 @@ def _cache_write_kernel(
             p16 = rows_ptr.to(tl.pointer_type(tl.uint16))
             tl.store(p16 + ((base + ROPE_OFF) // 2)[:, None] + rc[None, :], bf16_bits(r, EMULATE), mask=m2)
     else:  # nvfp4_ds_mla: 32 blocks of 16 e2m1 with an e4m3 scale (rounded up), e4m3 rope
-        bc = tl.arange(0, 256)
         if PAIRS:
             # uint32 word k = bf16 dims 2k (low half) and 2k+1 (high half) = exactly one output byte.
             kw = kv_ptr.to(tl.pointer_type(tl.uint32))
@@ -385,26 +392,36 @@ def _cache_write_kernel(
                 # one word per instruction and spreads each 16-value block over 8 threads, so every thread
                 # redid the block's thresholds for 32 blocks and reduced its amax with shuffles.
                 wrow = tl.multiple_of(wrow, 16)
-            w = tl.load(wrow[:, None] + bc[None, :], mask=m2, other=0)
-            w3 = tl.reshape(w, [TOK, 32, 8])
-            a = w3 & 0x7FFF7FFF
+            # A block of 16 values is 8 words; its two 16-byte halves are loaded as two [TOK, 32, 4] tensors
+            # of the same layout, so one thread holds a whole block and computes its amax, scale and
+            # thresholds once (from one [TOK, 256] load Triton gave each thread half a block: the block
+            # work done twice, and a shuffle for the amax).
+            boff = (tl.arange(0, 32) * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
+            m3 = live[:, None, None]
+            w_lo = tl.load(wrow[:, None, None] + boff, mask=m3, other=0)
+            w_hi = tl.load(wrow[:, None, None] + boff + 4, mask=m3, other=0)
+            a_lo = w_lo & 0x7FFF7FFF
+            a_hi = w_hi & 0x7FFF7FFF
             if EMULATE:
-                amax_bits = tl.max(tl.maximum(a & 0xFFFF, a >> 16), axis=2)   # bf16 bits of |x| max (ordered)
+                amax_bits = tl.maximum(tl.max(tl.maximum(a_lo & 0xFFFF, a_lo >> 16), axis=2),
+                                       tl.max(tl.maximum(a_hi & 0xFFFF, a_hi >> 16), axis=2))  # bf16 bits, ordered
             else:
-                a2 = tl.reduce(a, 2, _bf16x2_max)                              # both halves' max, then one
+                a2 = _bf16x2_max(tl.reduce(a_lo, 2, _bf16x2_max), tl.reduce(a_hi, 2, _bf16x2_max))
                 amax_bits = tl.maximum(a2 & 0xFFFF, a2 >> 16)
             sf_code, sf = _nvfp4_scale_bf16((amax_bits << 16).to(tl.float32, bitcast=True))
-            packed = tl.reshape(_e2m1_bytes_bf16x2(w3, sf, EMULATE), [TOK, 256]).to(tl.uint8)
+            # output word 2b (+1) = bytes 0-3 (4-7) of block b
+            words = tl.reshape(tl.join(_quad_words(_e2m1_bytes_bf16x2(w_lo, sf, EMULATE)),
+                                       _quad_words(_e2m1_bytes_bf16x2(w_hi, sf, EMULATE))), [TOK, 64])
         else:
             x = tl.load(kv_ptr + tok[:, None] * kv_stride + col[None, :], mask=m2, other=0.0).to(tl.float32)
             b3 = tl.reshape(x, [TOK, 32, 16])
             sf_code, sf = _nvfp4_scale(tl.max(tl.abs(b3), axis=2))  # [TOK, 32]
             codes = _e2m1_codes(b3, sf)
             lo, hi = tl.split(tl.reshape(codes, [TOK, 256, 2]))            # dim 2k low, 2k+1 high
-            packed = (lo | (hi << 4)).to(tl.uint8)
+            words = _bytes_to_words(lo | (hi << 4), TOK, 64)
         # Bytes go out as 32-bit words: stored one byte per instruction, the 44 stores per thread and their
         # address arithmetic kept the ALU pipe busy (85 % in Nsight Compute, fourth session).
-        _store_words(rows_ptr, base, 0, _bytes_to_words(packed, TOK, 64), m2)
+        _store_words(rows_ptr, base, 0, words, m2)
         if ROPE > 0:
             _store_words(rows_ptr, base, ROPE_OFF, _bytes_to_words(e4m3_codes(r, EMULATE), TOK, 16), m2)
         # Block b's scale goes to byte 8 * (b % 4) + b // 4: as [TOK, 8, 4] (b // 4, b % 4), transposed.
