@@ -12,14 +12,15 @@ a constexpr block size (a shift for 64), not a 64-bit divide.
 Why this should run near copy bandwidth: per token it reads 1152 B (bf16 kv_c + k_pe) and writes
 288..1152 B, so 65,536 tokens are 98..151 MB, 23..36 us at the H200's ~4.2 TB/s; bf16, fp8 and
 fp8_ds_mla (rope and NoPE) measured 82-94 % of copy bandwidth (BENCHMARKS.md).  nvfp4 is the expensive
-one and stays at 52-55 %: the recipe's ``e2m1(x / sf)`` is done without dividing (``|x|`` against the
-exact decision points ``t * sf``, see ``_e2m1_codes``), and for bf16 input two values at a time in bf16x2
-(``_e2m1_bytes_bf16x2``); fp32 / fp16 input takes the one-value-at-a-time path.  Nsight Compute on the
-H200 shows the ALU pipe 85 % busy.  Three instruction cuts did not change the time (fourth session): an
-alignment hint on 16-byte-aligned bf16 rows (on by default, ``_config={"aligned": False}`` turns it off;
-SASS 4,656 -> 2,784 per 16 tokens), 32-bit word stores instead of byte stores, ``max.bf16x2`` for the
-block amax.  The GPU default is the convert-instruction path (``set.*.bf16x2`` compares), 10-15 % faster
-than the exact integer compares there.
+one and reaches 65 % (NoPE 61 %): the recipe's ``e2m1(x / sf)`` is done without dividing (``|x|``
+against the exact decision points ``t * sf``, see ``_e2m1_codes``), and for bf16 input two values at a
+time in bf16x2 (``_e2m1_bytes_bf16x2``); fp32 / fp16 input takes the one-value-at-a-time path.  The kernel
+is bound by the ALU pipe (Nsight Compute, H200).  What paid (fourth session): the block scale of a bf16
+amax without a division (``_nvfp4_scale_bf16``) and one thread per 16-value block (two half-block loads of
+one layout), 44 -> 35.5 us.  What did not, alone: the alignment hint on 16-byte-aligned bf16 rows (on by
+default, ``_config={"aligned": False}`` turns it off) and 32-bit word stores.  The GPU default is the
+convert-instruction path (``set.*.bf16x2`` compares, ``mul.bf16x2`` thresholds), faster there than the
+exact integer compares.
 
 Number conversions, and why there are two code paths (``EMULATE``):
   On the GPU, Triton lowers fp32 -> float8e4nv to ``cvt.rn.satfinite.e4m3x2.f32`` (round to nearest
