@@ -59,6 +59,20 @@ def test_many_heads_wide_kernel(fmt, device):
     _check(out, lse, c, 0.07, ks)
 
 
+def test_plan_splits():
+    """Two programs per SM (132 SMs), splits of >= 2 tiles, up to 32; a lone program's worth of work
+    (b = 1) splits into 32-row tiles, up to 64 (the launcher caps at one tile of its own BLOCK_N)."""
+    from sparsemla.kernels.sparse_attention import plan_splits
+    assert plan_splits(128, 16, 2048, block_n=32) == 2
+    assert plan_splits(128, 128, 2048) == 1
+    assert plan_splits(4, 16, 2048, block_n=32) == 32
+    assert plan_splits(4, 128, 2048) == 16
+    assert plan_splits(1, 16, 2048, block_n=32) == 64
+    assert plan_splits(1, 128, 2048) == 64
+    assert plan_splits(1, 16, 64, block_n=32) == 2
+    assert plan_splits(1, 16, 8) == 1
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_split_kv_and_combine(splits, device):
     c = make_case("fp8_ds_mla", 3, 16, 96, device=device)

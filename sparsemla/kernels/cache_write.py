@@ -271,20 +271,17 @@ def _nvfp4_scale(amax):
 
 
 @triton.jit
-def _bytes_to_words(b, TOK: tl.constexpr, NW: tl.constexpr):
-    """Byte values (any integer type, 0..255) ``[TOK, 4 * NW]`` -> little-endian uint32 words ``[TOK, NW]``."""
-    q = tl.reshape(b.to(tl.uint32), [TOK, NW, 2, 2])      # (token, word, half, byte in half)
-    b_even, b_odd = tl.split(q)                            # bytes 0, 2 and 1, 3 of each word
-    lo, hi = tl.split(b_even | (b_odd << 8))               # halves 0 and 1
+def _quad_words(b):
+    """Byte values ``[..., 4]`` (any integer type, 0..255) -> little-endian uint32 words ``[...]``."""
+    b02, b13 = tl.split(tl.reshape(b.to(tl.uint32), b.shape[:-1] + [2, 2]))   # bytes (0, 2) and (1, 3)
+    lo, hi = tl.split(b02 | (b13 << 8))                                       # halves 0 and 1
     return lo | (hi << 16)
 
 
 @triton.jit
-def _quad_words(b):
-    """Byte values ``[..., 4]`` (0..255) -> little-endian uint32 words ``[...]``."""
-    b02, b13 = tl.split(tl.reshape(b.to(tl.uint32), b.shape[:-1] + [2, 2]))   # bytes (0, 2) and (1, 3)
-    lo, hi = tl.split(b02 | (b13 << 8))
-    return lo | (hi << 16)
+def _bytes_to_words(b, TOK: tl.constexpr, NW: tl.constexpr):
+    """Byte values ``[TOK, 4 * NW]`` -> little-endian uint32 words ``[TOK, NW]``."""
+    return _quad_words(tl.reshape(b, [TOK, NW, 4]))
 
 
 @triton.jit
@@ -481,9 +478,8 @@ def cache_write(rows: torch.Tensor, fmt, kv_c: torch.Tensor, k_pe: Optional[torc
     # bf16 pairs as uint32 words need an even row stride and a 4-byte aligned start.
     pairs = (fmt.name == "nvfp4_ds_mla" and kv_c.dtype == torch.bfloat16 and kv_c.stride(0) % 2 == 0
              and kv_c.data_ptr() % 4 == 0 and cfg.get("pairs", True))
-    # 16-byte aligned rows (stride a multiple of 8 bf16, 16-byte aligned start) get the alignment hint:
-    # sm_90 SASS 4656 -> 2784 instructions per program of 16 tokens.  ``_config={"aligned": False}`` turns
-    # it off (the benchmark's ``no_hint`` comparison).
+    # 16-byte aligned rows (stride a multiple of 8 bf16, 16-byte aligned start) get the alignment hint
+    # (16-byte loads).  ``_config={"aligned": False}`` turns it off (the benchmark's ``no_hint`` comparison).
     aligned = pairs and kv_c.stride(0) % 8 == 0 and kv_c.data_ptr() % 16 == 0 and cfg.get("aligned", True)
     emulate = use_emulation(_emulate)
     grid = (triton.cdiv(n, cfg["TOK"]),)
