@@ -271,17 +271,21 @@ def _nvfp4_scale(amax):
 
 
 @triton.jit
-def _quad_words(b):
-    """Byte values ``[..., 4]`` (any integer type, 0..255) -> little-endian uint32 words ``[...]``."""
-    b02, b13 = tl.split(tl.reshape(b.to(tl.uint32), b.shape[:-1] + [2, 2]))   # bytes (0, 2) and (1, 3)
-    lo, hi = tl.split(b02 | (b13 << 8))                                       # halves 0 and 1
+def _bytes_to_words(b, TOK: tl.constexpr, NW: tl.constexpr):
+    """Byte values (any integer type, 0..255) ``[TOK, 4 * NW]`` -> little-endian uint32 words ``[TOK, NW]``."""
+    q = tl.reshape(b.to(tl.uint32), [TOK, NW, 2, 2])      # (token, word, half, byte in half)
+    b_even, b_odd = tl.split(q)                            # bytes 0, 2 and 1, 3 of each word
+    lo, hi = tl.split(b_even | (b_odd << 8))               # halves 0 and 1
     return lo | (hi << 16)
 
 
 @triton.jit
-def _bytes_to_words(b, TOK: tl.constexpr, NW: tl.constexpr):
-    """Byte values ``[TOK, 4 * NW]`` -> little-endian uint32 words ``[TOK, NW]``."""
-    return _quad_words(tl.reshape(b, [TOK, NW, 4]))
+def _quad_words(b):
+    """Byte values ``[..., 4]`` (0..255) -> little-endian uint32 words ``[...]`` (the packing of
+    ``_bytes_to_words``, on a trailing dim of 4)."""
+    b02, b13 = tl.split(tl.reshape(b.to(tl.uint32), b.shape[:-1] + [2, 2]))   # bytes (0, 2) and (1, 3)
+    lo, hi = tl.split(b02 | (b13 << 8))
+    return lo | (hi << 16)
 
 
 @triton.jit
