@@ -63,8 +63,10 @@ _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 WRITE_TOKENS_PER_PROGRAM = 8
 WRITE_NUM_WARPS = 4
 # Per-format overrides chosen with ``benchmarks/bench_movement.py --sweep`` on the H200 (2026-11-29, % of
-# copy bandwidth, default -> tuned): fp8 52 -> 77 % (8 warps: more stores in flight for the short rows),
-# nvfp4 33 -> 46 % and nvfp4-nope 24 -> 51 % (16 tokens per program, the bit-exact integer path).
+# copy bandwidth, default -> tuned, first session's flush): fp8 52 -> 77 % (8 warps: more stores in flight
+# for the short rows), nvfp4 33 -> 46 % and nvfp4-nope 24 -> 51 % (16 tokens per program).  The fourth
+# session's NVFP4 kernel was timed at 16 tokens / 4 warps (65 %) against 8/2, 8/4, 16/8 and 32/8 (within
+# noise or slower).
 WRITE_TUNED = {"fp8": {"num_warps": 8}, "nvfp4_ds_mla": {"TOK": 16, "num_warps": 4}}
 
 
