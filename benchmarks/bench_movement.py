@@ -93,7 +93,6 @@ def write_workload(fmt, n=65536, seed=0, pattern="scatter"):
     if fmt.name == "nvfp4_ds_mla":     # the fp32 (non-pair) path, for comparison
         extra["fp32_path"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0,
                                                     _config={"pairs": False})
-        extra["cvt_path"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0, _emulate=False)
         extra["int_path"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0, _emulate=True)
         for tok, w in ((8, 4), (8, 2), (32, 8), (16, 8)):
             extra[f"cvt_tok{tok}_w{w}"] = (lambda tok=tok, w=w: cw.cache_write(

@@ -19,6 +19,7 @@ from decode_sweep import build, heavy, time_fn  # noqa: E402
 
 from sparsemla.formats import get_format  # noqa: E402
 from sparsemla.kernels import sparse_attention as sa  # noqa: E402
+from sparsemla.reference import sparse_mla  # noqa: E402
 
 SM = 576 ** -0.5
 
@@ -74,7 +75,6 @@ def main():
                             graph_call(fmt, cache, idx[:1], h, shape)
                             continue
                         fn, q, out = graph_call(fmt, cache, idx, h, shape)
-                        from sparsemla.reference import sparse_mla
                         ro, _ = sparse_mla(q[:1].double(), cache, idx[:1], SM)
                         row["rel_err"] = ((out[:1].double() - ro).norm() / ro.norm()).item()
                         row["us"] = time_fn(fn, reps=50, warmup=3)

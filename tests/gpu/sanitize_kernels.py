@@ -18,6 +18,22 @@ from sparsemla.kernels.sparse_attention import sparse_mla_fwd, sparse_mla_fwd_st
 from sparsemla.kernels.staging import gather_topk_fp8, upconvert_context  # noqa: E402
 
 
+def write_into_last_rows(fid: str, strided: bool = False):
+    """Cache writes into the last rows of an exactly sized cache: 21 tokens (not a multiple of the kernel's
+    tokens per program), one skipped, bf16 and fp32 input (the word-store and pair paths); ``strided``
+    adds a row-strided input (the kv_c / k_pe slices of a fused [N, 576] projection)."""
+    f = get_format(fid)
+    small = PagedKVCache(f, 2, 64, "cuda")
+    slots = torch.tensor([127 - i for i in range(20)] + [-1], dtype=torch.int32, device="cuda")
+    for dt in (torch.bfloat16, torch.float32):
+        kv = torch.randn(21, 512, device="cuda").to(dt)
+        pe = torch.randn(21, f.rope_dim, device="cuda").to(dt) if f.rope_dim else None
+        small.write(kv, pe, slots)
+        if strided:
+            big = torch.randn(21, 576, device="cuda").to(dt)
+            small.write(big[:, :512], big[:, 512:] if f.rope_dim else None, slots)
+
+
 def main():
     for fmt in ["bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "fp8_ds_mla-nope", "nvfp4_ds_mla-nope"]:
         for heads, splits in [(20, 2), (70, 1)]:
@@ -32,15 +48,7 @@ def main():
                         c["cache"].block_stride_rows, True, compact=True)
         seq = torch.tensor([256, 100, 1], device="cuda", dtype=torch.int32)
         upconvert_context(c["cache"].rows, c["fmt"], bt, seq, 64, c["cache"].block_stride_rows)
-        # cache writes into the last rows of an exactly sized cache: 21 tokens (not a multiple of the
-        # kernel's tokens per program), one skipped, bf16 and fp32 input (the word-store and pair paths)
-        f = get_format(fmt)
-        small = PagedKVCache(f, 2, 64, "cuda")
-        slots = torch.tensor([127 - i for i in range(20)] + [-1], dtype=torch.int32, device="cuda")
-        for dt in (torch.bfloat16, torch.float32):
-            kv = torch.randn(21, 512, device="cuda").to(dt)
-            pe = torch.randn(21, f.rope_dim, device="cuda").to(dt) if f.rope_dim else None
-            small.write(kv, pe, slots)
+        write_into_last_rows(fmt)
         torch.cuda.synchronize()
         print("ok", fmt, flush=True)
 
