@@ -90,7 +90,7 @@ def write_workload(fmt, n=65536, seed=0, pattern="scatter"):
     def run(cfg):
         return lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0, _config=cfg)
     extra = {}
-    if fmt.name == "nvfp4_ds_mla":     # the fp32 (non-pair) path, for comparison
+    if fmt.name == "nvfp4_ds_mla":     # the other NVFP4 paths and tilings, for comparison
         extra["fp32_path"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0,
                                                     _config={"pairs": False})
         extra["int_path"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0, _emulate=True)
