@@ -37,6 +37,7 @@ Under the Triton interpreter ``tl.dot`` on bf16 operands is wrong (it multiplies
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -45,6 +46,11 @@ import triton.language as tl
 
 from ..formats import KVFormat, get_format
 from ._runtime import interpreting
+
+try:  # the warp-specialized bf16 kernel needs Gluon (Triton >= 3.5); without it the Triton kernels serve
+    from . import ws_attention as _ws
+except ImportError:  # pragma: no cover
+    _ws = None
 
 LOG2E = 1.4426950408889634
 V_DIM = 512
@@ -771,9 +777,20 @@ def _check_common(q, indices, valid_counts, out, lse, head_dim):
         raise ValueError(f"lse: expected float32 [{t}, {q.shape[1]}], got {lse.dtype} {tuple(lse.shape)}")
 
 
+def _ws_ok(q, kv, kind, num_heads, ws_kernel) -> bool:
+    """Whether the warp-specialized Gluon kernel takes this wide-kernel call (bf16 rows on sm_90; never
+    under the interpreter).  ``ws_kernel``: None = when supported (unless SPARSEMLA_WS=0 is set), False =
+    never, True or a ``ws_attention.CONFIGS`` name = when supported."""
+    if _ws is None or interpreting():
+        return False
+    if ws_kernel is None and os.environ.get("SPARSEMLA_WS", "1") == "0":
+        return False
+    return _ws.supported(q, kv, kind, num_heads)
+
+
 def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_scale, out, lse, num_splits,
             split_buffers, block_n, num_warps, num_stages, head_block_size=None, kernel=None, fp8_family=False,
-            maxnreg=None):
+            maxnreg=None, ws_kernel=None):
     t, h, _ = q.shape
     k = indices.shape[1]
     dev = q.device
@@ -830,6 +847,9 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
                      DS=kind == "fp8_ds_mla", STAGED=False, ROPE=rope, **common)
     elif kernel is not None:
         kernel[grid](*args, h, k, rows_per_split, num_splits, BPT=fmt.bytes_per_token, ROPE=rope, **common)
+    elif wide and hb == 64 and ws_kernel is not False and _ws_ok(q, kv, kind, h, ws_kernel):
+        _ws.launch(grid, args + (h, k, rows_per_split, num_splits), fmt.bytes_per_token, rope, ng,
+                   valid_counts is not None, config=ws_kernel if isinstance(ws_kernel, str) else None)
     elif wide:
         _fwd_wide_kernel[grid](*args, float(k_scale), h, k, rows_per_split, num_splits, BPT=fmt.bytes_per_token,
                                KIND=_WIDE_KIND[kind], STAGED=kind == "staged", ROPE=rope, **common)
