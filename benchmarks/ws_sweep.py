@@ -64,9 +64,9 @@ def main(argv=None):
                     else:
                         err = ((o.float() - ref[0]).norm() / ref[0].norm()).item()
                     tm = time_fn(fn, device="cuda", reps=a.reps, warmup=3)
-                    us = tm.median * 1e6
+                    us = tm.median_s * 1e6
                     row = dict(shape=name, rope=rope, config=cfg, splits=splits, us=round(us, 1),
-                               tflops=round(flops / tm.median / 1e12, 1), rel_diff_vs_triton=err)
+                               tflops=round(flops / tm.median_s / 1e12, 1), rel_diff_vs_triton=err)
                 except Exception as e:  # keep going: one failing configuration should not hide the others
                     row = dict(shape=name, rope=rope, config=cfg, error=repr(e)[:400])
                 results.append(row)
