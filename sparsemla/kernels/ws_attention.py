@@ -58,7 +58,8 @@ def _coords(H, K, vc_ptr, rows_per_split, num_splits, NG: gl.constexpr, HAS_VC: 
 @gluon.jit
 def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits,
               q_smem, qr_smem, k_smem, kr_smem, q_bar, ready, empty,
-              BPT: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
+              BPT: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
+              GATHER: gl.constexpr):
     """Gather q and then each tile's rows into shared memory with cp.async (4 warps)."""
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     # 8 bf16 (16 bytes) per thread and copy, 4 threads across a row's 64-dim chunk, 8 rows per warp.
@@ -89,10 +90,11 @@ def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H
         # Invalid rows are zero-filled (cp.async with source size 0) from row 0's address.
         base = gl.multiple_of(kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * BPT, 16).to(gl.pointer_type(gl.bfloat16))
         mbarrier.wait(empty.index(b), phase ^ 1)  # the consumers are done with this buffer
-        async_copy.async_copy_global_to_shared(k_smem.index(b), base[:, None] + d[None, :], mask=valid[:, None])
-        if ROPE:
-            async_copy.async_copy_global_to_shared(kr_smem.index(b), base[:, None] + 512 + dr[None, :],
-                                                   mask=valid[:, None])
+        if GATHER:
+            async_copy.async_copy_global_to_shared(k_smem.index(b), base[:, None] + d[None, :], mask=valid[:, None])
+            if ROPE:
+                async_copy.async_copy_global_to_shared(kr_smem.index(b), base[:, None] + 512 + dr[None, :],
+                                                       mask=valid[:, None])
         async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
 
 
@@ -219,9 +221,10 @@ def ws_bf16_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_p
                    o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                    sm_scale_log2, H, K, rows_per_split, num_splits,
                    BPT: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-                   BN: gl.constexpr, NBUF: gl.constexpr, PIPE: gl.constexpr):
+                   BN: gl.constexpr, NBUF: gl.constexpr, PIPE: gl.constexpr, GATHER: gl.constexpr = True):
     """One program = one query token x 64 heads x one split.  Arguments as ``_fwd_wide_kernel`` (bf16 rows,
-    BPT 1152 with rope, 1024 without); launch with num_warps=8 (the consumers) and maxnreg=168."""
+    BPT 1152 with rope, 1024 without); launch with num_warps=8 (the consumers) and maxnreg=168.
+    GATHER=False skips the row copies (wrong results; a benchmark-only probe of the consumers' own speed)."""
     big: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
     small: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     k_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 512], gl.bfloat16)
@@ -248,7 +251,8 @@ def ws_bf16_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_p
                      idx_ptr, stride_it, vc_ptr, sm_scale_log2, H, K, rows_per_split, num_splits,
                      q_smem, qr_smem, k_smem, kr_smem, p_smem, q_bar, ready, empty, ROPE, NG, HAS_VC, PIPE)),
         (_producer, (q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split,
-                     num_splits, q_smem, qr_smem, k_smem, kr_smem, q_bar, ready, empty, BPT, ROPE, NG, HAS_VC)),
+                     num_splits, q_smem, qr_smem, k_smem, kr_smem, q_bar, ready, empty, BPT, ROPE, NG, HAS_VC,
+                     GATHER)),
     ], [4], [PRODUCER_REGS])
 
 
@@ -266,12 +270,15 @@ def supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) -> b
 # (BN, NBUF, PIPE) of the default configuration; the alternatives are kept for benchmarks/ws_sweep.py.
 CONFIGS = {"bn64": (64, 2, False), "bn32": (32, 4, False), "bn32p": (32, 4, True)}
 DEFAULT = "bn64"
+# benchmark-only probes (wrong results): the default configuration without the row gathers
+PROBES = {"bn64-nogather": (64, 2, False)}
 
 
 def launch(grid, args, bytes_per_token: int, rope: int, num_groups: int, has_vc: bool, config: str = None):
     """Launch ``ws_bf16_kernel`` with ``_fwd_wide_kernel``'s positional arguments (without k_scale)."""
-    bn, nbuf, pipe = CONFIGS[config or DEFAULT]
+    gather = config not in PROBES
+    bn, nbuf, pipe = CONFIGS[config or DEFAULT] if gather else PROBES[config]
     # 8 consumer warps + 4 producer warps at launch: 12 x 32 x 168 registers fill the register file; the
     # partitions then re-balance with setmaxnreg (producer 56, consumers 224-240).
     ws_bf16_kernel[grid](*args, BPT=bytes_per_token, ROPE=rope, NG=num_groups, HAS_VC=has_vc, BN=bn, NBUF=nbuf,
-                         PIPE=pipe, num_warps=8, maxnreg=168)
+                         PIPE=pipe, GATHER=gather, num_warps=8, maxnreg=168)
