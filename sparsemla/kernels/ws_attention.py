@@ -268,7 +268,7 @@ def supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) -> b
 
 
 # (BN, NBUF, PIPE) of the default configuration; the alternatives are kept for benchmarks/ws_sweep.py.
-CONFIGS = {"bn64": (64, 2, False), "bn32": (32, 4, False), "bn32p": (32, 4, True)}
+CONFIGS = {"bn64": (64, 2, False), "bn32": (32, 4, False), "bn32p": (32, 4, True), "pair": None}
 DEFAULT = "bn64"
 # benchmark-only probes (wrong results): the default configuration without the row gathers
 PROBES = {"bn64-nogather": (64, 2, False)}
@@ -276,8 +276,14 @@ PROBES = {"bn64-nogather": (64, 2, False)}
 
 def launch(grid, args, bytes_per_token: int, rope: int, num_groups: int, has_vc: bool, config: str = None):
     """Launch ``ws_bf16_kernel`` with ``_fwd_wide_kernel``'s positional arguments (without k_scale)."""
+    config = config or DEFAULT
+    if config == "pair":  # sparsemla/kernels/ws_pair.py: warpgroup-owned blocks
+        from .ws_pair import ws_pair_kernel
+        ws_pair_kernel[grid](*args, BPT=bytes_per_token, ROPE=rope, NG=num_groups, HAS_VC=has_vc, num_warps=4,
+                             maxnreg=168)
+        return
     gather = config not in PROBES
-    bn, nbuf, pipe = CONFIGS[config or DEFAULT] if gather else PROBES[config]
+    bn, nbuf, pipe = CONFIGS[config] if gather else PROBES[config]
     # 8 consumer warps + 4 producer warps at launch: 12 x 32 x 168 registers fill the register file; the
     # partitions then re-balance with setmaxnreg (producer 56, consumers 224-240).
     ws_bf16_kernel[grid](*args, BPT=bytes_per_token, ROPE=rope, NG=num_groups, HAS_VC=has_vc, BN=bn, NBUF=nbuf,

@@ -1,0 +1,351 @@
+"""Warp-specialized sparse MLA forward, "pair" schedule: each consumer warpgroup owns every other 64-row
+block (bf16 rows, 64 heads per program; Hopper only; Gluon).
+
+The first Gluon kernel (``ws_attention.ws_bf16_kernel``) has both consumer warpgroups share each 64-row
+tile: S is split 32/32 by keys (wgmma m64n32, both warpgroups reading all of q from shared memory for 32
+keys each), and the row max and P cross between them every tile.  Here the two warpgroups take different
+blocks, two at a time (block 2i -> warpgroup 0, block 2i+1 -> warpgroup 1):
+
+- QK: each warpgroup computes S for its own 64 rows (wgmma m64n64): half the q traffic per key;
+- softmax: warpgroup 0 publishes its block's new row max, warpgroup 1 folds in its own and publishes the
+  pair's max, warpgroup 0 rescales its P to it (one multiply, no second exp);
+- PV: warpgroup 0 owns output columns 0-255, warpgroup 1 columns 256-511; each multiplies its own P from
+  registers with its own block's V columns, and the other warpgroup's P (through shared memory) with the
+  other block's V columns;
+- each block's buffer is split into a left (dims 0-255) and a right (256-511 + rope) half with their own
+  ready/free mbarriers, so the producer refills a half as soon as its last reader is done: the left half
+  of block 0 and the right half of block 1 are free after the owner's local PV, the other two after the
+  other warpgroup's remote PV.  P of warpgroup 0 is written over block 0's rope part (read only by QK).
+- a producer warpgroup (4 warps) loads the indices and gathers the halves with cp.async.
+
+Shared memory: q 72 KB + 2 blocks x 72 KB + P of warpgroup 1 (8 KB) = 224 KB (the same without rope: the
+rope buffers then hold only P0); one program per SM.  The
+schedule follows the one FlashMLA's SM90 sparse prefill kernel describes (warpgroup-owned blocks, max
+hand-off, split V columns); the code is written here for Gluon.
+
+Same arguments and output contract as ``sparse_attention._fwd_wide_kernel`` (bf16 rows, no k_scale).
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+from .ws_attention import _coords
+
+_NEG_BIG = gl.constexpr(-1.0e30)  # finite "minus infinity" for the running max
+
+
+@gluon.jit
+def _copy(dst, row_ptr, col0: gl.constexpr, NCOL: gl.constexpr, valid, lay: gl.constexpr):
+    """cp.async rows [64] x columns col0..col0+NCOL of bf16 rows into dst; invalid rows zero-filled."""
+    c = gl.arange(0, NCOL, layout=gl.SliceLayout(0, lay))
+    async_copy.async_copy_global_to_shared(dst, row_ptr[:, None] + col0 + c[None, :], mask=valid[:, None])
+
+
+@gluon.jit
+def _block_rows(idx_row, p0, k_end, kv_ptr, BPT: gl.constexpr, rows_l: gl.constexpr):
+    offs = p0 + gl.arange(0, 64, layout=rows_l)
+    idx = gl.load(idx_row + offs, mask=offs < k_end, other=-1)
+    valid = idx >= 0
+    base = gl.multiple_of(kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * BPT, 16)
+    return base.to(gl.pointer_type(gl.bfloat16)), valid
+
+
+@gluon.jit
+def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits,
+              smem, bars, BPT: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
+    """q once, then per pair of blocks: left half of block 0, right half of block 1 (both freed early),
+    right half of block 0, left half of block 1 (freed after the other warpgroup's remote PV)."""
+    qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1 = smem
+    q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar = bars
+    t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, lay)
+    heads = g * 64 + gl.arange(0, 64, layout=rows_l)
+    hm = heads < H
+    q_row = gl.multiple_of(q_ptr + t.to(gl.int64) * stride_qt + gl.where(hm, heads, 0).to(gl.int64) * stride_qh, 16)
+    _copy(qL, q_row, 0, 256, hm, lay)
+    _copy(qR, q_row, 256, 256, hm, lay)
+    if ROPE:
+        _copy(qE, q_row, 512, 64, hm, lay)
+    async_copy.mbarrier_arrive(q_bar, increment_count=False)
+
+    n_pairs = gl.cdiv(gl.cdiv(k_end - k_begin, 64), 2)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    for i in range(n_pairs):
+        ph = (i & 1) ^ 1  # fresh mbarriers complete phase "1" at once: the first waits pass
+        r0, v0 = _block_rows(idx_row, k_begin + i * 128, k_end, kv_ptr, BPT, rows_l)
+        r1, v1 = _block_rows(idx_row, k_begin + i * 128 + 64, k_end, kv_ptr, BPT, rows_l)
+        mbarrier.wait(free_l.index(0), ph)
+        _copy(kL.index(0), r0, 0, 256, v0, lay)
+        async_copy.mbarrier_arrive(ready_l.index(0), increment_count=False)
+        mbarrier.wait(free_r.index(1), ph)
+        _copy(kR.index(1), r1, 256, 256, v1, lay)
+        if ROPE:
+            _copy(kE.index(1), r1, 512, 64, v1, lay)
+        async_copy.mbarrier_arrive(ready_r.index(1), increment_count=False)
+        mbarrier.wait(free_r.index(0), ph)
+        _copy(kR.index(0), r0, 256, 256, v0, lay)
+        if ROPE:
+            _copy(kE.index(0), r0, 512, 64, v0, lay)
+        async_copy.mbarrier_arrive(ready_r.index(0), increment_count=False)
+        mbarrier.wait(free_l.index(1), ph)
+        _copy(kL.index(1), r1, 0, 256, v1, lay)
+        async_copy.mbarrier_arrive(ready_l.index(1), increment_count=False)
+
+
+@gluon.jit
+def _qk_half(q_part, k_part, sc, use_acc):
+    return warpgroup_mma(q_part, k_part.permute((1, 0)), sc, use_acc=use_acc, is_async=True)
+
+
+@gluon.jit
+def _masked_scores(sc, idx_row, p0, k_end, sm_scale_log2, cols_l: gl.constexpr):
+    offs = p0 + gl.arange(0, 64, layout=cols_l)
+    valid = gl.load(idx_row + offs, mask=offs < k_end, other=-1) >= 0
+    return gl.where(valid[None, :], sc * sm_scale_log2, float("-inf"))
+
+
+@gluon.jit
+def _vec_store(buf, v):
+    buf.store(v)
+    gl.thread_barrier()  # the whole warpgroup wrote before its one thread arrives
+
+
+@gluon.jit
+def _epilogue(acc, l_i, m_i, col0: gl.constexpr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt,
+              stride_ls, stride_lh, t, s, g, H, WRITE_LSE: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+    srow_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    has = l_i > 0
+    inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
+    heads = g * 64 + gl.arange(0, 64, layout=orow_l)
+    cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, o_layout))
+    o = acc * gl.convert_layout(inv_l, orow_l)[:, None]
+    optr = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[:, None] * stride_oh + cols[None, :]
+    gl.store(optr, o.to(o_ptr.dtype.element_ty), mask=(heads < H)[:, None])
+    if WRITE_LSE:
+        lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        lh = g * 64 + gl.arange(0, 64, layout=srow_l)
+        gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + lh * stride_lh, lse, mask=lh < H)
+
+
+@gluon.jit
+def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
+         idx_ptr, stride_it, vc_ptr, sm_scale_log2, H, K, rows_per_split, num_splits, smem, bars,
+         ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
+    """Warpgroup 0: blocks 2i, output columns 0-255."""
+    qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1 = smem
+    q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar = bars
+    t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    srow_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+    sS0 = kE.index(0)
+
+    s_zero = gl.zeros([64, 64], gl.float32, s_layout)
+    m_i = gl.full([64], _NEG_BIG, gl.float32, srow_l)
+    l_i = gl.zeros([64], gl.float32, srow_l)
+    acc = gl.zeros([64, 256], gl.float32, o_layout)
+    n_pairs = gl.cdiv(gl.cdiv(k_end - k_begin, 64), 2)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    mbarrier.wait(q_bar, 0)
+    if n_pairs > 0:
+        mbarrier.wait(ready_l.index(0), 0)
+        fence_async_shared()
+        sc = _qk_half(qL, kL.index(0), s_zero, False)
+        mbarrier.wait(ready_r.index(0), 0)
+        fence_async_shared()
+        sc = _qk_half(qR, kR.index(0), sc, True)
+        if ROPE:
+            sc = _qk_half(qE, kE.index(0), sc, True)
+        sc = warpgroup_mma_wait(0, deps=(sc,))
+    else:
+        sc = s_zero
+    for i in range(n_pairs):
+        ph = i & 1
+        sc = _masked_scores(sc, idx_row, k_begin + i * 128, k_end, sm_scale_log2, gl.SliceLayout(0, s_layout))
+        m_new = gl.maximum(m_i, gl.max(sc, 1))
+        _vec_store(sM0, m_new)
+        mbarrier.arrive(m0_bar, count=1)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+        # local PV: P0 (registers) x block 0's V columns 0-255
+        acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_op), kL.index(0), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        gl.thread_barrier()
+        mbarrier.arrive(free_l.index(0), count=1)
+        # the pair's max from warpgroup 1; rescale P0, the accumulator and l to it
+        mbarrier.wait(m1_bar, ph)
+        m_fin = sM1.load(srow_l)
+        f = gl.exp2(m_new - m_fin)
+        p = p * f[:, None]
+        l_i = l_i * f
+        acc = acc * gl.convert_layout(f, orow_l)[:, None]
+        m_i = m_fin
+        sS0.store(p.to(gl.bfloat16))  # over block 0's rope part: QK is done with it
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(p0_bar, count=1)
+        # remote PV: P1 (shared memory) x block 1's V columns 0-255
+        mbarrier.wait(p1_bar, ph)
+        if i + 1 < n_pairs:
+            acc = warpgroup_mma(sS1, kL.index(1), acc, is_async=True)
+            # next block's QK behind the remote PV
+            mbarrier.wait(ready_l.index(0), ph ^ 1)
+            fence_async_shared()
+            sc = _qk_half(qL, kL.index(0), s_zero, False)
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            gl.thread_barrier()
+            mbarrier.arrive(free_l.index(1), count=1)
+            mbarrier.wait(ready_r.index(0), ph ^ 1)
+            fence_async_shared()
+            sc = _qk_half(qR, kR.index(0), sc, True)
+            if ROPE:
+                sc = _qk_half(qE, kE.index(0), sc, True)
+            sc, acc = warpgroup_mma_wait(0, deps=(sc, acc))
+        else:
+            acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(sS1, kL.index(1), acc, is_async=True),))
+            gl.thread_barrier()
+            mbarrier.arrive(free_l.index(1), count=1)
+    # the row sums of both warpgroups
+    _vec_store(sL0, l_i)
+    mbarrier.arrive(l0_bar, count=1)
+    mbarrier.wait(l1_bar, 0)
+    l_tot = l_i + sL1.load(srow_l)
+    _epilogue(acc, l_tot, m_i, 0, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
+              t, s, g, H, False)
+
+
+@gluon.jit
+def _wg1(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
+         idx_ptr, stride_it, vc_ptr, sm_scale_log2, H, K, rows_per_split, num_splits, smem, bars,
+         ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
+    """Warpgroup 1: blocks 2i + 1, output columns 256-511, and the lse."""
+    qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1 = smem
+    q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar = bars
+    t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    srow_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+    sS0 = kE.index(0)
+
+    s_zero = gl.zeros([64, 64], gl.float32, s_layout)
+    m_i = gl.full([64], _NEG_BIG, gl.float32, srow_l)
+    l_i = gl.zeros([64], gl.float32, srow_l)
+    acc = gl.zeros([64, 256], gl.float32, o_layout)
+    n_pairs = gl.cdiv(gl.cdiv(k_end - k_begin, 64), 2)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    mbarrier.wait(q_bar, 0)
+    for i in range(n_pairs):
+        ph = i & 1
+        mbarrier.wait(ready_r.index(1), ph)
+        fence_async_shared()
+        sc = _qk_half(qR, kR.index(1), s_zero, False)
+        if ROPE:
+            sc = _qk_half(qE, kE.index(1), sc, True)
+        mbarrier.wait(ready_l.index(1), ph)
+        fence_async_shared()
+        sc = _qk_half(qL, kL.index(1), sc, True)
+        sc = warpgroup_mma_wait(0, deps=(sc,))
+        sc = _masked_scores(sc, idx_row, k_begin + i * 128 + 64, k_end, sm_scale_log2, gl.SliceLayout(0, s_layout))
+        mbarrier.wait(m0_bar, ph)
+        m_fin = gl.maximum(sM0.load(srow_l), gl.max(sc, 1))
+        _vec_store(sM1, m_fin)
+        mbarrier.arrive(m1_bar, count=1)
+        alpha = gl.exp2(m_i - m_fin)
+        p = gl.exp2(sc - m_fin[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_fin
+        acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+        pb = p.to(gl.bfloat16)
+        # local PV: P1 (registers) x block 1's V columns 256-511
+        acc = warpgroup_mma(gl.convert_layout(pb, p_op), kR.index(1), acc, is_async=True)
+        sS1.store(pb)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(p1_bar, count=1)
+        # remote PV: P0 (shared memory) x block 0's V columns 256-511
+        mbarrier.wait(p0_bar, ph)
+        acc = warpgroup_mma(sS0, kR.index(0), acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc,))
+        gl.thread_barrier()
+        mbarrier.arrive(free_r.index(1), count=1)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        gl.thread_barrier()
+        mbarrier.arrive(free_r.index(0), count=1)
+    _vec_store(sL1, l_i)
+    mbarrier.arrive(l1_bar, count=1)
+    mbarrier.wait(l0_bar, 0)
+    l_tot = l_i + sL0.load(srow_l)
+    _epilogue(acc, l_tot, m_i, 256, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
+              t, s, g, H, True)
+
+
+@gluon.jit
+def ws_pair_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+                   o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
+                   sm_scale_log2, H, K, rows_per_split, num_splits,
+                   BPT: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
+    """One program = one query token x 64 heads x one split; launch with num_warps=4 (warpgroup 0) and
+    maxnreg=168 (12 warps at launch; setmaxnreg then gives the consumers 232-240, the producer 40)."""
+    half: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)
+    small: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    qL = gl.allocate_shared_memory(gl.bfloat16, [64, 256], half)
+    qR = gl.allocate_shared_memory(gl.bfloat16, [64, 256], half)
+    kL = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 256], half)
+    kR = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 256], half)
+    # rope parts (unused but for P0 without rope) and P1: P0 goes over block 0's rope part, read only by QK
+    qE = gl.allocate_shared_memory(gl.bfloat16, [64, 64], small)
+    kE = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], small)
+    sS1 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], small)
+    sM0 = gl.allocate_shared_memory(gl.float32, [64], vec)
+    sM1 = gl.allocate_shared_memory(gl.float32, [64], vec)
+    sL0 = gl.allocate_shared_memory(gl.float32, [64], vec)
+    sL1 = gl.allocate_shared_memory(gl.float32, [64], vec)
+    bl: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
+    ready_l = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
+    ready_r = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
+    free_l = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
+    free_r = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
+    m0_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
+    m1_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
+    p0_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
+    p1_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
+    l0_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
+    l1_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
+    mbarrier.init(q_bar, count=128)  # cp.async arrivals: one per producer thread
+    for b in gl.static_range(2):
+        mbarrier.init(ready_l.index(b), count=128)
+        mbarrier.init(ready_r.index(b), count=128)
+        mbarrier.init(free_l.index(b), count=1)  # one arrive per consumer warpgroup
+        mbarrier.init(free_r.index(b), count=1)
+    mbarrier.init(m0_bar, count=1)
+    mbarrier.init(m1_bar, count=1)
+    mbarrier.init(p0_bar, count=1)
+    mbarrier.init(p1_bar, count=1)
+    mbarrier.init(l0_bar, count=1)
+    mbarrier.init(l1_bar, count=1)
+    smem = (qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1)
+    bars = (q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar)
+    cargs = (o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
+             idx_ptr, stride_it, vc_ptr, sm_scale_log2, H, K, rows_per_split, num_splits, smem, bars, ROPE, NG, HAS_VC)
+    gl.warp_specialize([
+        (_wg0, cargs),
+        (_wg1, cargs),
+        (_producer, (q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split,
+                     num_splits, smem, bars, BPT, ROPE, NG, HAS_VC)),
+    ], [4, 4], [232, 40])
