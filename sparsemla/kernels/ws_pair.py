@@ -67,10 +67,10 @@ def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H
     heads = g * 64 + gl.arange(0, 64, layout=rows_l)
     hm = heads < H
     q_row = gl.multiple_of(q_ptr + t.to(gl.int64) * stride_qt + gl.where(hm, heads, 0).to(gl.int64) * stride_qh, 16)
-    _copy(qL, q_row, 0, 256, hm, lay)
-    _copy(qR, q_row, 256, 256, hm, lay)
+    _copy(qL.index(0), q_row, 0, 256, hm, lay)
+    _copy(qR.index(0), q_row, 256, 256, hm, lay)
     if ROPE:
-        _copy(qE, q_row, 512, 64, hm, lay)
+        _copy(qE.index(0), q_row, 512, 64, hm, lay)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
 
     n_pairs = gl.cdiv(gl.cdiv(k_end - k_begin, 64), 2)
@@ -160,17 +160,20 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
     if n_pairs > 0:
         mbarrier.wait(ready_l.index(0), 0)
         fence_async_shared()
-        sc = _qk_half(qL, kL.index(0), s_zero, False)
+        sc = _qk_half(qL.index(0), kL.index(0), s_zero, False)
         mbarrier.wait(ready_r.index(0), 0)
         fence_async_shared()
-        sc = _qk_half(qR, kR.index(0), sc, True)
+        sc = _qk_half(qR.index(0), kR.index(0), sc, True)
         if ROPE:
-            sc = _qk_half(qE, kE.index(0), sc, True)
+            sc = _qk_half(qE.index(0), kE.index(0), sc, True)
         sc = warpgroup_mma_wait(0, deps=(sc,))
     else:
         sc = s_zero
     for i in range(n_pairs):
         ph = i & 1
+        # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in
+        # the loop instead of 72 wgmma descriptors being hoisted out of it (that spilled ~540 bytes)
+        z = i // (n_pairs + 1)
         sc = _masked_scores(sc, idx_row, k_begin + i * 128, k_end, sm_scale_log2, gl.SliceLayout(0, s_layout))
         m_new = gl.maximum(m_i, gl.max(sc, 1))
         _vec_store(sM0, m_new)
@@ -180,7 +183,7 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
         # local PV: P0 (registers) x block 0's V columns 0-255
-        acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_op), kL.index(0), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_op), kL.index(z), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         gl.thread_barrier()
         mbarrier.arrive(free_l.index(0), count=1)
@@ -199,22 +202,22 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         # remote PV: P1 (shared memory) x block 1's V columns 0-255
         mbarrier.wait(p1_bar, ph)
         if i + 1 < n_pairs:
-            acc = warpgroup_mma(sS1, kL.index(1), acc, is_async=True)
+            acc = warpgroup_mma(sS1, kL.index(1 + z), acc, is_async=True)
             # next block's QK behind the remote PV
             mbarrier.wait(ready_l.index(0), ph ^ 1)
             fence_async_shared()
-            sc = _qk_half(qL, kL.index(0), s_zero, False)
+            sc = _qk_half(qL.index(z), kL.index(z), s_zero, False)
             acc = warpgroup_mma_wait(1, deps=(acc,))
             gl.thread_barrier()
             mbarrier.arrive(free_l.index(1), count=1)
             mbarrier.wait(ready_r.index(0), ph ^ 1)
             fence_async_shared()
-            sc = _qk_half(qR, kR.index(0), sc, True)
+            sc = _qk_half(qR.index(z), kR.index(z), sc, True)
             if ROPE:
-                sc = _qk_half(qE, kE.index(0), sc, True)
+                sc = _qk_half(qE.index(z), kE.index(z), sc, True)
             sc, acc = warpgroup_mma_wait(0, deps=(sc, acc))
         else:
-            acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(sS1, kL.index(1), acc, is_async=True),))
+            acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(sS1, kL.index(1 + z), acc, is_async=True),))
             gl.thread_barrier()
             mbarrier.arrive(free_l.index(1), count=1)
     # the row sums of both warpgroups
@@ -250,14 +253,15 @@ def _wg1(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
     mbarrier.wait(q_bar, 0)
     for i in range(n_pairs):
         ph = i & 1
+        z = i // (n_pairs + 1)  # == 0; see _wg0
         mbarrier.wait(ready_r.index(1), ph)
         fence_async_shared()
-        sc = _qk_half(qR, kR.index(1), s_zero, False)
+        sc = _qk_half(qR.index(z), kR.index(1 + z), s_zero, False)
         if ROPE:
-            sc = _qk_half(qE, kE.index(1), sc, True)
+            sc = _qk_half(qE.index(z), kE.index(1 + z), sc, True)
         mbarrier.wait(ready_l.index(1), ph)
         fence_async_shared()
-        sc = _qk_half(qL, kL.index(1), sc, True)
+        sc = _qk_half(qL.index(z), kL.index(1 + z), sc, True)
         sc = warpgroup_mma_wait(0, deps=(sc,))
         sc = _masked_scores(sc, idx_row, k_begin + i * 128 + 64, k_end, sm_scale_log2, gl.SliceLayout(0, s_layout))
         mbarrier.wait(m0_bar, ph)
@@ -271,14 +275,14 @@ def _wg1(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
         pb = p.to(gl.bfloat16)
         # local PV: P1 (registers) x block 1's V columns 256-511
-        acc = warpgroup_mma(gl.convert_layout(pb, p_op), kR.index(1), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(pb, p_op), kR.index(1 + z), acc, is_async=True)
         sS1.store(pb)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(p1_bar, count=1)
         # remote PV: P0 (shared memory) x block 0's V columns 256-511
         mbarrier.wait(p0_bar, ph)
-        acc = warpgroup_mma(sS0, kR.index(0), acc, is_async=True)
+        acc = warpgroup_mma(sS0, kR.index(z), acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc,))
         gl.thread_barrier()
         mbarrier.arrive(free_r.index(1), count=1)
@@ -303,12 +307,12 @@ def ws_pair_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_p
     half: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)
     small: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    qL = gl.allocate_shared_memory(gl.bfloat16, [64, 256], half)
-    qR = gl.allocate_shared_memory(gl.bfloat16, [64, 256], half)
+    qL = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 256], half)
+    qR = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 256], half)
     kL = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 256], half)
     kR = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 256], half)
     # rope parts (unused but for P0 without rope) and P1: P0 goes over block 0's rope part, read only by QK
-    qE = gl.allocate_shared_memory(gl.bfloat16, [64, 64], small)
+    qE = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], small)
     kE = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], small)
     sS1 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], small)
     sM0 = gl.allocate_shared_memory(gl.float32, [64], vec)
