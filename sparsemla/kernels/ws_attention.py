@@ -1,28 +1,22 @@
-"""Warp-specialized sparse MLA forward for bf16 rows at 64 heads per program (Hopper only; Gluon).
+"""Warp-specialized sparse MLA forward for bf16 rows at 64 heads per program (Hopper, Gluon): dispatch.
 
-Why a second kernel: the Triton wide kernel (``sparse_attention._fwd_wide_kernel``) runs every phase of a
-tile -- index load, row gather, QK, softmax, PV -- one after the other in all of its warps, and Triton 3.6
-cannot warp-specialize a pointer-gather loop (kernel-notes.md).  Here the phases are given to different
-warps by hand with Gluon (``triton.experimental.gluon``):
+Why: the Triton wide kernel (``sparse_attention._fwd_wide_kernel``) runs every phase of a tile -- index
+load, row gather, QK, softmax, PV -- one after the other in all of its warps, and Triton 3.6 cannot
+warp-specialize a pointer-gather loop (kernel-notes.md).  Gluon (``triton.experimental.gluon``) lets the
+phases go to different warps by hand: a producer warpgroup gathers rows with ``cp.async`` into shared
+memory and signals mbarriers; consumer warpgroups run the wgmma work.  Two schedules:
 
-- a **producer** warpgroup (4 warps, few registers) loads the indices and gathers the rows of each tile
-  with ``cp.async`` into a ring of ``NBUF`` shared-memory buffers; each thread's copies arrive on the
-  buffer's "ready" mbarrier when they land (``cp.async.mbarrier.arrive.noinc``, 128 arrivals);
-- two **consumer** warpgroups (the default partition, 8 warps) run the tensor-core work.  As in the wide
-  kernel they split a tile's 64 keys for ``S = Q K^T`` (32 each, wgmma m64n32) and the 512 output columns
-  for ``O += P V`` (256 each); P goes through shared memory, the row max through one cross-warpgroup
-  reduction per tile.  With ``PIPE`` the QK of the next tile is issued before the PV of this one, so the
-  softmax of a tile runs while the tensor cores do the other tile's work.
+- ``pair`` (default, ``ws_pair.py``): each consumer warpgroup owns every other 64-row block; the row max
+  and P cross between them once per pair of blocks; buffers are refilled by halves;
+- ``tile`` (``ws_tile.py``): both consumer warpgroups share each 64-row tile (the first version).
 
 Rows: bf16 ``[rows, 576]`` (512 ``kv_c`` + 64 rope) or NoPE ``[rows, 512]``, 16-byte aligned (every bf16
-cache and the prefill workspace).  Other formats and non-Hopper GPUs use the Triton kernels.
+cache and the prefill workspace).  Other formats and GPUs other than sm_90 use the Triton kernels.  Same
+arguments and output contract as ``_fwd_wide_kernel`` (split partials, normalized output, natural-log lse).
 
-Shapes per program: q [64, 512] (+ [64, 64] rope) in shared memory (72 KB), NBUF x 64 rows x 1152 B of
-tiles (144 KB for 2), P [64, 64] bf16; 1 program per SM.  Same arguments and output contract as
-``_fwd_wide_kernel`` (partials for split-KV, normalized output + natural-log lse).
-
-Gluon kernels do not run under the Triton interpreter, so the CPU tests compile this kernel for sm_90
-(``tests/test_ws_attention.py``) and the GPU suite checks its numbers.
+Gluon kernels do not run under the Triton interpreter: the CPU tests compile them for sm_90
+(``tests/test_ws_attention.py``: no spills, shared memory within the 227 KB limit) and the GPU suite
+(``tests/gpu/test_ws_attention_gpu.py``) checks their numbers against the float64 reference.
 """
 from __future__ import annotations
 
@@ -30,12 +24,6 @@ import torch
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                               warpgroup_mma_wait)
-
-PRODUCER_REGS = gl.constexpr(56)
-_NEG_BIG = gl.constexpr(-1.0e30)  # finite "minus infinity" for the running max (exp2(m_old - m_new) never sees inf - inf)
 
 
 @gluon.jit
@@ -55,207 +43,6 @@ def _coords(H, K, vc_ptr, rows_per_split, num_splits, NG: gl.constexpr, HAS_VC: 
     return t, s, g, k_begin, k_end
 
 
-@gluon.jit
-def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits,
-              q_smem, qr_smem, k_smem, kr_smem, q_bar, ready, empty,
-              BPT: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-              GATHER: gl.constexpr):
-    """Gather q and then each tile's rows into shared memory with cp.async (4 warps)."""
-    t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
-    # 8 bf16 (16 bytes) per thread and copy, 4 threads across a row's 64-dim chunk, 8 rows per warp.
-    lay: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    rows_l: gl.constexpr = gl.SliceLayout(1, lay)
-    d = gl.arange(0, 512, layout=gl.SliceLayout(0, lay))
-    dr = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
-
-    heads = g * 64 + gl.arange(0, 64, layout=rows_l)
-    hm = heads < H
-    # heads past H are zero-filled from head 0's address (never read: source size 0)
-    q_row = gl.multiple_of(q_ptr + t.to(gl.int64) * stride_qt + gl.where(hm, heads, 0).to(gl.int64) * stride_qh, 16)
-    async_copy.async_copy_global_to_shared(q_smem, q_row[:, None] + d[None, :], mask=hm[:, None])
-    if ROPE:
-        async_copy.async_copy_global_to_shared(qr_smem, q_row[:, None] + 512 + dr[None, :], mask=hm[:, None])
-    async_copy.mbarrier_arrive(q_bar, increment_count=False)
-
-    NB: gl.constexpr = k_smem.type.shape[0]
-    BN: gl.constexpr = k_smem.type.shape[1]
-    n_tiles = gl.cdiv(k_end - k_begin, BN)
-    idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    for j in range(n_tiles):
-        b = j % NB
-        phase = (j // NB) & 1
-        offs = k_begin + j * BN + gl.arange(0, BN, layout=rows_l)
-        idx = gl.load(idx_row + offs, mask=offs < k_end, other=-1)
-        valid = idx >= 0
-        # Invalid rows are zero-filled (cp.async with source size 0) from row 0's address.
-        base = gl.multiple_of(kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * BPT, 16).to(gl.pointer_type(gl.bfloat16))
-        mbarrier.wait(empty.index(b), phase ^ 1)  # the consumers are done with this buffer
-        if GATHER:
-            async_copy.async_copy_global_to_shared(k_smem.index(b), base[:, None] + d[None, :], mask=valid[:, None])
-            if ROPE:
-                async_copy.async_copy_global_to_shared(kr_smem.index(b), base[:, None] + 512 + dr[None, :],
-                                                       mask=valid[:, None])
-        async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
-
-
-@gluon.jit
-def _qk(q_smem, qr_smem, k_smem, kr_smem, b, s_zero, ROPE: gl.constexpr):
-    """Issue S = q K^T (+ rope) for tile buffer b on the tensor cores (asynchronous)."""
-    if ROPE:
-        sc = warpgroup_mma(qr_smem, kr_smem.index(b).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        sc = warpgroup_mma(q_smem, k_smem.index(b).permute((1, 0)), sc, is_async=True)
-    else:
-        sc = warpgroup_mma(q_smem, k_smem.index(b).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    return sc
-
-
-@gluon.jit
-def _tile_valid(idx_row, k0, k_end, BN: gl.constexpr, cols_l: gl.constexpr):
-    offs = k0 + gl.arange(0, BN, layout=cols_l)
-    return gl.load(idx_row + offs, mask=offs < k_end, other=-1) >= 0
-
-
-@gluon.jit
-def _softmax(sc, valid, m_i, l_acc, sm_scale_log2):
-    """Online softmax step in base 2 on one tile's scores: (p, alpha, m_new, l_acc)."""
-    sc = gl.where(valid[None, :], sc * sm_scale_log2, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(sc, 1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(sc - m_new[:, None])
-    return p, alpha, m_new, l_acc * alpha[:, None] + p
-
-
-@gluon.jit
-def _consumer(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
-              idx_ptr, stride_it, vc_ptr, sm_scale_log2, H, K, rows_per_split, num_splits,
-              q_smem, qr_smem, k_smem, kr_smem, p_smem, q_bar, ready, empty,
-              ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, PIPE: gl.constexpr):
-    """Two warpgroups: QK, online softmax, PV, and the output (8 warps)."""
-    t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
-    NB: gl.constexpr = k_smem.type.shape[0]
-    BN: gl.constexpr = k_smem.type.shape[1]
-    # warps [4, 2]: each warpgroup takes half of a tile's keys for S and half of the output columns for O
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BN // 2, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, 256, 16])
-    cols_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-    srow_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-    orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    s_zero = gl.zeros([64, BN], gl.float32, s_layout)
-    m_i = gl.full([64], _NEG_BIG, gl.float32, srow_l)
-    l_acc = gl.zeros([64, BN], gl.float32, s_layout)  # row sums kept per column: no cross-warp sum per tile
-    acc = gl.zeros([64, 512], gl.float32, o_layout)
-    n_tiles = gl.cdiv(k_end - k_begin, BN)
-    idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    mbarrier.wait(q_bar, 0)
-    fence_async_shared()
-    if PIPE:
-        # S(j + 1) is issued before PV(j) and waited for alone (wgmma groups complete in order), so the
-        # softmax of tile j + 1 runs while the tensor cores do PV(j).  Needs NB >= 3: buffer j is released
-        # only once PV(j) is done, during iteration j + 1.
-        if n_tiles > 0:
-            valid = _tile_valid(idx_row, k_begin, k_end, BN, cols_l)
-            mbarrier.wait(ready.index(0), 0)
-            fence_async_shared()  # cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
-            sc = warpgroup_mma_wait(0, deps=(_qk(q_smem, qr_smem, k_smem, kr_smem, 0, s_zero, ROPE),))
-            for j in range(n_tiles):
-                b = j % NB
-                p, alpha, m_i, l_acc = _softmax(sc, valid, m_i, l_acc, sm_scale_log2)
-                if j > 0:
-                    acc = warpgroup_mma_wait(0, deps=(acc,))  # PV(j - 1) done
-                    gl.thread_barrier()
-                    mbarrier.arrive(empty.index((j - 1) % NB), count=1)
-                acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
-                p_smem.index(j % 2).store(p.to(gl.bfloat16))
-                fence_async_shared()
-                gl.thread_barrier()  # both warpgroups' halves of P are in shared memory
-                if j + 1 < n_tiles:
-                    valid = _tile_valid(idx_row, k_begin + (j + 1) * BN, k_end, BN, cols_l)
-                    mbarrier.wait(ready.index((j + 1) % NB), ((j + 1) // NB) & 1)
-                    fence_async_shared()
-                    sc = _qk(q_smem, qr_smem, k_smem, kr_smem, (j + 1) % NB, s_zero, ROPE)
-                    acc = warpgroup_mma(p_smem.index(j % 2), k_smem.index(b), acc, is_async=True)
-                    # all but the last group (PV) done: S(j + 1) is ready; acc stays in flight until the
-                    # wait at the top of the next iteration
-                    sc, acc = warpgroup_mma_wait(1, deps=(sc, acc))
-                else:
-                    acc = warpgroup_mma(p_smem.index(j % 2), k_smem.index(b), acc, is_async=True)
-                    acc = warpgroup_mma_wait(1, deps=(acc,))
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index((n_tiles - 1) % NB), count=1)
-    else:
-        for j in range(n_tiles):
-            b = j % NB
-            valid = _tile_valid(idx_row, k_begin + j * BN, k_end, BN, cols_l)
-            mbarrier.wait(ready.index(b), (j // NB) & 1)
-            fence_async_shared()  # cp.async wrote the tile (generic proxy); wgmma reads it (async proxy)
-            sc = warpgroup_mma_wait(0, deps=(_qk(q_smem, qr_smem, k_smem, kr_smem, b, s_zero, ROPE),))
-            p, alpha, m_i, l_acc = _softmax(sc, valid, m_i, l_acc, sm_scale_log2)
-            acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
-            p_smem.index(0).store(p.to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()  # both warpgroups' halves of P are in shared memory
-            acc = warpgroup_mma(p_smem.index(0), k_smem.index(b), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            gl.thread_barrier()  # both warpgroups' PV of buffer b is done
-            mbarrier.arrive(empty.index(b), count=1)
-
-    l_i = gl.sum(l_acc, 1)
-    has = l_i > 0
-    inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
-    lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    heads = g * 64 + gl.arange(0, 64, layout=orow_l)
-    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, o_layout))
-    o = acc * gl.convert_layout(inv_l, orow_l)[:, None]
-    optr = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[:, None] * stride_oh + cols[None, :]
-    gl.store(optr, o.to(o_ptr.dtype.element_ty), mask=(heads < H)[:, None])
-    lh = g * 64 + gl.arange(0, 64, layout=srow_l)
-    gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + lh * stride_lh, lse, mask=lh < H)
-
-
-@gluon.jit
-def ws_bf16_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
-                   o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
-                   sm_scale_log2, H, K, rows_per_split, num_splits,
-                   BPT: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-                   BN: gl.constexpr, NBUF: gl.constexpr, PIPE: gl.constexpr, GATHER: gl.constexpr = True):
-    """One program = one query token x 64 heads x one split.  Arguments as ``_fwd_wide_kernel`` (bf16 rows,
-    BPT 1152 with rope, 1024 without); launch with num_warps=8 (the consumers) and maxnreg=168.
-    GATHER=False skips the row copies (wrong results; a benchmark-only probe of the consumers' own speed)."""
-    big: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
-    small: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    k_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 512], gl.bfloat16)
-    kr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 64], gl.bfloat16)
-    p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BN], gl.bfloat16)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], big)
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, 512], k_lay)
-    if ROPE:
-        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 64], small)
-        kr_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, 64], kr_lay)
-    else:
-        qr_smem = q_smem  # unused
-        kr_smem = k_smem
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [2 if PIPE else 1, 64, BN], p_lay)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=128)  # every producer thread arrives once its copies landed
-    for i in gl.static_range(NBUF):
-        mbarrier.init(ready.index(i), count=128)
-        mbarrier.init(empty.index(i), count=1)  # one arrive from the consumers after a barrier
-    gl.warp_specialize([
-        (_consumer, (o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
-                     idx_ptr, stride_it, vc_ptr, sm_scale_log2, H, K, rows_per_split, num_splits,
-                     q_smem, qr_smem, k_smem, kr_smem, p_smem, q_bar, ready, empty, ROPE, NG, HAS_VC, PIPE)),
-        (_producer, (q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split,
-                     num_splits, q_smem, qr_smem, k_smem, kr_smem, q_bar, ready, empty, BPT, ROPE, NG, HAS_VC,
-                     GATHER)),
-    ], [4], [PRODUCER_REGS])
-
-
 def supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) -> bool:
     """Whether the warp-specialized kernel can take this call: bf16 rows, > 32 heads, an sm_90 GPU, and
     16-byte aligned q rows and cache."""
@@ -267,24 +54,25 @@ def supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) -> b
             and (q.stride(1) * 2) % 16 == 0)
 
 
-# (BN, NBUF, PIPE) of the default configuration; the alternatives are kept for benchmarks/ws_sweep.py.
-CONFIGS = {"bn64": (64, 2, False), "bn32": (32, 4, False), "bn32p": (32, 4, True), "pair": None}
-DEFAULT = "bn64"
-# benchmark-only probes (wrong results): the default configuration without the row gathers
-PROBES = {"bn64-nogather": (64, 2, False)}
+# Schedules by name; "tile-nogather" is a benchmark-only probe (the tile schedule without its row gathers:
+# wrong results, it measures the consumers alone).
+CONFIGS = ("pair", "tile")
+PROBES = ("tile-nogather",)
+DEFAULT = "pair"
 
 
 def launch(grid, args, bytes_per_token: int, rope: int, num_groups: int, has_vc: bool, config: str = None):
-    """Launch ``ws_bf16_kernel`` with ``_fwd_wide_kernel``'s positional arguments (without k_scale)."""
+    """Launch a warp-specialized kernel with ``_fwd_wide_kernel``'s positional arguments (without k_scale).
+
+    Both kernels start 12 warps (8 consumer + 4 producer); 12 x 32 x 168 registers fill the register file
+    and the partitions then re-balance with setmaxnreg (producer 40-56, consumers 224-240)."""
     config = config or DEFAULT
-    if config == "pair":  # sparsemla/kernels/ws_pair.py: warpgroup-owned blocks
+    meta = dict(BPT=bytes_per_token, ROPE=rope, NG=num_groups, HAS_VC=has_vc, maxnreg=168)
+    if config == "pair":
         from .ws_pair import ws_pair_kernel
-        ws_pair_kernel[grid](*args, BPT=bytes_per_token, ROPE=rope, NG=num_groups, HAS_VC=has_vc, num_warps=4,
-                             maxnreg=168)
-        return
-    gather = config not in PROBES
-    bn, nbuf, pipe = CONFIGS[config] if gather else PROBES[config]
-    # 8 consumer warps + 4 producer warps at launch: 12 x 32 x 168 registers fill the register file; the
-    # partitions then re-balance with setmaxnreg (producer 56, consumers 224-240).
-    ws_bf16_kernel[grid](*args, BPT=bytes_per_token, ROPE=rope, NG=num_groups, HAS_VC=has_vc, BN=bn, NBUF=nbuf,
-                         PIPE=pipe, GATHER=gather, num_warps=8, maxnreg=168)
+        ws_pair_kernel[grid](*args, num_warps=4, **meta)  # the default partition is warpgroup 0
+    elif config in ("tile", "tile-nogather"):
+        from .ws_tile import ws_tile_kernel
+        ws_tile_kernel[grid](*args, GATHER=config == "tile", num_warps=8, **meta)
+    else:
+        raise ValueError(f"config: expected one of {CONFIGS + PROBES}, got {config!r}")

@@ -1,0 +1,46 @@
+"""The warp-specialized Gluon kernels compile for sm_90 on a machine without a GPU (Gluon does not run under
+the interpreter; tests/gpu/test_ws_attention_gpu.py checks their numbers on the H200), fit Hopper's shared
+memory, do not spill (the pair kernel once spilled 536 bytes of hoisted wgmma descriptors), and are only
+chosen where they apply."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sparsemla.kernels import sparse_attention as sa
+from sparsemla.kernels import ws_attention as ws
+
+HOPPER_SMEM = 232448  # bytes of shared memory one block may use on sm_90
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    probe = os.path.join(os.path.dirname(__file__), "ws_compile_probe.py")
+    res = subprocess.run([sys.executable, probe], capture_output=True, text=True, env=env, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", ["pair-64", "pair-0", "tile-64", "tile-0"])
+def test_compiles_for_sm90_within_limits(compiled, name):
+    r = compiled[name]
+    assert r["smem"] <= HOPPER_SMEM, r
+    assert r["setmaxnreg"] and r["mbarrier_cp_async"], r  # warp-specialized, mbarrier-fed
+    assert r["stack"] <= 64, r
+
+
+def test_not_chosen_off_hopper_or_for_other_formats():
+    q = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 1152, dtype=torch.uint8)
+    assert not ws.supported(q, kv, "bf16", 64)  # CPU tensors
+    assert not sa._ws_ok(q, kv, "bf16", 64, None)
+    assert not ws.supported(q, kv, "fp8_ds_mla", 64)
+
+
+def test_unknown_config_is_an_error():
+    with pytest.raises(ValueError, match="config"):
+        ws.launch((1,), (), 1152, 64, 1, False, config="nope")
