@@ -37,14 +37,12 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
     ap.add_argument("--configs", nargs="+", default=sorted(ws.CONFIGS), help="also: " + ", ".join(ws.PROBES))
-    ap.add_argument("--shapes", nargs="+", default=None, help="P-32k P-32k-seq P-h64 D-h128 D-h64 D-h128-c32k D-h64-c32k")
+    ap.add_argument("--shapes", nargs="+", default=None, help="P-32k P-32k-seq P-h64 D-h128 D-h64")
     a = ap.parse_args(argv)
     # P-32k-seq: every token reads the same 2048 consecutive rows (a locality probe, not a standard shape)
     shapes = [("P-32k", 4096, 128, 2048, 32768, None), ("P-32k-seq", 4096, 128, 2048, 2048, None),
               ("P-h64", 4096, 64, 2048, 32768, None),
-              ("D-h128", 128, 128, 2048, 128 * 8192, 8192), ("D-h64", 128, 64, 2048, 128 * 8192, 8192),
-              # the peers' table builds 32K-token contexts: a 4.8 GB cache (random rows, TLB-heavy)
-              ("D-h128-c32k", 128, 128, 2048, 128 * 32768, 32768), ("D-h64-c32k", 128, 64, 2048, 128 * 32768, 32768)]
+              ("D-h128", 128, 128, 2048, 128 * 8192, 8192), ("D-h64", 128, 64, 2048, 128 * 8192, 8192)]
     if a.shapes:
         shapes = [s for s in shapes if s[0] in a.shapes]
     results = []

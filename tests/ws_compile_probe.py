@@ -21,7 +21,7 @@ SIG = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "kv_ptr": "*u8"
        "stride_it": "i32", "vc_ptr": "*i32", "o_ptr": "*bf16", "stride_ot": "i32", "stride_os": "i32",
        "stride_oh": "i32", "lse_ptr": "*fp32", "stride_lt": "i32", "stride_ls": "i32", "stride_lh": "i32",
        "sm_scale_log2": "fp32", "H": "i32", "K": "i32", "rows_per_split": "i32", "num_splits": "i32"}
-KERNELS = {"pair": (ws_pair_kernel, 4, {"PREFETCH": True}), "tile": (ws_tile_kernel, 8, {"GATHER": True})}
+KERNELS = {"pair": (ws_pair_kernel, 4, {}), "tile": (ws_tile_kernel, 8, {"GATHER": True})}
 
 
 def _stack_bytes(cubin):

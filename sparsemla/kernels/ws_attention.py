@@ -56,7 +56,7 @@ def supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) -> b
 
 # Schedules by name; "tile-nogather" is a benchmark-only probe (the tile schedule without its row gathers:
 # wrong results, it measures the consumers alone).
-CONFIGS = ("pair", "pair-noprefetch", "tile")
+CONFIGS = ("pair", "tile")
 PROBES = ("tile-nogather",)
 DEFAULT = "pair"
 
@@ -68,10 +68,9 @@ def launch(grid, args, bytes_per_token: int, rope: int, num_groups: int, has_vc:
     and the partitions then re-balance with setmaxnreg (producer 40-56, consumers 224-240)."""
     config = config or DEFAULT
     meta = dict(BPT=bytes_per_token, ROPE=rope, NG=num_groups, HAS_VC=has_vc, maxnreg=168)
-    if config in ("pair", "pair-noprefetch"):
+    if config == "pair":
         from .ws_pair import ws_pair_kernel
-        # the default partition is warpgroup 0
-        ws_pair_kernel[grid](*args, PREFETCH=config == "pair", num_warps=4, **meta)
+        ws_pair_kernel[grid](*args, num_warps=4, **meta)  # the default partition is warpgroup 0
     elif config in ("tile", "tile-nogather"):
         from .ws_tile import ws_tile_kernel
         ws_tile_kernel[grid](*args, GATHER=config == "tile", num_warps=8, **meta)

@@ -55,27 +55,10 @@ def _block_rows(idx_row, p0, k_end, kv_ptr, BPT: gl.constexpr, rows_l: gl.conste
 
 
 @gluon.jit
-def _prefetch_l2(idx_row, p0, k_end, kv_ptr, BPT: gl.constexpr):
-    """Ask L2 for every 128-byte line of the 64 rows at positions p0.. (prefetch.global.L2, no registers
-    held): issued a pair of blocks ahead, the cp.async gathers then find the rows in L2 instead of paying
-    DRAM latency (and TLB misses in a large cache) inside the one-pair window the buffers allow."""
-    lay: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0])
-    offs = p0 + gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
-    idx = gl.load(idx_row + offs, mask=offs < k_end, other=-1)
-    lines = gl.minimum(gl.arange(0, 16, layout=gl.SliceLayout(0, lay)) * 128, BPT - 1)
-    ptr = kv_ptr + gl.maximum(idx, 0).to(gl.int64)[:, None] * BPT + lines[None, :]
-    ptr = gl.where((idx >= 0)[:, None], ptr, kv_ptr)
-    gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l", [ptr], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
 def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits,
-              smem, bars, BPT: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-              PREFETCH: gl.constexpr):
+              smem, bars, BPT: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
     """q once, then per pair of blocks: left half of block 0, right half of block 1 (both freed early),
-    right half of block 0, left half of block 1 (freed after the other warpgroup's remote PV).  With
-    PREFETCH the rows of the next pair are requested into L2 first."""
+    right half of block 0, left half of block 1 (freed after the other warpgroup's remote PV)."""
     qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1 = smem
     q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar = bars
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
@@ -96,9 +79,6 @@ def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H
         ph = (i & 1) ^ 1  # fresh mbarriers complete phase "1" at once: the first waits pass
         r0, v0 = _block_rows(idx_row, k_begin + i * 128, k_end, kv_ptr, BPT, rows_l)
         r1, v1 = _block_rows(idx_row, k_begin + i * 128 + 64, k_end, kv_ptr, BPT, rows_l)
-        if PREFETCH:
-            _prefetch_l2(idx_row, k_begin + i * 128 + 128, k_end, kv_ptr, BPT)
-            _prefetch_l2(idx_row, k_begin + i * 128 + 192, k_end, kv_ptr, BPT)
         mbarrier.wait(free_l.index(0), ph)
         _copy(kL.index(0), r0, 0, 256, v0, lay)
         async_copy.mbarrier_arrive(ready_l.index(0), increment_count=False)
@@ -321,8 +301,7 @@ def _wg1(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
 def ws_pair_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                    o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                    sm_scale_log2, H, K, rows_per_split, num_splits,
-                   BPT: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-                   PREFETCH: gl.constexpr):
+                   BPT: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
     """One program = one query token x 64 heads x one split; launch with num_warps=4 (warpgroup 0) and
     maxnreg=168 (12 warps at launch; setmaxnreg then gives the consumers 232-240, the producer 40)."""
     half: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)
@@ -372,5 +351,5 @@ def ws_pair_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_p
         (_wg0, cargs),
         (_wg1, cargs),
         (_producer, (q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split,
-                     num_splits, smem, bars, BPT, ROPE, NG, HAS_VC, PREFETCH)),
+                     num_splits, smem, bars, BPT, ROPE, NG, HAS_VC)),
     ], [4, 4], [232, 40])
