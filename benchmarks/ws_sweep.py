@@ -42,7 +42,10 @@ def main(argv=None):
     # P-32k-seq: every token reads the same 2048 consecutive rows (a locality probe, not a standard shape)
     shapes = [("P-32k", 4096, 128, 2048, 32768, None), ("P-32k-seq", 4096, 128, 2048, 2048, None),
               ("P-h64", 4096, 64, 2048, 32768, None),
-              ("D-h128", 128, 128, 2048, 128 * 8192, 8192), ("D-h64", 128, 64, 2048, 128 * 8192, 8192)]
+              ("D-h128", 128, 128, 2048, 128 * 8192, 8192), ("D-h64", 128, 64, 2048, 128 * 8192, 8192),
+              # the cache and queries of benchmarks/peer_kernels.py (32K-token contexts, heavy-tailed values)
+              ("D-h128-peers", 128, 128, 2048, None, None), ("D-h64-peers", 128, 64, 2048, None, None),
+              ("D-h128-peers-randn-q", 128, 128, 2048, None, None)]
     if a.shapes:
         shapes = [s for s in shapes if s[0] in a.shapes]
     results = []
@@ -50,7 +53,15 @@ def main(argv=None):
         for rope in (64, 0):
             if rope == 0 and name != "P-32k":
                 continue
-            q, kv, idx = case(t, h, k, rows, rope, ptr)
+            if "-peers" in name:
+                from decode_sweep import build, heavy
+                cache, idx = build(get_format("bf16", rope), t)
+                kv = cache.rows
+                q = heavy(t, h, 512 + rope).to(torch.bfloat16)
+                if name.endswith("randn-q"):
+                    q = torch.randn(t, h, 512 + rope, device="cuda").to(torch.bfloat16)
+            else:
+                q, kv, idx = case(t, h, k, rows, rope, ptr)
             fmt = get_format("bf16", rope)
             sm = (512 + rope) ** -0.5
             splits = plan_splits(t, h, k, q.device)
