@@ -99,6 +99,8 @@ def write_workload(fmt, n=65536, seed=0, pattern="scatter"):
                 cache.rows, fmt, kv, pe, slots, BS, BS, 1.0, _emulate=False, _config={"TOK": tok, "num_warps": w}))
         extra["no_hint"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0,
                                                   _config={"aligned": False})
+        extra["mask_path"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0,
+                                                    _config={"fma": False})
     return nbytes, run, extra
 
 

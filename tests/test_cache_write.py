@@ -336,3 +336,20 @@ def test_errors(device):
         cache_write(rows, fmt, kv, pe, slots, 4, 2)
     with pytest.raises(ValueError, match="k_scale"):
         cache_write(rows, fmt, kv, pe, slots, 4, 4, k_scale=0.0)
+
+
+def test_nvfp4_fma_path_values_are_exact_in_bf16():
+    """The GPU's NVFP4 pair path (``_e2m1_bytes_bf16x2_fma``) builds its thresholds with bf16x2 fmas and
+    its codes as ``128 + b0 + 2 b1 + 4 b2``; both are only right if every intermediate value is exact in
+    bf16.  Check them for every e4m3 block scale the recipe can produce (2^-9 .. 448), and that the code
+    sums have the bits ``0x4300 + code``."""
+    codes = torch.arange(1, 0x7F, dtype=torch.uint8)  # positive finite e4m3 codes
+    sf = codes.view(torch.float8_e4m3fn).to(torch.float64)
+    sf = sf[sf >= 2.0 ** -9]
+    # factors of the products (t * sf) and of the fma results (t1, u, v, t0 in the kernel)
+    for t in (0.25, 0.75, 1.0, 1.25, 1.5, 1.75, 2.25, 2.5, 2.75, 3.5, 3.75, 5.0):
+        v = sf * t
+        assert torch.equal(v.to(torch.bfloat16).to(torch.float64), v), t
+    for k in range(8):
+        b = torch.tensor([128.0 + k]).to(torch.bfloat16).view(torch.int16).item()
+        assert b == 0x4300 + k

@@ -256,6 +256,55 @@ def _e2m1_bytes_bf16x2(w, sf, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def _bf16x2_mul(a, b):
+    return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.uint32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _e2m1_bytes_bf16x2_fma(w, sf):
+    """``_e2m1_bytes_bf16x2`` on the GPU with the decisions in bf16x2 arithmetic (the FMA pipe) instead of
+    bit-mask selects (the ALU pipe, which bound the write at 65 % of copy bandwidth).
+
+    The three compares yield 1.0 / 0.0 per half (``set.ge.bf16x2.bf16x2``), so the binary search's next
+    threshold is an fma: ``t1 = b2 * 2.75 sf + 0.75 sf`` (0.75 or 3.5 sf) and
+    ``t0 = b2 * (b1 * 1.5 sf + 2.25 sf) + (b1 * sf + 0.25 sf)`` (0.25, 1.25, 2.5 or 5 sf); and the code is
+    ``128 + b0 + 2 b1 + 4 b2`` in bf16, whose bits are ``0x4300 + code``.  Every value is exact in bf16:
+    sf has at most 4 significant bits and the factors at most 4 (3.75 = 11.11b), so the products and sums
+    have at most 8 -- tests/test_cache_write.py checks each threshold for every e4m3 scale.  Per pair of
+    values that leaves ~7 ALU instructions (abs, sign, nibble packing) next to 10 on the FMA pipe."""
+    b = sf.to(tl.uint32, bitcast=True) >> 16
+    s2 = (b | (b << 16))[:, :, None]
+    t175 = _bf16x2_mul(s2, tl.full(s2.shape, 0x3FE03FE0, tl.uint32))
+    t075 = _bf16x2_mul(s2, tl.full(s2.shape, 0x3F403F40, tl.uint32))
+    d275 = _bf16x2_mul(s2, tl.full(s2.shape, 0x40304030, tl.uint32))
+    t025 = _bf16x2_mul(s2, tl.full(s2.shape, 0x3E803E80, tl.uint32))
+    k150 = _bf16x2_mul(s2, tl.full(s2.shape, 0x3FC03FC0, tl.uint32))
+    k225 = _bf16x2_mul(s2, tl.full(s2.shape, 0x40104010, tl.uint32))
+    c = tl.inline_asm_elementwise(
+        """{
+        .reg .b32 b2, b1, b0, t1, u, v, t0, k;
+        set.ge.bf16x2.bf16x2 b2, $1, $2;
+        fma.rn.bf16x2 t1, b2, $4, $3;
+        set.ge.bf16x2.bf16x2 b1, $1, t1;
+        fma.rn.bf16x2 u, b1, $6, $7;
+        fma.rn.bf16x2 v, b1, $8, $5;
+        fma.rn.bf16x2 t0, b2, u, v;
+        set.gt.bf16x2.bf16x2 b0, $1, t0;
+        mov.b32 k, 0x43004300;
+        add.rn.bf16x2 t0, b0, k;
+        mov.b32 k, 0x40004000;
+        fma.rn.bf16x2 t0, b1, k, t0;
+        mov.b32 k, 0x40804080;
+        fma.rn.bf16x2 $0, b2, k, t0;
+        }""",
+        "=r,r,r,r,r,r,r,r,r", [w & 0x7FFF7FFF, t175, t075, d275, t025, k150, k225, s2], dtype=tl.uint32,
+        is_pure=True, pack=1)
+    n = (c & 0x00070007) | ((w >> 12) & 0x00080008)  # code bits | sign (bit 15 -> 3, bit 31 -> 19)
+    return ((n | (n >> 12)) & 0xFF).to(tl.int32)
+
+
+@triton.jit
 def _nvfp4_scale(amax):
     """Block amax (fp32) -> (e4m3 code uint8, its value fp32): ``max(amax / 6, 2^-9)`` rounded to
     e4m3 and then one code UP if that is below the target (so ``amax / sf <= 6``).
@@ -339,6 +388,7 @@ def _cache_write_kernel(
     PAIRS: tl.constexpr,            # nvfp4 with bf16 input: work on bf16 pairs (see _e2m1_bytes_bf16x2)
     ALIGNED: tl.constexpr,          # kv_c rows start on 16-byte boundaries (vector loads; PAIRS only)
     TOK: tl.constexpr,
+    FMA_PATH: tl.constexpr = True,  # PAIRS on the GPU: decisions in bf16x2 arithmetic (_e2m1_bytes_bf16x2_fma)
 ):
     D: tl.constexpr = 512
     pid = tl.program_id(0)
@@ -414,8 +464,13 @@ def _cache_write_kernel(
                 amax_bits = tl.maximum(a2 & 0xFFFF, a2 >> 16)
             sf_code, sf = _nvfp4_scale_bf16((amax_bits << 16).to(tl.float32, bitcast=True))
             # output word 2b (+1) = bytes 0-3 (4-7) of block b
-            words = tl.reshape(tl.join(_quad_words(_e2m1_bytes_bf16x2(w_lo, sf, EMULATE)),
-                                       _quad_words(_e2m1_bytes_bf16x2(w_hi, sf, EMULATE))), [TOK, 64])
+            if EMULATE or not FMA_PATH:
+                q_lo = _e2m1_bytes_bf16x2(w_lo, sf, EMULATE)
+                q_hi = _e2m1_bytes_bf16x2(w_hi, sf, EMULATE)
+            else:
+                q_lo = _e2m1_bytes_bf16x2_fma(w_lo, sf)
+                q_hi = _e2m1_bytes_bf16x2_fma(w_hi, sf)
+            words = tl.reshape(tl.join(_quad_words(q_lo), _quad_words(q_hi)), [TOK, 64])
         else:
             x = tl.load(kv_ptr + tok[:, None] * kv_stride + col[None, :], mask=m2, other=0.0).to(tl.float32)
             b3 = tl.reshape(x, [TOK, 32, 16])
@@ -487,6 +542,8 @@ def cache_write(rows: torch.Tensor, fmt, kv_c: torch.Tensor, k_pe: Optional[torc
     # 16-byte aligned rows (stride a multiple of 8 bf16, 16-byte aligned start) get the alignment hint
     # (16-byte loads).  ``_config={"aligned": False}`` turns it off (the benchmark's ``no_hint`` comparison).
     aligned = pairs and kv_c.stride(0) % 8 == 0 and kv_c.data_ptr() % 16 == 0 and cfg.get("aligned", True)
+    # ``_config={"fma": False}``: the bit-mask form of the pair decisions (the benchmark's comparison)
+    fma_path = cfg.get("fma", True)
     emulate = use_emulation(_emulate)
     grid = (triton.cdiv(n, cfg["TOK"]),)
     _cache_write_kernel[grid](
@@ -494,7 +551,8 @@ def cache_write(rows: torch.Tensor, fmt, kv_c: torch.Tensor, k_pe: Optional[torc
         n, block_stride_rows, ks, inv,
         BLOCK_SIZE=block_size, FMT=format_id(fmt), ROPE=fmt.rope_dim, BPT=fmt.bytes_per_token,
         ROPE_OFF=max(lay.rope_offset, 0), SCALE_OFF=max(lay.scale_offset, 0),
-        KS_MODE=mode, EMULATE=emulate, PAIRS=pairs, ALIGNED=aligned, TOK=cfg["TOK"], num_warps=cfg["num_warps"],
+        KS_MODE=mode, EMULATE=emulate, PAIRS=pairs, ALIGNED=aligned, TOK=cfg["TOK"], FMA_PATH=fma_path,
+        num_warps=cfg["num_warps"],
     )
 
 
