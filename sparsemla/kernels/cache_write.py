@@ -66,8 +66,11 @@ WRITE_NUM_WARPS = 4
 # copy bandwidth, default -> tuned, first session's flush): fp8 52 -> 77 % (8 warps: more stores in flight
 # for the short rows), nvfp4 33 -> 46 % and nvfp4-nope 24 -> 51 % (16 tokens per program).  The fourth
 # session's NVFP4 kernel was timed at 16 tokens / 4 warps (65 %) against 8/2, 8/4, 16/8 and 32/8 (within
-# noise or slower).
-WRITE_TUNED = {"fp8": {"num_warps": 8}, "nvfp4_ds_mla": {"TOK": 16, "num_warps": 4}}
+# noise or slower).  Fifth session, with the pair decisions on the FMA pipe (two processes): nvfp4
+# 8 / 4 -> 72.7-73.4 % (16 / 4: 69.9-70.3 %), nvfp4-nope 8 / 2 -> 67.2-68.2 % (8 / 4: 65.8-66.5 %).
+# Looked up by format id first (the NoPE variant), then by name.
+WRITE_TUNED = {"fp8": {"num_warps": 8}, "nvfp4_ds_mla": {"TOK": 8, "num_warps": 4},
+               "nvfp4_ds_mla-nope": {"TOK": 8, "num_warps": 2}}
 
 
 def format_id(fmt: KVFormat) -> int:
@@ -533,7 +536,7 @@ def cache_write(rows: torch.Tensor, fmt, kv_c: torch.Tensor, k_pe: Optional[torc
     pe = _prep_input("k_pe", k_pe) if fmt.rope_dim else kv_c
     mode, ks, inv = k_scale_mode(k_scale)
     cfg = {"TOK": WRITE_TOKENS_PER_PROGRAM, "num_warps": WRITE_NUM_WARPS}
-    cfg.update(WRITE_TUNED.get(fmt.name, {}))
+    cfg.update(WRITE_TUNED.get(fmt.id, WRITE_TUNED.get(fmt.name, {})))
     cfg.update(_config or {})
     lay = fmt.layout
     # bf16 pairs as uint32 words need an even row stride and a 4-byte aligned start.
