@@ -94,7 +94,7 @@ def write_workload(fmt, n=65536, seed=0, pattern="scatter"):
         extra["fp32_path"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0,
                                                     _config={"pairs": False})
         extra["int_path"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0, _emulate=True)
-        for tok, w in ((8, 4), (8, 2), (32, 8), (16, 8)):
+        for tok, w in ((8, 4), (8, 2), (32, 8), (16, 8), (16, 4), (16, 2), (4, 1), (4, 2), (8, 1)):
             extra[f"cvt_tok{tok}_w{w}"] = (lambda tok=tok, w=w: cw.cache_write(
                 cache.rows, fmt, kv, pe, slots, BS, BS, 1.0, _emulate=False, _config={"TOK": tok, "num_warps": w}))
         extra["no_hint"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0,
