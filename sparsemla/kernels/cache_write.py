@@ -66,11 +66,11 @@ WRITE_NUM_WARPS = 4
 # copy bandwidth, default -> tuned, first session's flush): fp8 52 -> 77 % (8 warps: more stores in flight
 # for the short rows), nvfp4 33 -> 46 % and nvfp4-nope 24 -> 51 % (16 tokens per program).  The fourth
 # session's NVFP4 kernel was timed at 16 tokens / 4 warps (65 %) against 8/2, 8/4, 16/8 and 32/8 (within
-# noise or slower).  Fifth session, with the pair decisions on the FMA pipe (two processes): nvfp4
-# 8 / 4 -> 72.7-73.4 % (16 / 4: 69.9-70.3 %), nvfp4-nope 8 / 2 -> 67.2-68.2 % (8 / 4: 65.8-66.5 %).
-# Looked up by format id first (the NoPE variant), then by name.
-WRITE_TUNED = {"fp8": {"num_warps": 8}, "nvfp4_ds_mla": {"TOK": 8, "num_warps": 4},
-               "nvfp4_ds_mla-nope": {"TOK": 8, "num_warps": 2}}
+# noise or slower).  Fifth session, with the pair decisions on the FMA pipe (bench_movement's cvt_tok*
+# comparison, three processes): 4 tokens / 2 warps was best for both -- nvfp4 76.7-77.0 %, nvfp4-nope
+# 70.3-72.6 % (16 / 4: 69.9-70.3 % and 65-66 %; 8 / 4: 72.7-74.2 % and 66-68 %).  Looked up by format id
+# first (the NoPE variant), then by name.
+WRITE_TUNED = {"fp8": {"num_warps": 8}, "nvfp4_ds_mla": {"TOK": 4, "num_warps": 2}}
 
 
 def format_id(fmt: KVFormat) -> int:
