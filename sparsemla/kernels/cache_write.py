@@ -3,7 +3,7 @@
 For every format of ``docs/kv-formats.md`` (bf16, fp8, fp8_ds_mla, nvfp4_ds_mla; rope 64 or NoPE) the
 bytes written are identical to ``fmt.encode`` (``formats/_numerics.py`` gives the exact fp32 recipe).
 
-Tiling: one program = ``TOK`` (8) tokens, each a whole row, 4 warps.  A token's 512 latent values are
+Tiling: one program = ``TOK`` (8) tokens, each a whole row, 4 warps (per-format overrides: ``WRITE_TUNED``).  A token's 512 latent values are
 one ``[TOK, 512]`` load (per-tile / per-block amax = a reduction over a reshaped view, no per-element
 loop), its RoPE one ``[TOK, 64]`` load, and its row is written with 16-byte stores at byte offset
 ``row * bytes_per_token`` computed in int64 (caches above 2^31 bytes).  The slot -> row division is by
@@ -11,16 +11,17 @@ a constexpr block size (a shift for 64), not a 64-bit divide.
 
 Why this should run near copy bandwidth: per token it reads 1152 B (bf16 kv_c + k_pe) and writes
 288..1152 B, so 65,536 tokens are 98..151 MB, 23..36 us at the H200's ~4.2 TB/s; bf16, fp8 and
-fp8_ds_mla (rope and NoPE) measured 82-94 % of copy bandwidth (BENCHMARKS.md).  nvfp4 is the expensive
-one and reaches 65 % (NoPE 61 %): the recipe's ``e2m1(x / sf)`` is done without dividing (``|x|``
+fp8_ds_mla (rope and NoPE) measured 80-94 % of copy bandwidth (BENCHMARKS.md).  nvfp4 is the expensive
+one (76-77 %, NoPE 70-72 %, fifth session): the recipe's ``e2m1(x / sf)`` is done without dividing (``|x|``
 against the exact decision points ``t * sf``, see ``_e2m1_codes``), and for bf16 input two values at a
 time in bf16x2 (``_e2m1_bytes_bf16x2``); fp32 / fp16 input takes the one-value-at-a-time path.  The kernel
-is bound by the ALU pipe (Nsight Compute, H200).  What paid (fourth session): the block scale of a bf16
+was bound by the ALU pipe (Nsight Compute, H200).  What paid (fourth session): the block scale of a bf16
 amax without a division (``_nvfp4_scale_bf16``) and one thread per 16-value block (two half-block loads of
-one layout), 44 -> 35.5 us.  What did not, alone: the alignment hint on 16-byte-aligned bf16 rows (on by
-default, ``_config={"aligned": False}`` turns it off) and 32-bit word stores.  The GPU default is the
-convert-instruction path (``set.*.bf16x2`` compares, ``mul.bf16x2`` thresholds), faster there than the
-exact integer compares.
+one layout), 44 -> 35.5 us, 65 %; (fifth session) the pair decisions as bf16x2 arithmetic on the FMA pipe
+(``_e2m1_bytes_bf16x2_fma``, the GPU default) and 4 tokens / 2 warps per program, 76-77 %.  What did not,
+alone: the alignment hint on 16-byte-aligned bf16 rows (on by default, ``_config={"aligned": False}``
+turns it off) and 32-bit word stores.  ``_config={"fma": False}`` keeps the bit-mask form of the
+decisions (``set.*.bf16x2`` masks and LOP3 selects) for comparison.
 
 Number conversions, and why there are two code paths (``EMULATE``):
   On the GPU, Triton lowers fp32 -> float8e4nv to ``cvt.rn.satfinite.e4m3x2.f32`` (round to nearest

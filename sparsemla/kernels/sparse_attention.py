@@ -17,7 +17,9 @@ Two kernel shapes, chosen by head count (``kernel_config``):
   ``_fwd_fp8_kernel``, ``_fwd_nvfp4_kernel``), 16-32 heads per program on mma.sync, FP8/FP4 rows read as int16
   lanes and converted on the operand registers (below);
 - more than 32 heads (compute-bound): ``_fwd_wide_kernel`` for every format, 64 heads per program on wgmma,
-  each K tile converted once to bf16 in natural dim order and read from shared memory by both dots.
+  each K tile converted once to bf16 in natural dim order and read from shared memory by both dots --
+  except bf16 rows on sm_90, which go to the warp-specialized Gluon kernels of ``ws_attention`` (a
+  producer warpgroup gathering rows with cp.async, two consumer warpgroups; 1.5-2x faster on the H200).
 
 Number formats on the tensor cores (few-heads kernels), and why:
 - e4m3 -> fp16 is exact and is one packed ``cvt.rn.f16x2.e4m3x2`` per two values (e4m3 -> bf16 costs two more
