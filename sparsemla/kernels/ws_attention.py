@@ -43,12 +43,23 @@ def _coords(H, K, vc_ptr, rows_per_split, num_splits, NG: gl.constexpr, HAS_VC: 
     return t, s, g, k_begin, k_end
 
 
+_CAPABILITY: dict = {}
+
+
+def _capability(device: torch.device):
+    """(major, minor) of a CUDA device, cached: ``supported`` runs on every attention call."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _CAPABILITY:
+        _CAPABILITY[key] = torch.cuda.get_device_capability(key)
+    return _CAPABILITY[key]
+
+
 def supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) -> bool:
     """Whether the warp-specialized kernel can take this call: bf16 rows, > 32 heads, an sm_90 GPU, and
     16-byte aligned q rows and cache."""
     if kind != "bf16" or num_heads <= 32 or q.device.type != "cuda":
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if _capability(q.device) != (9, 0):
         return False
     return (q.data_ptr() % 16 == 0 and kv.data_ptr() % 16 == 0 and (q.stride(0) * 2) % 16 == 0
             and (q.stride(1) * 2) % 16 == 0)
