@@ -12,7 +12,7 @@ a constexpr block size (a shift for 64), not a 64-bit divide.
 Why this should run near copy bandwidth: per token it reads 1152 B (bf16 kv_c + k_pe) and writes
 288..1152 B, so 65,536 tokens are 98..151 MB, 23..36 us at the H200's ~4.2 TB/s; bf16, fp8 and
 fp8_ds_mla (rope and NoPE) measured 80-94 % of copy bandwidth (BENCHMARKS.md).  nvfp4 is the expensive
-one (76-77 %, NoPE 70-72 %, fifth session): the recipe's ``e2m1(x / sf)`` is done without dividing (``|x|``
+one (76-77 %, NoPE 69.8-72.6 %, fifth session): the recipe's ``e2m1(x / sf)`` is done without dividing (``|x|``
 against the exact decision points ``t * sf``, see ``_e2m1_codes``), and for bf16 input two values at a
 time in bf16x2 (``_e2m1_bytes_bf16x2``); fp32 / fp16 input takes the one-value-at-a-time path.  The kernel
 was bound by the ALU pipe (Nsight Compute, H200).  What paid (fourth session): the block scale of a bf16
