@@ -3,7 +3,8 @@
 For every format of ``docs/kv-formats.md`` (bf16, fp8, fp8_ds_mla, nvfp4_ds_mla; rope 64 or NoPE) the
 bytes written are identical to ``fmt.encode`` (``formats/_numerics.py`` gives the exact fp32 recipe).
 
-Tiling: one program = ``TOK`` (8) tokens, each a whole row, 4 warps (per-format overrides: ``WRITE_TUNED``).  A token's 512 latent values are
+Tiling: one program = ``TOK`` (8) tokens, each a whole row, 4 warps (per-format overrides:
+``WRITE_TUNED``).  A token's 512 latent values are
 one ``[TOK, 512]`` load (per-tile / per-block amax = a reduction over a reshaped view, no per-element
 loop), its RoPE one ``[TOK, 64]`` load, and its row is written with 16-byte stores at byte offset
 ``row * bytes_per_token`` computed in int64 (caches above 2^31 bytes).  The slot -> row division is by
