@@ -226,9 +226,7 @@ def _pair_threshold(sf, t: tl.constexpr, T2: tl.constexpr, EMULATE: tl.constexpr
         return (b | (b << 16))[:, :, None]
     else:
         b = sf.to(tl.uint32, bitcast=True) >> 16
-        t2 = tl.full(b.shape, T2, tl.uint32)
-        return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [b | (b << 16), t2],
-                                         dtype=tl.uint32, is_pure=True, pack=1)[:, :, None]
+        return _bf16x2_mul(b | (b << 16), tl.full(b.shape, T2, tl.uint32))[:, :, None]
 
 
 @triton.jit
@@ -280,12 +278,12 @@ def _e2m1_bytes_bf16x2_fma(w, sf):
     values that leaves ~7 ALU instructions (abs, sign, nibble packing) next to 10 on the FMA pipe."""
     b = sf.to(tl.uint32, bitcast=True) >> 16
     s2 = (b | (b << 16))[:, :, None]
-    t175 = _bf16x2_mul(s2, tl.full(s2.shape, 0x3FE03FE0, tl.uint32))
-    t075 = _bf16x2_mul(s2, tl.full(s2.shape, 0x3F403F40, tl.uint32))
-    d275 = _bf16x2_mul(s2, tl.full(s2.shape, 0x40304030, tl.uint32))
-    t025 = _bf16x2_mul(s2, tl.full(s2.shape, 0x3E803E80, tl.uint32))
-    k150 = _bf16x2_mul(s2, tl.full(s2.shape, 0x3FC03FC0, tl.uint32))
-    k225 = _bf16x2_mul(s2, tl.full(s2.shape, 0x40104010, tl.uint32))
+    t175 = _pair_threshold(sf, 1.75, 0x3FE03FE0, False)
+    t075 = _pair_threshold(sf, 0.75, 0x3F403F40, False)
+    d275 = _pair_threshold(sf, 2.75, 0x40304030, False)
+    t025 = _pair_threshold(sf, 0.25, 0x3E803E80, False)
+    k150 = _pair_threshold(sf, 1.5, 0x3FC03FC0, False)
+    k225 = _pair_threshold(sf, 2.25, 0x40104010, False)
     c = tl.inline_asm_elementwise(
         """{
         .reg .b32 b2, b1, b0, t1, u, v, t0, k;

@@ -25,11 +25,15 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+_NEG_BIG = gl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima (no inf - inf in exp2)
+
 
 @gluon.jit
 def _coords(H, K, vc_ptr, rows_per_split, num_splits, NG: gl.constexpr, HAS_VC: gl.constexpr):
     """Program id -> (token, split, head group, first position, end position).  Head groups vary fastest
-    so the programs that read the same rows run side by side (L2 reuse)."""
+    so the programs that read the same rows run side by side (L2 reuse).  The same mapping as
+    ``sparse_attention._program_coords`` (the split plan is shared); a Gluon kernel cannot call that
+    Triton function (its head offsets are a layout-less ``tl.arange``), hence this scalar copy."""
     pid = gl.program_id(0)
     g = pid % NG
     ts = pid // NG

@@ -33,9 +33,15 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .ws_attention import _coords
+from .ws_attention import _NEG_BIG, _coords
 
-_NEG_BIG = gl.constexpr(-1.0e30)  # finite "minus infinity" for the running max
+# Each consumer warpgroup (4 warps): S [64 heads, 64 rows] and O [64 heads, 256 columns] on wgmma; its own
+# P enters PV from registers.
+S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
+O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
+P_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT.value, k_width=2))
+SROW = gl.constexpr(gl.SliceLayout(1, S_LAYOUT.value))
+OROW = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))
 
 
 @gluon.jit
@@ -116,22 +122,37 @@ def _vec_store(buf, v):
 
 
 @gluon.jit
-def _epilogue(acc, l_i, m_i, col0: gl.constexpr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt,
-              stride_ls, stride_lh, t, s, g, H, WRITE_LSE: gl.constexpr):
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-    orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
-    srow_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+def _consumer_start(t, k_begin, k_end, idx_ptr, stride_it, q_bar):
+    """A consumer warpgroup's initial state (zero S operand, running max and sum, accumulator), its number
+    of block pairs and index row; returns once q is in shared memory."""
+    s_zero = gl.zeros([64, 64], gl.float32, S_LAYOUT)
+    m_i = gl.full([64], _NEG_BIG, gl.float32, SROW)
+    l_i = gl.zeros([64], gl.float32, SROW)
+    acc = gl.zeros([64, 256], gl.float32, O_LAYOUT)
+    n_pairs = gl.cdiv(gl.cdiv(k_end - k_begin, 64), 2)
+    mbarrier.wait(q_bar, 0)
+    return s_zero, m_i, l_i, acc, n_pairs, idx_ptr + t.to(gl.int64) * stride_it
+
+
+@gluon.jit
+def _epilogue(acc, l_own, m_i, sL_own, sL_other, bar_own, bar_other, col0: gl.constexpr, o_ptr, stride_ot,
+              stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh, t, s, g, H, WRITE_LSE: gl.constexpr):
+    """Add the other warpgroup's row sums to this one's (through shared memory), then store this
+    warpgroup's 256 output columns (and, for one of them, the lse)."""
+    _vec_store(sL_own, l_own)
+    mbarrier.arrive(bar_own, count=1)
+    mbarrier.wait(bar_other, 0)
+    l_i = l_own + sL_other.load(SROW)
     has = l_i > 0
     inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
-    heads = g * 64 + gl.arange(0, 64, layout=orow_l)
-    cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, o_layout))
-    o = acc * gl.convert_layout(inv_l, orow_l)[:, None]
+    heads = g * 64 + gl.arange(0, 64, layout=OROW)
+    cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, O_LAYOUT))
+    o = acc * gl.convert_layout(inv_l, OROW)[:, None]
     optr = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[:, None] * stride_oh + cols[None, :]
     gl.store(optr, o.to(o_ptr.dtype.element_ty), mask=(heads < H)[:, None])
     if WRITE_LSE:
         lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-        lh = g * 64 + gl.arange(0, 64, layout=srow_l)
+        lh = g * 64 + gl.arange(0, 64, layout=SROW)
         gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + lh * stride_lh, lse, mask=lh < H)
 
 
@@ -143,20 +164,8 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
     qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1 = smem
     q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar = bars
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    srow_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-    orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     sS0 = kE.index(0)
-
-    s_zero = gl.zeros([64, 64], gl.float32, s_layout)
-    m_i = gl.full([64], _NEG_BIG, gl.float32, srow_l)
-    l_i = gl.zeros([64], gl.float32, srow_l)
-    acc = gl.zeros([64, 256], gl.float32, o_layout)
-    n_pairs = gl.cdiv(gl.cdiv(k_end - k_begin, 64), 2)
-    idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    mbarrier.wait(q_bar, 0)
+    s_zero, m_i, l_i, acc, n_pairs, idx_row = _consumer_start(t, k_begin, k_end, idx_ptr, stride_it, q_bar)
     if n_pairs > 0:
         mbarrier.wait(ready_l.index(0), 0)
         fence_async_shared()
@@ -174,26 +183,26 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in
         # the loop instead of 72 wgmma descriptors being hoisted out of it (that spilled ~540 bytes)
         z = i // (n_pairs + 1)
-        sc = _masked_scores(sc, idx_row, k_begin + i * 128, k_end, sm_scale_log2, gl.SliceLayout(0, s_layout))
+        sc = _masked_scores(sc, idx_row, k_begin + i * 128, k_end, sm_scale_log2, gl.SliceLayout(0, S_LAYOUT))
         m_new = gl.maximum(m_i, gl.max(sc, 1))
         _vec_store(sM0, m_new)
         mbarrier.arrive(m0_bar, count=1)
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
-        acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+        acc = acc * gl.convert_layout(alpha, OROW)[:, None]
         # local PV: P0 (registers) x block 0's V columns 0-255
-        acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_op), kL.index(z), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_OP), kL.index(z), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         gl.thread_barrier()
         mbarrier.arrive(free_l.index(0), count=1)
         # the pair's max from warpgroup 1; rescale P0, the accumulator and l to it
         mbarrier.wait(m1_bar, ph)
-        m_fin = sM1.load(srow_l)
+        m_fin = sM1.load(SROW)
         f = gl.exp2(m_new - m_fin)
         p = p * f[:, None]
         l_i = l_i * f
-        acc = acc * gl.convert_layout(f, orow_l)[:, None]
+        acc = acc * gl.convert_layout(f, OROW)[:, None]
         m_i = m_fin
         sS0.store(p.to(gl.bfloat16))  # over block 0's rope part: QK is done with it
         fence_async_shared()
@@ -220,13 +229,8 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
             acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(sS1, kL.index(1 + z), acc, is_async=True),))
             gl.thread_barrier()
             mbarrier.arrive(free_l.index(1), count=1)
-    # the row sums of both warpgroups
-    _vec_store(sL0, l_i)
-    mbarrier.arrive(l0_bar, count=1)
-    mbarrier.wait(l1_bar, 0)
-    l_tot = l_i + sL1.load(srow_l)
-    _epilogue(acc, l_tot, m_i, 0, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
-              t, s, g, H, False)
+    _epilogue(acc, l_i, m_i, sL0, sL1, l0_bar, l1_bar, 0, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+              stride_lt, stride_ls, stride_lh, t, s, g, H, False)
 
 
 @gluon.jit
@@ -237,20 +241,8 @@ def _wg1(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
     qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1 = smem
     q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar = bars
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    srow_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-    orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     sS0 = kE.index(0)
-
-    s_zero = gl.zeros([64, 64], gl.float32, s_layout)
-    m_i = gl.full([64], _NEG_BIG, gl.float32, srow_l)
-    l_i = gl.zeros([64], gl.float32, srow_l)
-    acc = gl.zeros([64, 256], gl.float32, o_layout)
-    n_pairs = gl.cdiv(gl.cdiv(k_end - k_begin, 64), 2)
-    idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    mbarrier.wait(q_bar, 0)
+    s_zero, m_i, l_i, acc, n_pairs, idx_row = _consumer_start(t, k_begin, k_end, idx_ptr, stride_it, q_bar)
     for i in range(n_pairs):
         ph = i & 1
         z = i // (n_pairs + 1)  # == 0; see _wg0
@@ -263,19 +255,19 @@ def _wg1(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         fence_async_shared()
         sc = _qk_half(qL.index(z), kL.index(1 + z), sc, True)
         sc = warpgroup_mma_wait(0, deps=(sc,))
-        sc = _masked_scores(sc, idx_row, k_begin + i * 128 + 64, k_end, sm_scale_log2, gl.SliceLayout(0, s_layout))
+        sc = _masked_scores(sc, idx_row, k_begin + i * 128 + 64, k_end, sm_scale_log2, gl.SliceLayout(0, S_LAYOUT))
         mbarrier.wait(m0_bar, ph)
-        m_fin = gl.maximum(sM0.load(srow_l), gl.max(sc, 1))
+        m_fin = gl.maximum(sM0.load(SROW), gl.max(sc, 1))
         _vec_store(sM1, m_fin)
         mbarrier.arrive(m1_bar, count=1)
         alpha = gl.exp2(m_i - m_fin)
         p = gl.exp2(sc - m_fin[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_fin
-        acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+        acc = acc * gl.convert_layout(alpha, OROW)[:, None]
         pb = p.to(gl.bfloat16)
         # local PV: P1 (registers) x block 1's V columns 256-511
-        acc = warpgroup_mma(gl.convert_layout(pb, p_op), kR.index(1 + z), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(pb, P_OP), kR.index(1 + z), acc, is_async=True)
         sS1.store(pb)
         fence_async_shared()
         gl.thread_barrier()
@@ -289,12 +281,8 @@ def _wg1(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         acc = warpgroup_mma_wait(0, deps=(acc,))
         gl.thread_barrier()
         mbarrier.arrive(free_r.index(0), count=1)
-    _vec_store(sL1, l_i)
-    mbarrier.arrive(l1_bar, count=1)
-    mbarrier.wait(l0_bar, 0)
-    l_tot = l_i + sL0.load(srow_l)
-    _epilogue(acc, l_tot, m_i, 256, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
-              t, s, g, H, True)
+    _epilogue(acc, l_i, m_i, sL1, sL0, l1_bar, l0_bar, 256, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+              stride_lt, stride_ls, stride_lh, t, s, g, H, True)
 
 
 @gluon.jit

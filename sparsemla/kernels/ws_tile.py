@@ -22,10 +22,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .ws_attention import _coords
+from .ws_attention import _NEG_BIG, _coords
 
 PRODUCER_REGS = gl.constexpr(56)
-_NEG_BIG = gl.constexpr(-1.0e30)  # finite "minus infinity" for the running max
 
 
 @gluon.jit
