@@ -790,6 +790,16 @@ def _ws_ok(q, kv, kind, num_heads, ws_kernel) -> bool:
     return _ws.supported(q, kv, kind, num_heads)
 
 
+def _few_ok(q, kv, kind, num_heads, ws_kernel) -> bool:
+    """Whether the warp-specialized few-heads kernel takes this call (fp8 / fp8_ds_mla rows, <= 32 heads,
+    sm_90; never under the interpreter; ``SPARSEMLA_WS=0`` turns it off unless ``ws_kernel`` asks for it)."""
+    if _ws is None or interpreting():
+        return False
+    if ws_kernel is None and os.environ.get("SPARSEMLA_WS", "1") == "0":
+        return False
+    return _ws.few_supported(q, kv, kind, num_heads)
+
+
 def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_scale, out, lse, num_splits,
             split_buffers, block_n, num_warps, num_stages, head_block_size=None, kernel=None, fp8_family=False,
             maxnreg=None, ws_kernel=None):
@@ -805,6 +815,12 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     interp = interpreting()
     cfg_hb, cfg_bn, cfg_w, cfg_st, wide = kernel_config(kind, h)
     wide = wide and kernel is None and (head_block_size or cfg_hb) >= 64
+    # fp8 / fp8_ds_mla at few heads on sm_90: the warp-specialized kernel (ws_few.py), 16 heads per program,
+    # 64-row blocks
+    few = (not wide and kernel is None and head_block_size is None and ws_kernel is not False
+           and _few_ok(q, kv, kind, h, ws_kernel))
+    if few:
+        head_block_size, block_n = 16, 64
     hb = head_block_size or cfg_hb
     ng = -(-h // hb)
     if block_n is None:
@@ -849,6 +865,9 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
                      DS=kind == "fp8_ds_mla", STAGED=False, ROPE=rope, **common)
     elif kernel is not None:
         kernel[grid](*args, h, k, rows_per_split, num_splits, BPT=fmt.bytes_per_token, ROPE=rope, **common)
+    elif few:
+        _ws.launch_few(grid, args + (float(k_scale), h, k, rows_per_split, num_splits), fmt.bytes_per_token,
+                       kind == "fp8_ds_mla", rope, ng, valid_counts is not None)
     elif wide and hb == 64 and ws_kernel is not False and _ws_ok(q, kv, kind, h, ws_kernel):
         _ws.launch(grid, args + (h, k, rows_per_split, num_splits), fmt.bytes_per_token, rope, ng,
                    valid_counts is not None, config=ws_kernel if isinstance(ws_kernel, str) else None)

@@ -1,0 +1,530 @@
+"""Warp-specialized sparse MLA decode for FP8 rows at few heads (Hopper, Gluon): ``fp8`` and ``fp8_ds_mla``
+(rope or NoPE), 16 heads per program.
+
+Why a second kernel: the Triton few-heads kernels (``sparse_attention._fwd_fp8_kernel``) hold q as
+mma.sync fragments in every warp (~144 registers), so two programs (8 warps) fit an SM; each tile then
+runs load -> convert -> QK -> softmax -> PV in sequence and the kernel is latency-bound at 35 % of memory
+speed-of-light (kernel-notes.md).  Here the work is transposed and split between warps:
+
+- the cache rows are the MMA's M dimension: ``S^T = K q^T`` and ``O^T += V^T P^T`` on wgmma m64n16 with
+  the 16 heads as N, so q and P live in shared memory as the B operand and the K / V tiles are the A
+  operand **from registers**, converted there straight from the raw e4m3 bytes (never written back);
+- a producer warpgroup gathers the raw rows (e4m3 values, scales, rope) with cp.async into a ring of
+  four 64-row stages; two consumer warpgroups take every other 64-row block, each with its own online
+  softmax, and merge once at the end (through shared memory).
+
+Operand layout trick: a thread of the wgmma A fragment holds k (columns) 2t, 2t+1, 2t+8, 2t+9 of each
+16-wide step.  A dot product does not care about the order of k, so the kernel permutes k: a thread loads
+16 contiguous bytes of a row (one 128-bit shared load) and those bytes *are* its fragment, in the order
+the fragment wants them; q is written to shared memory once with the same permutation of its columns.
+For PV the output dims are permuted the same way (each thread loads 4 contiguous bytes of 4 rows per
+128-dim group) and un-permuted when the output is stored.  The relabelling is a reshape / permute of the
+register tensor (no data movement); ``tests/ws_compile_probe.py`` pins the SASS (128-bit shared loads, no
+spills).
+
+Numbers: e4m3 is exact in fp16, so the MMAs run in fp16 with q brought into fp16 range by a per-token
+power of two (as the Triton kernels do).  fp8_ds_mla's per-row, per-128-dim-group fp32 scales: QK keeps
+one accumulator per group and scales each by its rows' scales; PV multiplies P by ``scale / u`` for each
+group (u = the block's largest scale of that group, a ratio <= 1 kept in fp16 range) and holds each
+group's accumulator in units of u.  The rope part of fp8_ds_mla is bf16 and multiplies in bf16 (A from
+shared memory); plain fp8 rows are e4m3 throughout with the per-tensor ``k_scale`` applied to the scores
+and the output.
+
+Same arguments and output contract as ``sparse_attention._fwd_fp8_kernel`` (split partials, normalized
+output, natural-log lse).  Gluon does not run under the Triton interpreter: CPU CI compiles it for sm_90
+(``tests/test_ws_attention.py``) and the GPU suite checks its numbers.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+from .ws_attention import _NEG_BIG, _coords
+
+NS = gl.constexpr(4)  # ring stages of 64 rows
+
+# S^T [64 rows, 16 heads] and O^T [128 dims, 16 heads] (one per 128-dim group) on wgmma m64n16
+S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
+A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_L.value, k_width=2))
+ROW = gl.constexpr(gl.SliceLayout(1, S_L.value))   # one value per cache row (or output dim)
+HEAD = gl.constexpr(gl.SliceLayout(0, S_L.value))  # one value per head
+# Raw e4m3 bytes for QK, [64 rows, 128 bytes] (one 128-dim group): thread (warp w, lane 4g + t) holds rows
+# 16w + g and 16w + g + 8, bytes 32t .. 32t + 31.  Register order = byte order (128-bit loads).  Byte
+# 32t + 16 j + 4 s + 2 p + e is the fragment's k = 64 j + 16 s + 8 p + 2 t + e (see _qk_operand).
+L_QK = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
+    lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+    shape=[64, 128]))
+# The same for a 64-byte rope part: bytes 16t .. 16t + 15; byte 16 t + 4 s + 2 p + e is k = 16 s + 8 p + 2 t + e
+L_QK64 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+    lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+    shape=[64, 64]))
+# Raw e4m3 bytes for PV, [16 rows, 128 dims] (one k-step of one group): thread (w, 4g + t) holds rows
+# 2t, 2t + 1, 2t + 8, 2t + 9 and dims 32w + 4g .. 32w + 4g + 3 (32-bit loads).  Dim 32 w + 4 g + 2 i + h is
+# the fragment's M row 64 i + 16 w + 8 h + g (see _pv_operand and _dims).
+L_V = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0]],
+    lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]], warp_bases=[[0, 32], [0, 64]], block_bases=[],
+    shape=[16, 128]))
+# fp8_ds_mla tile scales [64 rows, 4 groups] with the rows of S^T (all four in each thread's registers)
+SC_L = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 4]))
+
+
+@gluon.jit
+def _perm128(k):
+    """Fragment column k (0..127) of a group -> the byte (dim) of the group it holds (see L_QK)."""
+    return 32 * ((k >> 1) & 3) + 16 * (k >> 6) + 4 * ((k >> 4) & 3) + 2 * ((k >> 3) & 1) + (k & 1)
+
+
+@gluon.jit
+def _perm64(k):
+    """Fragment column k (0..63) of the 64-wide rope part -> its byte (see L_QK64)."""
+    return 16 * ((k >> 1) & 3) + 4 * ((k >> 4) & 3) + 2 * ((k >> 3) & 1) + (k & 1)
+
+
+@gluon.jit
+def _dims(m):
+    """Accumulator row m (0..127) of a group -> the output dim within the group (see L_V)."""
+    return 32 * ((m >> 4) & 3) + 4 * (m & 7) + 2 * (m >> 6) + ((m >> 3) & 1)
+
+
+@gluon.jit
+def _qk_operand(raw, G: gl.constexpr):
+    """Group G's e4m3 bytes of the stage -> the fp16 A operand [64 rows, 128 k] (k permuted, _perm128)."""
+    a = raw.slice(128 * G, 128, dim=1).load(L_QK).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    a = a.reshape([64, 4, 2, 4, 2, 2]).permute(0, 2, 3, 4, 1, 5).reshape([64, 128])
+    return gl.convert_layout(a, A_OP)
+
+
+@gluon.jit
+def _rope_operand(rope):
+    """Plain fp8 rows: the 64 e4m3 rope bytes -> fp16 A operand [64 rows, 64 k] (k permuted, _perm64)."""
+    a = rope.load(L_QK64).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    a = a.reshape([64, 4, 4, 2, 2]).permute(0, 2, 3, 1, 4).reshape([64, 64])
+    return gl.convert_layout(a, A_OP)
+
+
+@gluon.jit
+def _pv_operand(raw, ks: gl.constexpr, G: gl.constexpr):
+    """Rows 16 ks .. 16 ks + 15, group G -> the fp16 A operand V^T [128 dims (permuted, _dims), 16 rows]."""
+    v = raw.slice(16 * ks, 16, dim=0).slice(128 * G, 128, dim=1).load(L_V)
+    v = v.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    v = v.permute(1, 0).reshape([4, 8, 2, 2, 16]).permute(2, 0, 3, 1, 4).reshape([128, 16])
+    return gl.convert_layout(v, A_OP)
+
+
+@gluon.jit
+def _rows(idx_row, p0, k_end, kv_ptr, BPT: gl.constexpr, rows_l: gl.constexpr):
+    """Byte pointers of the 64 rows at positions p0.. (row 0 where invalid) and their validity."""
+    offs = p0 + gl.arange(0, 64, layout=rows_l)
+    idx = gl.load(idx_row + offs, mask=offs < k_end, other=-1)
+    valid = idx >= 0
+    return gl.multiple_of(kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * BPT, 16), valid
+
+
+@gluon.jit
+def _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars,
+              BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG, HAS_VC):
+    """Gathers each 64-row block's raw bytes into stage b % NS: e4m3 values, then (fp8_ds_mla) the four
+    scales and the bf16 rope, or (fp8) the e4m3 rope."""
+    raw, scl, rope, qn, qr, pb, mrg, vec = smem
+    q_bar, ready, free, done_bar = bars
+    t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    n_blocks = gl.cdiv(k_end - k_begin, 64)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    lv: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])        # [64, 512] u8, 16 B each
+    ls: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0])         # [64, 4] f32, 8 B each
+    lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])          # [64, 64] bf16, 16 B each
+    lq: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])        # [64, 64] u8, 16 B each
+    cv = gl.arange(0, 512, layout=gl.SliceLayout(0, lv))
+    for b in range(n_blocks):
+        st = b % NS
+        mbarrier.wait(free.index(st), ((b // NS) & 1) ^ 1)  # fresh barriers pass phase 1 at once
+        p0 = k_begin + b * 64
+        base, valid = _rows(idx_row, p0, k_end, kv_ptr, BPT, gl.SliceLayout(1, lv))
+        async_copy.async_copy_global_to_shared(raw.index(st), base[:, None] + cv[None, :], mask=valid[:, None])
+        if DS:
+            base, valid = _rows(idx_row, p0, k_end, kv_ptr, BPT, gl.SliceLayout(1, ls))
+            cs = gl.arange(0, 4, layout=gl.SliceLayout(0, ls))
+            sp = gl.multiple_of(base + 512, 16).to(gl.pointer_type(gl.float32))
+            async_copy.async_copy_global_to_shared(scl.index(st), sp[:, None] + cs[None, :], mask=valid[:, None])
+            if ROPE:
+                base, valid = _rows(idx_row, p0, k_end, kv_ptr, BPT, gl.SliceLayout(1, lr))
+                cr = gl.arange(0, 64, layout=gl.SliceLayout(0, lr))
+                rp = gl.multiple_of(base + 528, 16).to(gl.pointer_type(gl.bfloat16))
+                async_copy.async_copy_global_to_shared(rope.index(st), rp[:, None] + cr[None, :], mask=valid[:, None])
+        elif ROPE:
+            base, valid = _rows(idx_row, p0, k_end, kv_ptr, BPT, gl.SliceLayout(1, lq))
+            cr = gl.arange(0, 64, layout=gl.SliceLayout(0, lq))
+            async_copy.async_copy_global_to_shared(rope.index(st), (base + 512)[:, None] + cr[None, :],
+                                                   mask=valid[:, None])
+        async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+
+
+@gluon.jit
+def _write_q(q_ptr, stride_qt, stride_qh, t, g, H, c, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr):
+    """q * c into shared memory as the QK B operand: fp16 groups [4, 16, 128] with columns permuted like
+    the A fragments; the rope part bf16 (fp8_ds_mla, natural order) or fp16 (fp8, permuted)."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    heads = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
+    hm = (heads < H)[:, None]
+    q_row = q_ptr + t.to(gl.int64) * stride_qt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_qh
+    k = gl.arange(0, 128, layout=gl.SliceLayout(0, lay))
+    for G in gl.static_range(4):
+        x = gl.load(q_row + 128 * G + _perm128(k)[None, :], mask=hm, other=0.0).to(gl.float32)
+        qn.index(G).store((x * c).to(gl.float16))
+    if ROPE:
+        k64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
+        if DS:
+            x = gl.load(q_row + 512 + k64[None, :], mask=hm, other=0.0).to(gl.float32)
+            qr.store((x * c).to(gl.bfloat16))
+        else:
+            x = gl.load(q_row + 512 + _perm64(k64)[None, :], mask=hm, other=0.0).to(gl.float32)
+            qr.store((x * c).to(gl.float16))
+
+
+@gluon.jit
+def _q_scale(q_ptr, stride_qt, stride_qh, t, g, H, DS: gl.constexpr, ROPE: gl.constexpr):
+    """The per-token power of two c that brings q into fp16 range (amax * c in [2^13, 2^15)); over the
+    latent dims, and the rope dims too when they are fp16 operands (plain fp8)."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    heads = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
+    hm = (heads < H)[:, None]
+    q_row = q_ptr + t.to(gl.int64) * stride_qt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_qh
+    d = gl.arange(0, 512, layout=gl.SliceLayout(0, lay))
+    amax = gl.max(gl.max(gl.abs(gl.load(q_row + d[None, :], mask=hm, other=0.0).to(gl.float32)), 1), 0)
+    if not DS:
+        if ROPE:
+            d64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
+            x = gl.load(q_row + 512 + d64[None, :], mask=hm, other=0.0).to(gl.float32)
+            amax = gl.maximum(amax, gl.max(gl.max(gl.abs(x), 1), 0))
+    e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
+    return gl.where(amax > 0, gl.exp2(13.0 - e), 1.0)
+
+
+@gluon.jit
+def _col(x, G: gl.constexpr):
+    """Column G of a [64, 4] tensor in SC_L, as a per-row vector of S^T."""
+    c = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
+    return gl.convert_layout(gl.sum(gl.where(c[None, :] == G, x, 0.0), 1), ROW)
+
+
+@gluon.jit
+def _scaled(t, sc, PER_ROW: gl.constexpr):
+    """A group's S^T times its scales: per row (fp8_ds_mla) or one scalar (k_scale; 1 for bf16 rope)."""
+    if PER_ROW:
+        return t * sc[:, None]
+    else:
+        return t * sc
+
+
+@gluon.jit
+def _pick(v, G: gl.constexpr):
+    """Element G of a [4] vector in SliceLayout(0, SC_L), as a scalar (held in every thread)."""
+    c = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
+    return gl.sum(gl.where(c == G, v, 0.0), 0)
+
+
+@gluon.jit
+def _pv_step(raw, ks: gl.constexpr, pb, P0, a0, a1, a2, a3, DS: gl.constexpr):
+    """O^T_G += V^T_G P_G^T over rows 16 ks .. 16 ks + 15 for the four groups."""
+    if DS:
+        b0 = pb.index(P0 + 0).slice(16 * ks, 16, dim=0)
+        b1 = pb.index(P0 + 1).slice(16 * ks, 16, dim=0)
+        b2 = pb.index(P0 + 2).slice(16 * ks, 16, dim=0)
+        b3 = pb.index(P0 + 3).slice(16 * ks, 16, dim=0)
+    else:
+        b0 = pb.index(P0 + 0).slice(16 * ks, 16, dim=0)
+        b1 = b0
+        b2 = b0
+        b3 = b0
+    # at most four MMAs (and their 8-register A operands) in flight
+    a0 = warpgroup_mma(_pv_operand(raw, ks, 0), b0, a0, is_async=True)
+    a0, a1, a2, a3 = warpgroup_mma_wait(3, deps=(a0, a1, a2, a3))
+    a1 = warpgroup_mma(_pv_operand(raw, ks, 1), b1, a1, is_async=True)
+    a0, a1, a2, a3 = warpgroup_mma_wait(3, deps=(a0, a1, a2, a3))
+    a2 = warpgroup_mma(_pv_operand(raw, ks, 2), b2, a2, is_async=True)
+    a0, a1, a2, a3 = warpgroup_mma_wait(3, deps=(a0, a1, a2, a3))
+    a3 = warpgroup_mma(_pv_operand(raw, ks, 3), b3, a3, is_async=True)
+    return warpgroup_mma_wait(3, deps=(a0, a1, a2, a3))
+
+
+@gluon.jit
+def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+              smem, bars, WG, DS: gl.constexpr, ROPE: gl.constexpr, NG, HAS_VC):
+    """Consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...; warpgroup 0 then merges and stores."""
+    raw, scl, rope, qn, qr, pb, mrg, vec = smem
+    q_bar, ready, free, done_bar = bars
+    t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    n_blocks = gl.cdiv(k_end - k_begin, 64)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    c = _q_scale(q_ptr, stride_qt, stride_qh, t, g, H, DS, ROPE)
+    score_scale = sm_scale_log2 / c
+    if WG == 0:
+        _write_q(q_ptr, stride_qt, stride_qh, t, g, H, c, qn, qr, DS, ROPE)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(q_bar, count=1)
+    else:
+        mbarrier.wait(q_bar, 0)
+    s_zero = gl.zeros([64, 16], gl.float32, S_L)
+    o0 = gl.zeros([128, 16], gl.float32, S_L)
+    o1 = o0
+    o2 = o0
+    o3 = o0
+    l_acc = s_zero
+    m_i = gl.full([16], _NEG_BIG, gl.float32, HEAD)
+    u = gl.full([4], 1.0, gl.float32, gl.SliceLayout(0, SC_L))  # fp8_ds_mla: each group's accumulator unit
+    for j in range((n_blocks + 1 - WG) // 2):
+        b = 2 * j + WG
+        st = b % NS
+        p0 = k_begin + b * 64
+        offs = p0 + gl.arange(0, 64, layout=ROW)
+        valid = gl.load(idx_row + offs, mask=offs < k_end, other=-1) >= 0
+        mbarrier.wait(ready.index(st), (b // NS) & 1)
+        rs = raw.index(st)
+        if DS:
+            cs = gl.arange(0, 64, layout=gl.SliceLayout(1, SC_L))
+            ok = gl.load(idx_row + p0 + cs, mask=p0 + cs < k_end, other=-1) >= 0
+            sv = gl.where(ok[:, None], scl.index(st).load(SC_L), 0.0)
+            sc0 = _col(sv, 0)
+            sc1 = _col(sv, 1)
+            sc2 = _col(sv, 2)
+            sc3 = _col(sv, 3)
+        else:
+            sc0 = k_scale
+            sc1 = k_scale
+            sc2 = k_scale
+            sc3 = k_scale
+        # S^T = K q^T group by group (A = the converted bytes, B = q^T); a group's product is scaled by its
+        # rows' scales as soon as it lands, so at most two groups (and their A registers) are in flight
+        t0 = warpgroup_mma(_qk_operand(rs, 0), qn.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        t1 = warpgroup_mma(_qk_operand(rs, 1), qn.index(1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        t0 = warpgroup_mma_wait(1, deps=(t0, ))
+        x = _scaled(t0, sc0, DS)
+        t2 = warpgroup_mma(_qk_operand(rs, 2), qn.index(2).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        t1 = warpgroup_mma_wait(1, deps=(t1, ))
+        x += _scaled(t1, sc1, DS)
+        t3 = warpgroup_mma(_qk_operand(rs, 3), qn.index(3).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        t2 = warpgroup_mma_wait(1, deps=(t2, ))
+        x += _scaled(t2, sc2, DS)
+        if ROPE:
+            if DS:  # bf16 rope (A from shared memory), not scaled
+                tr = warpgroup_mma(rope.index(st), qr.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            else:   # e4m3 rope, scaled by k_scale like the rest of the row
+                tr = warpgroup_mma(_rope_operand(rope.index(st)), qr.permute((1, 0)), s_zero, use_acc=False,
+                                   is_async=True)
+            t3 = warpgroup_mma_wait(1, deps=(t3, ))
+            x += _scaled(t3, sc3, DS)
+            tr = warpgroup_mma_wait(0, deps=(tr, ))
+            if DS:
+                x += tr
+            else:
+                x += tr * k_scale
+        else:
+            t3 = warpgroup_mma_wait(0, deps=(t3, ))
+            x += _scaled(t3, sc3, DS)
+        x = x * score_scale
+        x = gl.where(valid[:, None], x, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(x, 0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(x - m_new[None, :])
+        l_acc = l_acc * alpha[None, :] + p
+        m_i = m_new
+        if DS:
+            # group units: the block's largest scale (a group without a positive scale keeps its unit)
+            mx = gl.max(sv, 0)
+            u_new = gl.where(mx > 0, mx, u)
+            f = u / u_new
+            inv = 1.0 / u_new
+            pb.index(4 * WG + 0).store((p * (sc0 * _pick(inv, 0))[:, None]).to(gl.float16))
+            pb.index(4 * WG + 1).store((p * (sc1 * _pick(inv, 1))[:, None]).to(gl.float16))
+            pb.index(4 * WG + 2).store((p * (sc2 * _pick(inv, 2))[:, None]).to(gl.float16))
+            pb.index(4 * WG + 3).store((p * (sc3 * _pick(inv, 3))[:, None]).to(gl.float16))
+            o0 = o0 * (alpha * _pick(f, 0))[None, :]
+            o1 = o1 * (alpha * _pick(f, 1))[None, :]
+            o2 = o2 * (alpha * _pick(f, 2))[None, :]
+            o3 = o3 * (alpha * _pick(f, 3))[None, :]
+            u = u_new
+        else:
+            pb.index(4 * WG + 0).store(p.to(gl.float16))
+            o0 = o0 * alpha[None, :]
+            o1 = o1 * alpha[None, :]
+            o2 = o2 * alpha[None, :]
+            o3 = o3 * alpha[None, :]
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's part of P is in shared memory before the MMAs read it
+        o0, o1, o2, o3 = _pv_step(rs, 0, pb, 4 * WG, o0, o1, o2, o3, DS)
+        o0, o1, o2, o3 = _pv_step(rs, 1, pb, 4 * WG, o0, o1, o2, o3, DS)
+        o0, o1, o2, o3 = _pv_step(rs, 2, pb, 4 * WG, o0, o1, o2, o3, DS)
+        o0, o1, o2, o3 = _pv_step(rs, 3, pb, 4 * WG, o0, o1, o2, o3, DS)
+        gl.thread_barrier()  # all of this warpgroup's reads of the stage are done (the MMAs read registers)
+        mbarrier.arrive(free.index(st), count=1)
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+    l_i = gl.sum(l_acc, 0)
+    if DS:
+        o0 = o0 * _pick(u, 0)
+        o1 = o1 * _pick(u, 1)
+        o2 = o2 * _pick(u, 2)
+        o3 = o3 * _pick(u, 3)
+    else:
+        o0 = o0 * k_scale
+        o1 = o1 * k_scale
+        o2 = o2 * k_scale
+        o3 = o3 * k_scale
+    if WG == 1:
+        mrg.index(0).store(o0)
+        mrg.index(1).store(o1)
+        mrg.index(2).store(o2)
+        mrg.index(3).store(o3)
+        vec.index(0).store(m_i)
+        vec.index(1).store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(done_bar, count=1)
+    else:
+        mbarrier.wait(done_bar, 0)
+        m1 = vec.index(0).load(HEAD)
+        l1 = vec.index(1).load(HEAD)
+        m = gl.maximum(m_i, m1)
+        w0 = gl.exp2(m_i - m)
+        w1 = gl.exp2(m1 - m)
+        l_t = l_i * w0 + l1 * w1
+        has = l_t > 0
+        inv_l = gl.where(has, 1.0 / gl.where(has, l_t, 1.0), 0.0)
+        a0 = (w0 * inv_l)[None, :]
+        a1 = (w1 * inv_l)[None, :]
+        heads = g * 16 + gl.arange(0, 16, layout=HEAD)
+        hm = (heads < H)[None, :]
+        obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh
+        d = _dims(gl.arange(0, 128, layout=ROW))[:, None]
+        ty = o_ptr.dtype.element_ty
+        gl.store(obase + d, (o0 * a0 + mrg.index(0).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + 128 + d, (o1 * a0 + mrg.index(1).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + 256 + d, (o2 * a0 + mrg.index(2).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + 384 + d, (o3 * a0 + mrg.index(3).load(S_L) * a1).to(ty), mask=hm)
+        lse = gl.where(has, (m + gl.log2(gl.where(has, l_t, 1.0))) * 0.6931471805599453, float("-inf"))
+        gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
+
+
+# ---- format variants of the partitions: (DS, ROPE, bytes per token) as literals ----
+
+@gluon.jit
+def _c_ds(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+        stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
+        HAS_VC, WG):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+              stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
+              WG, True, 64, NG, HAS_VC)
+
+
+@gluon.jit
+def _p_ds(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC):
+    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 656, True, 64,
+              NG, HAS_VC)
+
+
+@gluon.jit
+def _c_ds_nope(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+        stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
+        HAS_VC, WG):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+              stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
+              WG, True, 0, NG, HAS_VC)
+
+
+@gluon.jit
+def _p_ds_nope(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC):
+    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 528, True, 0,
+              NG, HAS_VC)
+
+
+@gluon.jit
+def _c_fp8(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+        stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
+        HAS_VC, WG):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+              stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
+              WG, False, 64, NG, HAS_VC)
+
+
+@gluon.jit
+def _p_fp8(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC):
+    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 576, False, 64,
+              NG, HAS_VC)
+
+
+@gluon.jit
+def _c_fp8_nope(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+        stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
+        HAS_VC, WG):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+              stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
+              WG, False, 0, NG, HAS_VC)
+
+
+@gluon.jit
+def _p_fp8_nope(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC):
+    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 512, False, 0,
+              NG, HAS_VC)
+
+
+@gluon.jit
+def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+                  o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
+                  sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+                  BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
+    """One program = one query token x 16 heads x one split; launch with num_warps=4 (warpgroup 0)."""
+    raw = gl.allocate_shared_memory(gl.uint8, [NS, 64, 512], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    if DS:
+        scl = gl.allocate_shared_memory(gl.float32, [NS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        rope = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16))
+        qr = gl.allocate_shared_memory(gl.bfloat16, [16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.bfloat16))
+    else:
+        scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
+        qr = gl.allocate_shared_memory(gl.float16, [16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
+    qn = gl.allocate_shared_memory(gl.float16, [4, 16, 128], gl.NVMMASharedLayout.get_default_for([16, 128], gl.float16))
+    pb = gl.allocate_shared_memory(gl.float16, [8, 64, 16], gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16))
+    # warpgroup 1's accumulators for the final merge go over stage 1's bytes (only warpgroup 1 reads stage 1)
+    mrg = raw.index(1)._reinterpret(gl.float32, [4, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    vec = gl.allocate_shared_memory(gl.float32, [2, 16], plain)
+    bl: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], bl)
+    free = gl.allocate_shared_memory(gl.int64, [NS, 1], bl)
+    done_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(done_bar, count=1)
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=128)  # one cp.async arrival per producer thread
+        mbarrier.init(free.index(i), count=1)     # the consuming warpgroup
+    smem = (raw, scl, rope, qn, qr, pb, mrg, vec)
+    bars = (q_bar, ready, free, done_bar)
+    # Constexpr arguments do not survive warp_specialize (they arrive as tensors, and an `if` on them then
+    # traces both branches), so each format variant has its own partition functions (_variants below).
+    wg0 = num_splits * 0
+    ca = (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+          lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+          smem, bars, NG, HAS_VC, wg0)
+    cb = (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+          lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+          smem, bars, NG, HAS_VC, wg0 + 1)
+    pa = (kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC)
+    if DS:
+        if ROPE:
+            gl.warp_specialize([(_c_ds, ca), (_c_ds, cb), (_p_ds, pa)], [4, 4], [232, 40])
+        else:
+            gl.warp_specialize([(_c_ds_nope, ca), (_c_ds_nope, cb), (_p_ds_nope, pa)], [4, 4], [232, 40])
+    else:
+        if ROPE:
+            gl.warp_specialize([(_c_fp8, ca), (_c_fp8, cb), (_p_fp8, pa)], [4, 4], [232, 40])
+        else:
+            gl.warp_specialize([(_c_fp8_nope, ca), (_c_fp8_nope, cb), (_p_fp8_nope, pa)], [4, 4], [232, 40])
