@@ -274,6 +274,7 @@ def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, st
         mbarrier.arrive(q_bar, count=1)
     else:
         mbarrier.wait(q_bar, 0)
+        fence_async_shared()
     s_zero = gl.zeros([64, 16], gl.float32, S_L)
     o0 = gl.zeros([128, 16], gl.float32, S_L)
     o1 = o0
@@ -289,6 +290,7 @@ def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, st
         offs = p0 + gl.arange(0, 64, layout=ROW)
         valid = gl.load(idx_row + offs, mask=offs < k_end, other=-1) >= 0
         mbarrier.wait(ready.index(st), (b // NS) & 1)
+        fence_async_shared()  # cp.async data -> the wgmma (async proxy) reads of the rope part
         rs = raw.index(st)
         if DS:
             cs = gl.arange(0, 64, layout=gl.SliceLayout(1, SC_L))
