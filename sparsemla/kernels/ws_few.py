@@ -120,6 +120,11 @@ def _pv_operand(raw, ks: gl.constexpr, G: gl.constexpr):
 
 
 @gluon.jit
+def _pv_operands(raw, ks: gl.constexpr):
+    return _pv_operand(raw, ks, 0), _pv_operand(raw, ks, 1), _pv_operand(raw, ks, 2), _pv_operand(raw, ks, 3)
+
+
+@gluon.jit
 def _rows(idx_row, p0, k_end, kv_ptr, BPT: gl.constexpr, rows_l: gl.constexpr):
     """Byte pointers of the 64 rows at positions p0.. (row 0 where invalid) and their validity."""
     offs = p0 + gl.arange(0, 64, layout=rows_l)
@@ -232,27 +237,23 @@ def _pick(v, G: gl.constexpr):
 
 
 @gluon.jit
-def _pv_step(raw, ks: gl.constexpr, pb, P0, a0, a1, a2, a3, DS: gl.constexpr):
-    """O^T_G += V^T_G P_G^T over rows 16 ks .. 16 ks + 15 for the four groups."""
+def _pv_issue(v0, v1, v2, v3, pb, P0, ks: gl.constexpr, a0, a1, a2, a3, DS: gl.constexpr):
+    """Issue O^T_G += V^T_G P_G^T over rows 16 ks .. 16 ks + 15 for the four groups (asynchronous)."""
     if DS:
         b0 = pb.index(P0 + 0).slice(16 * ks, 16, dim=0)
         b1 = pb.index(P0 + 1).slice(16 * ks, 16, dim=0)
         b2 = pb.index(P0 + 2).slice(16 * ks, 16, dim=0)
         b3 = pb.index(P0 + 3).slice(16 * ks, 16, dim=0)
     else:
-        b0 = pb.index(P0 + 0).slice(16 * ks, 16, dim=0)
+        b0 = pb.index(P0).slice(16 * ks, 16, dim=0)
         b1 = b0
         b2 = b0
         b3 = b0
-    # at most four MMAs (and their 8-register A operands) in flight
-    a0 = warpgroup_mma(_pv_operand(raw, ks, 0), b0, a0, is_async=True)
-    a0, a1, a2, a3 = warpgroup_mma_wait(3, deps=(a0, a1, a2, a3))
-    a1 = warpgroup_mma(_pv_operand(raw, ks, 1), b1, a1, is_async=True)
-    a0, a1, a2, a3 = warpgroup_mma_wait(3, deps=(a0, a1, a2, a3))
-    a2 = warpgroup_mma(_pv_operand(raw, ks, 2), b2, a2, is_async=True)
-    a0, a1, a2, a3 = warpgroup_mma_wait(3, deps=(a0, a1, a2, a3))
-    a3 = warpgroup_mma(_pv_operand(raw, ks, 3), b3, a3, is_async=True)
-    return warpgroup_mma_wait(3, deps=(a0, a1, a2, a3))
+    a0 = warpgroup_mma(v0, b0, a0, is_async=True)
+    a1 = warpgroup_mma(v1, b1, a1, is_async=True)
+    a2 = warpgroup_mma(v2, b2, a2, is_async=True)
+    a3 = warpgroup_mma(v3, b3, a3, is_async=True)
+    return a0, a1, a2, a3
 
 
 @gluon.jit
@@ -363,12 +364,22 @@ def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, st
             o3 = o3 * alpha[None, :]
         fence_async_shared()
         gl.thread_barrier()  # every warp's part of P is in shared memory before the MMAs read it
-        o0, o1, o2, o3 = _pv_step(rs, 0, pb, 4 * WG, o0, o1, o2, o3, DS)
-        o0, o1, o2, o3 = _pv_step(rs, 1, pb, 4 * WG, o0, o1, o2, o3, DS)
-        o0, o1, o2, o3 = _pv_step(rs, 2, pb, 4 * WG, o0, o1, o2, o3, DS)
-        o0, o1, o2, o3 = _pv_step(rs, 3, pb, 4 * WG, o0, o1, o2, o3, DS)
+        # PV, one 16-row step at a time: the next step's operands are converted while this step's MMAs
+        # run; each wait retires all four (waiting on an accumulator still in flight makes ptxas
+        # serialize every wgmma: it then reads those registers)
+        v0, v1, v2, v3 = _pv_operands(rs, 0)
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, 4 * WG, 0, o0, o1, o2, o3, DS)
+        v0, v1, v2, v3 = _pv_operands(rs, 1)
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, 4 * WG, 1, o0, o1, o2, o3, DS)
+        v0, v1, v2, v3 = _pv_operands(rs, 2)
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, 4 * WG, 2, o0, o1, o2, o3, DS)
+        v0, v1, v2, v3 = _pv_operands(rs, 3)
         gl.thread_barrier()  # all of this warpgroup's reads of the stage are done (the MMAs read registers)
         mbarrier.arrive(free.index(st), count=1)
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, 4 * WG, 3, o0, o1, o2, o3, DS)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
     l_i = gl.sum(l_acc, 0)
     if DS:
