@@ -188,10 +188,10 @@ def _write_q(q_ptr, stride_qt, stride_qh, t, g, H, c, qn, qr, DS: gl.constexpr, 
         k64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
         if DS:
             x = gl.load(q_row + 512 + k64[None, :], mask=hm, other=0.0).to(gl.float32)
-            qr.store((x * c).to(gl.bfloat16))
+            qr.index(0).store((x * c).to(gl.bfloat16))
         else:
             x = gl.load(q_row + 512 + _perm64(k64)[None, :], mask=hm, other=0.0).to(gl.float32)
-            qr.store((x * c).to(gl.float16))
+            qr.index(0).store((x * c).to(gl.float16))
 
 
 @gluon.jit
@@ -284,8 +284,12 @@ def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, st
     l_acc = s_zero
     m_i = gl.full([16], _NEG_BIG, gl.float32, HEAD)
     u = gl.full([4], 1.0, gl.float32, gl.SliceLayout(0, SC_L))  # fp8_ds_mla: each group's accumulator unit
-    for j in range((n_blocks + 1 - WG) // 2):
+    n_mine = (n_blocks + 1 - WG) // 2
+    for j in range(n_mine):
         b = 2 * j + WG
+        # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in the
+        # loop instead of their wgmma descriptors being hoisted out of it and spilled (as in ws_pair)
+        z = j // (n_mine + 1)
         st = b % NS
         p0 = k_begin + b * 64
         offs = p0 + gl.arange(0, 64, layout=ROW)
@@ -308,21 +312,21 @@ def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, st
             sc3 = k_scale
         # S^T = K q^T group by group (A = the converted bytes, B = q^T); a group's product is scaled by its
         # rows' scales as soon as it lands, so at most two groups (and their A registers) are in flight
-        t0 = warpgroup_mma(_qk_operand(rs, 0), qn.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        t1 = warpgroup_mma(_qk_operand(rs, 1), qn.index(1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        t0 = warpgroup_mma(_qk_operand(rs, 0), qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        t1 = warpgroup_mma(_qk_operand(rs, 1), qn.index(1 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         t0 = warpgroup_mma_wait(1, deps=(t0, ))
         x = _scaled(t0, sc0, DS)
-        t2 = warpgroup_mma(_qk_operand(rs, 2), qn.index(2).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        t2 = warpgroup_mma(_qk_operand(rs, 2), qn.index(2 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         t1 = warpgroup_mma_wait(1, deps=(t1, ))
         x += _scaled(t1, sc1, DS)
-        t3 = warpgroup_mma(_qk_operand(rs, 3), qn.index(3).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        t3 = warpgroup_mma(_qk_operand(rs, 3), qn.index(3 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         t2 = warpgroup_mma_wait(1, deps=(t2, ))
         x += _scaled(t2, sc2, DS)
         if ROPE:
             if DS:  # bf16 rope (A from shared memory), not scaled
-                tr = warpgroup_mma(rope.index(st), qr.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                tr = warpgroup_mma(rope.index(st), qr.index(z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             else:   # e4m3 rope, scaled by k_scale like the rest of the row
-                tr = warpgroup_mma(_rope_operand(rope.index(st)), qr.permute((1, 0)), s_zero, use_acc=False,
+                tr = warpgroup_mma(_rope_operand(rope.index(st)), qr.index(z).permute((1, 0)), s_zero, use_acc=False,
                                    is_async=True)
             t3 = warpgroup_mma_wait(1, deps=(t3, ))
             x += _scaled(t3, sc3, DS)
@@ -368,18 +372,18 @@ def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, st
         # run; each wait retires all four (waiting on an accumulator still in flight makes ptxas
         # serialize every wgmma: it then reads those registers)
         v0, v1, v2, v3 = _pv_operands(rs, 0)
-        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, 4 * WG, 0, o0, o1, o2, o3, DS)
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, 4 * WG + z, 0, o0, o1, o2, o3, DS)
         v0, v1, v2, v3 = _pv_operands(rs, 1)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, 4 * WG, 1, o0, o1, o2, o3, DS)
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, 4 * WG + z, 1, o0, o1, o2, o3, DS)
         v0, v1, v2, v3 = _pv_operands(rs, 2)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, 4 * WG, 2, o0, o1, o2, o3, DS)
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, 4 * WG + z, 2, o0, o1, o2, o3, DS)
         v0, v1, v2, v3 = _pv_operands(rs, 3)
         gl.thread_barrier()  # all of this warpgroup's reads of the stage are done (the MMAs read registers)
         mbarrier.arrive(free.index(st), count=1)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, 4 * WG, 3, o0, o1, o2, o3, DS)
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, 4 * WG + z, 3, o0, o1, o2, o3, DS)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
     l_i = gl.sum(l_acc, 0)
     if DS:
@@ -499,11 +503,11 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
     if DS:
         scl = gl.allocate_shared_memory(gl.float32, [NS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         rope = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16))
-        qr = gl.allocate_shared_memory(gl.bfloat16, [16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.bfloat16))
+        qr = gl.allocate_shared_memory(gl.bfloat16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.bfloat16))
     else:
         scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
-        qr = gl.allocate_shared_memory(gl.float16, [16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
+        qr = gl.allocate_shared_memory(gl.float16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
     qn = gl.allocate_shared_memory(gl.float16, [4, 16, 128], gl.NVMMASharedLayout.get_default_for([16, 128], gl.float16))
     pb = gl.allocate_shared_memory(gl.float16, [8, 64, 16], gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16))
     # warpgroup 1's accumulators for the final merge go over stage 1's bytes (only warpgroup 1 reads stage 1)
