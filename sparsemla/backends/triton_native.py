@@ -49,14 +49,15 @@ class SplitBuffers:
     The split factor is a pure function of (tokens, heads, top-k), so the largest partial size over all
     token counts is known at construction; a call takes views of the front of two flat buffers."""
 
-    def __init__(self, spec: RunnerSpec):
+    def __init__(self, spec: RunnerSpec, kind: str = None):
         k = _kernels()
         self._plan = k.plan_splits
+        self.kind = kind or spec.fmt.name  # the kernel kind the split plan is for ("staged" for staged rows)
         self._shapes = k.split_buffer_shapes
         self.num_heads, self.topk, self.device = spec.num_heads, spec.topk, spec.device
         cap_o = cap_l = 0
         for t in _token_counts(spec.max_tokens):
-            s = self._plan(t, self.num_heads, self.topk, self.device)
+            s = self._plan(t, self.num_heads, self.topk, self.device, kind=self.kind)
             if s > 1:
                 o, l = self._shapes(t, self.num_heads, s)
                 cap_o, cap_l = max(cap_o, _numel(o)), max(cap_l, _numel(l))
@@ -65,7 +66,7 @@ class SplitBuffers:
 
     def for_tokens(self, t: int):
         """(num_splits, (o_part, lse_part) or None) for a call on ``t`` tokens."""
-        s = self._plan(t, self.num_heads, self.topk, self.device)
+        s = self._plan(t, self.num_heads, self.topk, self.device, kind=self.kind)
         while s > 1:
             o, l = self._shapes(t, self.num_heads, s)
             if _numel(o) <= self.o_flat.numel() and _numel(l) <= self.l_flat.numel():

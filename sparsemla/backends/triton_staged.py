@@ -21,7 +21,7 @@ def _chunk_tokens(topk: int, head_dim: int, num_tokens: int) -> int:
 
 class _StagedWorkspace:
     def __init__(self, spec):
-        self.splits = SplitBuffers(spec)
+        self.splits = SplitBuffers(spec, kind="staged")
         self.chunk = _chunk_tokens(spec.topk, spec.fmt.head_dim, spec.max_tokens)
         self.staged = torch.empty((self.chunk, spec.topk, spec.fmt.head_dim), dtype=torch.float8_e4m3fn,
                                   device=spec.device)

@@ -731,7 +731,7 @@ def kernel_config(kind: str, num_heads: int):
 
 
 def plan_splits(num_tokens: int, num_heads: int, topk: int, device=None, block_n: int = 64,
-                head_block_size: int = None) -> int:
+                head_block_size: int = None, kind: str = None) -> int:
     """Split-KV factor for ``num_tokens`` queries of ``num_heads`` heads over ``topk`` rows.
 
     Aim for about two programs per SM: the kernels hold ~200 registers per thread, so two 4-warp programs
@@ -744,6 +744,12 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, device=None, block_n
     fp8 20 -> 29 us; h 128: 31-35 -> 43-45), the combine step then merging 2-4x more partials (fourth
     session, ``benchmarks/small_sweep.py``)."""
     sms = _num_sms(torch.device(device)) if device is not None else 132
+    if kind is not None and device is not None and _few_planned(kind, num_heads, torch.device(device)):
+        # the warp-specialized few-heads kernel holds a whole SM (200 KB of shared memory): at most one
+        # program per SM, each split at least two 64-row blocks (one per consumer warpgroup).  On the H200
+        # at b 128, h 16 one split ran fp8_ds_mla in 70 us, two splits (two waves) in 113-147 us.
+        programs = max(1, num_tokens * -(-num_heads // 16))
+        return max(1, min(sms // programs, max(1, topk // 128), 64))
     hb = head_block_size or head_block(num_heads)
     groups = -(-num_heads // hb)
     programs = max(1, num_tokens * groups)
@@ -790,6 +796,14 @@ def _ws_ok(q, kv, kind, num_heads, ws_kernel) -> bool:
     return _ws.supported(q, kv, kind, num_heads)
 
 
+def _few_planned(kind, num_heads, device) -> bool:
+    """Whether a call of this kind and head count on ``device`` goes to the warp-specialized few-heads
+    kernel by default (the split plan depends on it; q and cache alignment are checked at launch)."""
+    if _ws is None or interpreting() or device.type != "cuda" or os.environ.get("SPARSEMLA_WS", "1") == "0":
+        return False
+    return kind in _ws.FEW_KINDS and num_heads <= _ws.FEW_MAX_HEADS and _ws._capability(device) == (9, 0)
+
+
 def _few_ok(q, kv, kind, num_heads, ws_kernel) -> bool:
     """Whether the warp-specialized few-heads kernel takes this call (fp8 / fp8_ds_mla rows, <= 32 heads,
     sm_90; never under the interpreter; ``SPARSEMLA_WS=0`` turns it off unless ``ws_kernel`` asks for it)."""
@@ -830,7 +844,7 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     if num_stages is None:
         num_stages = cfg_st
     if num_splits is None:
-        num_splits = plan_splits(t, h, k, dev, block_n, hb)
+        num_splits = plan_splits(t, h, k, dev, block_n, hb, kind=kind if few else None)
     num_splits = max(1, min(int(num_splits), max(1, -(-k // block_n))))
     rows_per_split = -(-(-(-k // num_splits)) // block_n) * block_n
     num_splits = max(1, -(-k // rows_per_split)) if k else 1
