@@ -98,8 +98,7 @@ def _dims(m):
 def _qk_operand(raw, G: gl.constexpr):
     """Group G's e4m3 bytes of the stage -> the fp16 A operand [64 rows, 128 k] (k permuted, _perm128)."""
     a = raw.slice(128 * G, 128, dim=1).load(L_QK).to(gl.float8e4nv, bitcast=True).to(gl.float16)
-    a = a.reshape([64, 4, 2, 4, 2, 2]).permute(0, 2, 3, 4, 1, 5).reshape([64, 128])
-    return gl.convert_layout(a, A_OP)
+    return gl.convert_layout(_relabel128(a), A_OP)
 
 
 @gluon.jit
@@ -125,92 +124,130 @@ def _pv_operands(raw, ks: gl.constexpr):
 
 
 @gluon.jit
-def _rows(idx_row, p0, k_end, kv_ptr, BPT: gl.constexpr, rows_l: gl.constexpr):
-    """Byte pointers of the 64 rows at positions p0.. (row 0 where invalid) and their validity."""
+def _idx(idx_row, p0, k_end, rows_l: gl.constexpr):
+    """The cache rows at positions p0 .. p0 + 63 (-1 past the split's end)."""
     offs = p0 + gl.arange(0, 64, layout=rows_l)
-    idx = gl.load(idx_row + offs, mask=offs < k_end, other=-1)
+    return gl.load(idx_row + offs, mask=offs < k_end, other=-1)
+
+
+@gluon.jit
+def _copy(dst, kv_ptr, idx, BPT: gl.constexpr, off: gl.constexpr, cols, ty: gl.constexpr):
+    """cp.async of the columns ``cols`` (elements of ``ty``) at byte ``off`` of each row; -1 rows zero-filled."""
     valid = idx >= 0
-    return gl.multiple_of(kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * BPT, 16), valid
+    base = gl.multiple_of(kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * BPT, 16)
+    if off != 0:
+        base = gl.multiple_of(base + off, 16).to(gl.pointer_type(ty))
+    async_copy.async_copy_global_to_shared(dst, base[:, None] + cols[None, :], mask=valid[:, None])
 
 
 @gluon.jit
 def _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars,
               BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG, HAS_VC):
     """Gathers each 64-row block's raw bytes into stage b % NS: e4m3 values, then (fp8_ds_mla) the four
-    scales and the bf16 rope, or (fp8) the e4m3 rope."""
+    scales and the bf16 rope, or (fp8) the e4m3 rope.  The next block's indices are loaded before waiting
+    for a free stage, so their latency is not on the producer's path."""
     raw, scl, rope, qn, qr, pb, mrg, vec = smem
     q_bar, ready, free, done_bar = bars
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    lv: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])        # [64, 512] u8, 16 B each
-    ls: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0])         # [64, 4] f32, 8 B each
-    lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])          # [64, 64] bf16, 16 B each
-    lq: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])        # [64, 64] u8, 16 B each
+    lv: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])   # [64, 512] u8, 16 B each, 4 rows a thread
+    ls: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0])   # [64, 4] f32, 8 B each
+    lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])    # [64, 64] bf16, 16 B each
+    lq: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])  # [64, 64] u8, 16 B each
     cv = gl.arange(0, 512, layout=gl.SliceLayout(0, lv))
+    cs = gl.arange(0, 4, layout=gl.SliceLayout(0, ls))
+    cr = gl.arange(0, 64, layout=gl.SliceLayout(0, lr))
+    cq = gl.arange(0, 64, layout=gl.SliceLayout(0, lq))
+    iv = _idx(idx_row, k_begin, k_end, gl.SliceLayout(1, lv))
+    i_s = _idx(idx_row, k_begin, k_end, gl.SliceLayout(1, ls))
+    ir = _idx(idx_row, k_begin, k_end, gl.SliceLayout(1, lr))
+    iq = _idx(idx_row, k_begin, k_end, gl.SliceLayout(1, lq))
     for b in range(n_blocks):
         st = b % NS
-        mbarrier.wait(free.index(st), ((b // NS) & 1) ^ 1)  # fresh barriers pass phase 1 at once
-        p0 = k_begin + b * 64
-        base, valid = _rows(idx_row, p0, k_end, kv_ptr, BPT, gl.SliceLayout(1, lv))
-        async_copy.async_copy_global_to_shared(raw.index(st), base[:, None] + cv[None, :], mask=valid[:, None])
+        p1 = k_begin + (b + 1) * 64
+        nv = _idx(idx_row, p1, k_end, gl.SliceLayout(1, lv))
         if DS:
-            base, valid = _rows(idx_row, p0, k_end, kv_ptr, BPT, gl.SliceLayout(1, ls))
-            cs = gl.arange(0, 4, layout=gl.SliceLayout(0, ls))
-            sp = gl.multiple_of(base + 512, 16).to(gl.pointer_type(gl.float32))
-            async_copy.async_copy_global_to_shared(scl.index(st), sp[:, None] + cs[None, :], mask=valid[:, None])
+            ns = _idx(idx_row, p1, k_end, gl.SliceLayout(1, ls))
             if ROPE:
-                base, valid = _rows(idx_row, p0, k_end, kv_ptr, BPT, gl.SliceLayout(1, lr))
-                cr = gl.arange(0, 64, layout=gl.SliceLayout(0, lr))
-                rp = gl.multiple_of(base + 528, 16).to(gl.pointer_type(gl.bfloat16))
-                async_copy.async_copy_global_to_shared(rope.index(st), rp[:, None] + cr[None, :], mask=valid[:, None])
+                nr = _idx(idx_row, p1, k_end, gl.SliceLayout(1, lr))
+            else:
+                nr = ir
+            nq = iq
+        else:
+            ns = i_s
+            nr = ir
+            if ROPE:
+                nq = _idx(idx_row, p1, k_end, gl.SliceLayout(1, lq))
+            else:
+                nq = iq
+        mbarrier.wait(free.index(st), ((b // NS) & 1) ^ 1)  # fresh barriers pass phase 1 at once
+        _copy(raw.index(st), kv_ptr, iv, BPT, 0, cv, gl.uint8)
+        if DS:
+            _copy(scl.index(st), kv_ptr, i_s, BPT, 512, cs, gl.float32)
+            if ROPE:
+                _copy(rope.index(st), kv_ptr, ir, BPT, 528, cr, gl.bfloat16)
         elif ROPE:
-            base, valid = _rows(idx_row, p0, k_end, kv_ptr, BPT, gl.SliceLayout(1, lq))
-            cr = gl.arange(0, 64, layout=gl.SliceLayout(0, lq))
-            async_copy.async_copy_global_to_shared(rope.index(st), (base + 512)[:, None] + cr[None, :],
-                                                   mask=valid[:, None])
+            _copy(rope.index(st), kv_ptr, iq, BPT, 512, cq, gl.uint8)
         async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+        iv = nv
+        i_s = ns
+        ir = nr
+        iq = nq
 
 
 @gluon.jit
-def _write_q(q_ptr, stride_qt, stride_qh, t, g, H, c, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr):
-    """q * c into shared memory as the QK B operand: fp16 groups [4, 16, 128] with columns permuted like
-    the A fragments; the rope part bf16 (fp8_ds_mla, natural order) or fp16 (fp8, permuted)."""
+def _q_group(q_row, hm, off: gl.constexpr, lay: gl.constexpr):
+    """q[:, off : off + 128] as fp32 [16, 128] (contiguous 16-byte loads)."""
+    k = gl.arange(0, 128, layout=gl.SliceLayout(0, lay))
+    return gl.load(q_row + off + k[None, :], mask=hm, other=0.0).to(gl.float32)
+
+
+@gluon.jit
+def _absmax(x):
+    return gl.max(gl.max(gl.abs(x), 1), 0)
+
+
+@gluon.jit
+def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr):
+    """q * c into shared memory as the QK B operand, once per program; returns c, the per-token power of two
+    that brings q into fp16 range (amax * c in [2^13, 2^15); over the latent dims, and the rope dims too
+    when they are fp16 operands (plain fp8)).  Groups are fp16 [4, 16, 128] with columns permuted like the
+    A fragments (the same register relabelling as _qk_operand, applied to q loaded in natural order); the
+    rope part is bf16 in natural order (fp8_ds_mla) or fp16 permuted (fp8)."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     heads = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
     hm = (heads < H)[:, None]
     q_row = q_ptr + t.to(gl.int64) * stride_qt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_qh
-    k = gl.arange(0, 128, layout=gl.SliceLayout(0, lay))
-    for G in gl.static_range(4):
-        x = gl.load(q_row + 128 * G + _perm128(k)[None, :], mask=hm, other=0.0).to(gl.float32)
-        qn.index(G).store((x * c).to(gl.float16))
+    x0 = _q_group(q_row, hm, 0, lay)
+    x1 = _q_group(q_row, hm, 128, lay)
+    x2 = _q_group(q_row, hm, 256, lay)
+    x3 = _q_group(q_row, hm, 384, lay)
+    amax = gl.maximum(gl.maximum(_absmax(x0), _absmax(x1)), gl.maximum(_absmax(x2), _absmax(x3)))
     if ROPE:
         k64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
+        xr = gl.load(q_row + 512 + k64[None, :], mask=hm, other=0.0).to(gl.float32)
+        if not DS:
+            amax = gl.maximum(amax, _absmax(xr))
+    e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
+    c = gl.where(amax > 0, gl.exp2(13.0 - e), 1.0)
+    qn.index(0).store(_relabel128(x0 * c).to(gl.float16))
+    qn.index(1).store(_relabel128(x1 * c).to(gl.float16))
+    qn.index(2).store(_relabel128(x2 * c).to(gl.float16))
+    qn.index(3).store(_relabel128(x3 * c).to(gl.float16))
+    if ROPE:
         if DS:
-            x = gl.load(q_row + 512 + k64[None, :], mask=hm, other=0.0).to(gl.float32)
-            qr.index(0).store((x * c).to(gl.bfloat16))
+            qr.index(0).store((xr * c).to(gl.bfloat16))
         else:
-            x = gl.load(q_row + 512 + _perm64(k64)[None, :], mask=hm, other=0.0).to(gl.float32)
-            qr.index(0).store((x * c).to(gl.float16))
+            qr.index(0).store((xr * c).reshape([16, 4, 4, 2, 2]).permute(0, 2, 3, 1, 4).reshape([16, 64]).to(gl.float16))
+    return c
 
 
 @gluon.jit
-def _q_scale(q_ptr, stride_qt, stride_qh, t, g, H, DS: gl.constexpr, ROPE: gl.constexpr):
-    """The per-token power of two c that brings q into fp16 range (amax * c in [2^13, 2^15)); over the
-    latent dims, and the rope dims too when they are fp16 operands (plain fp8)."""
-    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    heads = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
-    hm = (heads < H)[:, None]
-    q_row = q_ptr + t.to(gl.int64) * stride_qt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_qh
-    d = gl.arange(0, 512, layout=gl.SliceLayout(0, lay))
-    amax = gl.max(gl.max(gl.abs(gl.load(q_row + d[None, :], mask=hm, other=0.0).to(gl.float32)), 1), 0)
-    if not DS:
-        if ROPE:
-            d64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
-            x = gl.load(q_row + 512 + d64[None, :], mask=hm, other=0.0).to(gl.float32)
-            amax = gl.maximum(amax, gl.max(gl.max(gl.abs(x), 1), 0))
-    e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
-    return gl.where(amax > 0, gl.exp2(13.0 - e), 1.0)
+def _relabel128(x):
+    """[R, 128] indexed by byte -> indexed by fragment column (byte 32t + 16j + 4s + 2p + e is column
+    64j + 16s + 8p + 2t + e): a relabelling of the registers, no data movement."""
+    return x.reshape([x.shape[0], 4, 2, 4, 2, 2]).permute(0, 2, 3, 4, 1, 5).reshape([x.shape[0], 128])
 
 
 @gluon.jit
@@ -259,23 +296,24 @@ def _pv_issue(v0, v1, v2, v3, pb, P0, ks: gl.constexpr, a0, a1, a2, a3, DS: gl.c
 @gluon.jit
 def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
               lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-              smem, bars, WG, DS: gl.constexpr, ROPE: gl.constexpr, NG, HAS_VC):
+              smem, bars, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG, HAS_VC):
     """Consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...; warpgroup 0 then merges and stores."""
     raw, scl, rope, qn, qr, pb, mrg, vec = smem
     q_bar, ready, free, done_bar = bars
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    c = _q_scale(q_ptr, stride_qt, stride_qh, t, g, H, DS, ROPE)
-    score_scale = sm_scale_log2 / c
     if WG == 0:
-        _write_q(q_ptr, stride_qt, stride_qh, t, g, H, c, qn, qr, DS, ROPE)
+        c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE)
+        vec.index(0).store(gl.full([16], 1.0, gl.float32, HEAD) * c)  # c for warpgroup 1
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(q_bar, count=1)
     else:
         mbarrier.wait(q_bar, 0)
         fence_async_shared()
+        c = gl.max(vec.index(0).load(HEAD), 0)
+    score_scale = sm_scale_log2 / c
     s_zero = gl.zeros([64, 16], gl.float32, S_L)
     o0 = gl.zeros([128, 16], gl.float32, S_L)
     o1 = o0
@@ -430,66 +468,101 @@ def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, st
         gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
 
 
-# ---- format variants of the partitions: (DS, ROPE, bytes per token) as literals ----
+# ---- the partitions of each format variant: (warpgroup, DS, ROPE, bytes per token) as literals ----
+@gluon.jit
+def _c0_ds(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+    stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
+    HAS_VC):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+              smem, bars, 0, True, 64, NG, HAS_VC)
+
 
 @gluon.jit
-def _c_ds(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-        stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
-        HAS_VC, WG):
-    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-              stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
-              WG, True, 64, NG, HAS_VC)
+def _c1_ds(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+    stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
+    HAS_VC):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+              smem, bars, 1, True, 64, NG, HAS_VC)
 
 
 @gluon.jit
 def _p_ds(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC):
-    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 656, True, 64,
-              NG, HAS_VC)
+    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 656, True, 64, NG,
+              HAS_VC)
 
 
 @gluon.jit
-def _c_ds_nope(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-        stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
-        HAS_VC, WG):
-    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-              stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
-              WG, True, 0, NG, HAS_VC)
+def _c0_ds_nope(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+    lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
+    NG, HAS_VC):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+              smem, bars, 0, True, 0, NG, HAS_VC)
+
+
+@gluon.jit
+def _c1_ds_nope(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+    lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
+    NG, HAS_VC):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+              smem, bars, 1, True, 0, NG, HAS_VC)
 
 
 @gluon.jit
 def _p_ds_nope(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC):
-    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 528, True, 0,
-              NG, HAS_VC)
+    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 528, True, 0, NG,
+              HAS_VC)
 
 
 @gluon.jit
-def _c_fp8(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-        stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
-        HAS_VC, WG):
-    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-              stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
-              WG, False, 64, NG, HAS_VC)
+def _c0_fp8(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+    lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
+    NG, HAS_VC):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+              smem, bars, 0, False, 64, NG, HAS_VC)
+
+
+@gluon.jit
+def _c1_fp8(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+    lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
+    NG, HAS_VC):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+              smem, bars, 1, False, 64, NG, HAS_VC)
 
 
 @gluon.jit
 def _p_fp8(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC):
-    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 576, False, 64,
-              NG, HAS_VC)
+    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 576, False, 64, NG,
+              HAS_VC)
 
 
 @gluon.jit
-def _c_fp8_nope(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-        stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
-        HAS_VC, WG):
-    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-              stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
-              WG, False, 0, NG, HAS_VC)
+def _c0_fp8_nope(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+    lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
+    NG, HAS_VC):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+              smem, bars, 0, False, 0, NG, HAS_VC)
+
+
+@gluon.jit
+def _c1_fp8_nope(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+    lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
+    NG, HAS_VC):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+              smem, bars, 1, False, 0, NG, HAS_VC)
 
 
 @gluon.jit
 def _p_fp8_nope(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC):
-    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 512, False, 0,
-              NG, HAS_VC)
+    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 512, False, 0, NG,
+              HAS_VC)
 
 
 @gluon.jit
@@ -526,22 +599,18 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
     smem = (raw, scl, rope, qn, qr, pb, mrg, vec)
     bars = (q_bar, ready, free, done_bar)
     # Constexpr arguments do not survive warp_specialize (they arrive as tensors, and an `if` on them then
-    # traces both branches), so each format variant has its own partition functions (_variants below).
-    wg0 = num_splits * 0
+    # traces both branches), so each warpgroup of each format variant has its own partition function.
     ca = (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
           lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-          smem, bars, NG, HAS_VC, wg0)
-    cb = (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-          lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-          smem, bars, NG, HAS_VC, wg0 + 1)
+          smem, bars, NG, HAS_VC)
     pa = (kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC)
     if DS:
         if ROPE:
-            gl.warp_specialize([(_c_ds, ca), (_c_ds, cb), (_p_ds, pa)], [4, 4], [232, 40])
+            gl.warp_specialize([(_c0_ds, ca), (_c1_ds, ca), (_p_ds, pa)], [4, 4], [232, 40])
         else:
-            gl.warp_specialize([(_c_ds_nope, ca), (_c_ds_nope, cb), (_p_ds_nope, pa)], [4, 4], [232, 40])
+            gl.warp_specialize([(_c0_ds_nope, ca), (_c1_ds_nope, ca), (_p_ds_nope, pa)], [4, 4], [232, 40])
     else:
         if ROPE:
-            gl.warp_specialize([(_c_fp8, ca), (_c_fp8, cb), (_p_fp8, pa)], [4, 4], [232, 40])
+            gl.warp_specialize([(_c0_fp8, ca), (_c1_fp8, ca), (_p_fp8, pa)], [4, 4], [232, 40])
         else:
-            gl.warp_specialize([(_c_fp8_nope, ca), (_c_fp8_nope, cb), (_p_fp8_nope, pa)], [4, 4], [232, 40])
+            gl.warp_specialize([(_c0_fp8_nope, ca), (_c1_fp8_nope, ca), (_p_fp8_nope, pa)], [4, 4], [232, 40])
