@@ -36,6 +36,8 @@ output, natural-log lse).  Gluon does not run under the Triton interpreter: CPU 
 """
 from __future__ import annotations
 
+import os
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -45,6 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .ws_attention import _NEG_BIG, _coords
 
 NS = gl.constexpr(4)  # ring stages of 64 rows
+QK_CHAIN = gl.constexpr(os.environ.get("SPARSEMLA_FEW_QK", "chain") == "chain")
 
 # S^T [64 rows, 16 heads] and O^T [128 dims, 16 heads] (one per 128-dim group) on wgmma m64n16
 S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
@@ -99,6 +102,15 @@ def _qk_operand(raw, G: gl.constexpr):
     """Group G's e4m3 bytes of the stage -> the fp16 A operand [64 rows, 128 k] (k permuted, _perm128)."""
     a = raw.slice(128 * G, 128, dim=1).load(L_QK).to(gl.float8e4nv, bitcast=True).to(gl.float16)
     return gl.convert_layout(_relabel128(a), A_OP)
+
+
+@gluon.jit
+def _qk_scaled(raw, G: gl.constexpr, sv, rinv):
+    """fp8_ds_mla: _qk_operand times each row's scale of group G over its largest scale (fp16, <= 1)."""
+    c = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
+    r = gl.sum(gl.where(c[None, :] == G, sv, 0.0), 1) * rinv
+    a = _qk_operand(raw, G)
+    return a * gl.convert_layout(r.to(gl.float16), gl.SliceLayout(1, A_OP))[:, None]
 
 
 @gluon.jit
@@ -348,34 +360,77 @@ def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, st
             sc1 = k_scale
             sc2 = k_scale
             sc3 = k_scale
-        # S^T = K q^T group by group (A = the converted bytes, B = q^T); a group's product is scaled by its
-        # rows' scales as soon as it lands, so at most two groups (and their A registers) are in flight
-        t0 = warpgroup_mma(_qk_operand(rs, 0), qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        t1 = warpgroup_mma(_qk_operand(rs, 1), qn.index(1 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        t0 = warpgroup_mma_wait(1, deps=(t0, ))
-        x = _scaled(t0, sc0, DS)
-        t2 = warpgroup_mma(_qk_operand(rs, 2), qn.index(2 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        t1 = warpgroup_mma_wait(1, deps=(t1, ))
-        x += _scaled(t1, sc1, DS)
-        t3 = warpgroup_mma(_qk_operand(rs, 3), qn.index(3 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        t2 = warpgroup_mma_wait(1, deps=(t2, ))
-        x += _scaled(t2, sc2, DS)
-        if ROPE:
-            if DS:  # bf16 rope (A from shared memory), not scaled
-                tr = warpgroup_mma(rope.index(st), qr.index(z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            else:   # e4m3 rope, scaled by k_scale like the rest of the row
-                tr = warpgroup_mma(_rope_operand(rope.index(st)), qr.index(z).permute((1, 0)), s_zero, use_acc=False,
-                                   is_async=True)
-            t3 = warpgroup_mma_wait(1, deps=(t3, ))
-            x += _scaled(t3, sc3, DS)
-            tr = warpgroup_mma_wait(0, deps=(tr, ))
+        if QK_CHAIN:
+            # S^T = K q^T as one chain of MMAs (A = the converted bytes, B = q^T).  fp8_ds_mla: each row's
+            # group values are multiplied by scale / (the row's largest scale) on the A registers (a ratio
+            # <= 1, in fp16), and S^T by the row's largest scale after.  One wait per group keeps two
+            # groups' A registers alive at most; it names no accumulator (waiting on the chain's pending
+            # accumulator would make ptxas serialize the MMAs).
             if DS:
-                x += tr
+                smax = gl.max(sv, 1)
+                rinv = gl.where(smax > 0, 1.0 / gl.where(smax > 0, smax, 1.0), 0.0)
+                a0 = _qk_scaled(rs, 0, sv, rinv)
+                acc = warpgroup_mma(a0, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                a1 = _qk_scaled(rs, 1, sv, rinv)
+                acc = warpgroup_mma(a1, qn.index(1 + z).permute((1, 0)), acc, is_async=True)
+                warpgroup_mma_wait(1, deps=(a0, ))
+                a2 = _qk_scaled(rs, 2, sv, rinv)
+                acc = warpgroup_mma(a2, qn.index(2 + z).permute((1, 0)), acc, is_async=True)
+                warpgroup_mma_wait(1, deps=(a1, ))
+                a3 = _qk_scaled(rs, 3, sv, rinv)
+                acc = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), acc, is_async=True)
+                if ROPE:  # bf16 rope (A from shared memory), not scaled: its own accumulator
+                    tr = warpgroup_mma(rope.index(st), qr.index(z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    acc, tr = warpgroup_mma_wait(0, deps=(acc, tr))
+                    x = acc * gl.convert_layout(smax, ROW)[:, None] + tr
+                else:
+                    acc = warpgroup_mma_wait(0, deps=(acc, ))
+                    x = acc * gl.convert_layout(smax, ROW)[:, None]
             else:
-                x += tr * k_scale
+                a0 = _qk_operand(rs, 0)
+                acc = warpgroup_mma(a0, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                a1 = _qk_operand(rs, 1)
+                acc = warpgroup_mma(a1, qn.index(1 + z).permute((1, 0)), acc, is_async=True)
+                warpgroup_mma_wait(1, deps=(a0, ))
+                a2 = _qk_operand(rs, 2)
+                acc = warpgroup_mma(a2, qn.index(2 + z).permute((1, 0)), acc, is_async=True)
+                warpgroup_mma_wait(1, deps=(a1, ))
+                a3 = _qk_operand(rs, 3)
+                acc = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), acc, is_async=True)
+                if ROPE:
+                    warpgroup_mma_wait(1, deps=(a2, ))
+                    acc = warpgroup_mma(_rope_operand(rope.index(st)), qr.index(z).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                x = acc * k_scale
         else:
-            t3 = warpgroup_mma_wait(0, deps=(t3, ))
-            x += _scaled(t3, sc3, DS)
+            # S^T = K q^T group by group (A = the converted bytes, B = q^T); a group's product is scaled by its
+            # rows' scales as soon as it lands, so at most two groups (and their A registers) are in flight
+            t0 = warpgroup_mma(_qk_operand(rs, 0), qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            t1 = warpgroup_mma(_qk_operand(rs, 1), qn.index(1 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            t0 = warpgroup_mma_wait(1, deps=(t0, ))
+            x = _scaled(t0, sc0, DS)
+            t2 = warpgroup_mma(_qk_operand(rs, 2), qn.index(2 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            t1 = warpgroup_mma_wait(1, deps=(t1, ))
+            x += _scaled(t1, sc1, DS)
+            t3 = warpgroup_mma(_qk_operand(rs, 3), qn.index(3 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            t2 = warpgroup_mma_wait(1, deps=(t2, ))
+            x += _scaled(t2, sc2, DS)
+            if ROPE:
+                if DS:  # bf16 rope (A from shared memory), not scaled
+                    tr = warpgroup_mma(rope.index(st), qr.index(z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                else:   # e4m3 rope, scaled by k_scale like the rest of the row
+                    tr = warpgroup_mma(_rope_operand(rope.index(st)), qr.index(z).permute((1, 0)), s_zero, use_acc=False,
+                                       is_async=True)
+                t3 = warpgroup_mma_wait(1, deps=(t3, ))
+                x += _scaled(t3, sc3, DS)
+                tr = warpgroup_mma_wait(0, deps=(tr, ))
+                if DS:
+                    x += tr
+                else:
+                    x += tr * k_scale
+            else:
+                t3 = warpgroup_mma_wait(0, deps=(t3, ))
+                x += _scaled(t3, sc3, DS)
         x = x * score_scale
         x = gl.where(valid[:, None], x, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(x, 0))
