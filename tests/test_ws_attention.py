@@ -25,12 +25,16 @@ def compiled():
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", ["pair-64", "pair-0", "tile-64", "tile-0"])
+@pytest.mark.parametrize("name", ["pair-64", "pair-0", "tile-64", "tile-0",
+                                  "few-ds-64", "few-ds-0", "few-fp8-64", "few-fp8-0"])
 def test_compiles_for_sm90_within_limits(compiled, name):
     r = compiled[name]
     assert r["smem"] <= HOPPER_SMEM, r
     assert r["setmaxnreg"] and r["mbarrier_cp_async"], r  # warp-specialized, mbarrier-fed
     assert r["stack"] <= 64, r
+    # the few-heads kernel once had every wgmma serialized by ptxas (a wait that named accumulators
+    # still in flight): 2x slower, and only visible in ptxas' info output
+    assert not r.get("serialized", False), r
 
 
 def test_not_chosen_off_hopper_or_for_other_formats():
@@ -39,6 +43,12 @@ def test_not_chosen_off_hopper_or_for_other_formats():
     assert not ws.supported(q, kv, "bf16", 64)  # CPU tensors
     assert not sa._ws_ok(q, kv, "bf16", 64, None)
     assert not ws.supported(q, kv, "fp8_ds_mla", 64)
+    q16 = torch.zeros(1, 16, 576, dtype=torch.bfloat16)
+    kv16 = torch.zeros(4, 656, dtype=torch.uint8)
+    assert not ws.few_supported(q16, kv16, "fp8_ds_mla", 16)  # CPU tensors
+    assert not sa._few_ok(q16, kv16, "fp8_ds_mla", 16, None)
+    # the split plan only changes for the few-heads kernel's kinds on an sm_90 device
+    assert sa.plan_splits(128, 16, 2048, kind="fp8_ds_mla") == sa.plan_splits(128, 16, 2048)
 
 
 def test_unknown_config_is_an_error():

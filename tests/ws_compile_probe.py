@@ -1,5 +1,6 @@
 """Compile the warp-specialized Gluon kernels for sm_90 (no GPU needed) and print, as JSON, per kernel and
-rope width: shared memory bytes, stack bytes (spills) and whether the PTX is warp-specialized.  Run in a
+rope width (and the few-heads FP8 kernel per format variant): shared memory bytes, stack bytes (spills),
+whether the PTX is warp-specialized and whether ptxas serialized the wgmma pipeline.  Run in a
 process without TRITON_INTERPRET (under the interpreter the kernels are not compiled);
 tests/test_ws_attention.py calls it."""
 import json
@@ -16,6 +17,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from sparsemla.kernels.ws_pair import ws_pair_kernel  # noqa: E402
 from sparsemla.kernels.ws_tile import ws_tile_kernel  # noqa: E402
+from sparsemla.kernels.ws_few import ws_few_kernel  # noqa: E402
 
 SIG = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "kv_ptr": "*u8", "idx_ptr": "*i32",
        "stride_it": "i32", "vc_ptr": "*i32", "o_ptr": "*bf16", "stride_ot": "i32", "stride_os": "i32",
@@ -33,6 +35,18 @@ def _stack_bytes(cubin):
     return int(re.search(r"STACK:(\d+)", res).group(1))
 
 
+def _serialized(ptx):
+    """Whether ptxas reports the wgmma pipeline serialized (e.g. an accumulator read while in flight)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([tool, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True)
+    return "serialized" in res.stdout + res.stderr
+
+
 def main():
     out = {}
     for name, (fn, warps, extra) in KERNELS.items():
@@ -45,6 +59,18 @@ def main():
             out[f"{name}-{rope}"] = dict(smem=k.metadata.shared, stack=_stack_bytes(k.asm["cubin"]),
                                          setmaxnreg="setmaxnreg" in ptx,
                                          mbarrier_cp_async="cp.async.mbarrier.arrive.noinc" in ptx)
+    few_sig = dict(SIG, k_scale="fp32")
+    for name, ds, rope, bpt in [("ds-64", True, 64, 656), ("ds-0", True, 0, 528), ("fp8-64", False, 64, 576),
+                                ("fp8-0", False, 0, 512)]:
+        cons = dict(BPT=bpt, DS=ds, ROPE=rope, NG=2, HAS_VC=True)
+        sig = dict(few_sig, **{k: "constexpr" for k in cons})
+        k = triton.compile(GluonASTSource(fn=ws_few_kernel, signature=sig, constexprs=cons),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
+        ptx = k.asm["ptx"]
+        out[f"few-{name}"] = dict(smem=k.metadata.shared, stack=_stack_bytes(k.asm["cubin"]),
+                                  setmaxnreg="setmaxnreg" in ptx,
+                                  mbarrier_cp_async="cp.async.mbarrier.arrive.noinc" in ptx,
+                                  serialized=_serialized(ptx))
     print(json.dumps(out))
 
 

@@ -23,20 +23,22 @@ register tensor (no data movement); ``tests/ws_compile_probe.py`` pins the SASS 
 spills).
 
 Numbers: e4m3 is exact in fp16, so the MMAs run in fp16 with q brought into fp16 range by a per-token
-power of two (as the Triton kernels do).  fp8_ds_mla's per-row, per-128-dim-group fp32 scales: QK keeps
-one accumulator per group and scales each by its rows' scales; PV multiplies P by ``scale / u`` for each
-group (u = the block's largest scale of that group, a ratio <= 1 kept in fp16 range) and holds each
-group's accumulator in units of u.  The rope part of fp8_ds_mla is bf16 and multiplies in bf16 (A from
-shared memory); plain fp8 rows are e4m3 throughout with the per-tensor ``k_scale`` applied to the scores
-and the output.
+power of two (as the Triton kernels do).  fp8_ds_mla's per-row, per-128-dim-group fp32 scales: for QK each
+row's values of group g are multiplied on the A registers by ``scale_g / (the row's largest scale)`` (a
+ratio <= 1, exact for the power-of-two scales the writer makes) and S^T by the row's largest scale after,
+so QK is one chain of MMAs; for PV, P is multiplied by ``scale_g / u_g`` per group (u_g = the block's
+largest scale of group g, again <= 1) and each group's accumulator is held in units of u_g.  The rope part
+of fp8_ds_mla is bf16 and multiplies in bf16 (A from shared memory, its own accumulator); plain fp8 rows
+are e4m3 throughout with the per-tensor ``k_scale`` applied to the scores and the output.
+
+Measured on the H200 (BENCHMARKS.md): D-h16 (b 128, top-k 2048) fp8 55-62 us, fp8_ds_mla 68-91 us between
+runs, against 101 / 119 us for the Triton kernels; D-h32 2-2.4x faster than them.
 
 Same arguments and output contract as ``sparse_attention._fwd_fp8_kernel`` (split partials, normalized
 output, natural-log lse).  Gluon does not run under the Triton interpreter: CPU CI compiles it for sm_90
 (``tests/test_ws_attention.py``) and the GPU suite checks its numbers.
 """
 from __future__ import annotations
-
-import os
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -47,7 +49,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .ws_attention import _NEG_BIG, _coords
 
 NS = gl.constexpr(4)  # ring stages of 64 rows
-QK_CHAIN = gl.constexpr(os.environ.get("SPARSEMLA_FEW_QK", "chain") == "chain")
 
 # S^T [64 rows, 16 heads] and O^T [128 dims, 16 heads] (one per 128-dim group) on wgmma m64n16
 S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
@@ -80,18 +81,6 @@ SC_L = gl.constexpr(gl.DistributedLinearLayout(
 
 
 @gluon.jit
-def _perm128(k):
-    """Fragment column k (0..127) of a group -> the byte (dim) of the group it holds (see L_QK)."""
-    return 32 * ((k >> 1) & 3) + 16 * (k >> 6) + 4 * ((k >> 4) & 3) + 2 * ((k >> 3) & 1) + (k & 1)
-
-
-@gluon.jit
-def _perm64(k):
-    """Fragment column k (0..63) of the 64-wide rope part -> its byte (see L_QK64)."""
-    return 16 * ((k >> 1) & 3) + 4 * ((k >> 4) & 3) + 2 * ((k >> 3) & 1) + (k & 1)
-
-
-@gluon.jit
 def _dims(m):
     """Accumulator row m (0..127) of a group -> the output dim within the group (see L_V)."""
     return 32 * ((m >> 4) & 3) + 4 * (m & 7) + 2 * (m >> 6) + ((m >> 3) & 1)
@@ -99,7 +88,7 @@ def _dims(m):
 
 @gluon.jit
 def _qk_operand(raw, G: gl.constexpr):
-    """Group G's e4m3 bytes of the stage -> the fp16 A operand [64 rows, 128 k] (k permuted, _perm128)."""
+    """Group G's e4m3 bytes of the stage -> the fp16 A operand [64 rows, 128 k] (k permuted, _relabel128)."""
     a = raw.slice(128 * G, 128, dim=1).load(L_QK).to(gl.float8e4nv, bitcast=True).to(gl.float16)
     return gl.convert_layout(_relabel128(a), A_OP)
 
@@ -115,7 +104,7 @@ def _qk_scaled(raw, G: gl.constexpr, sv, rinv):
 
 @gluon.jit
 def _rope_operand(rope):
-    """Plain fp8 rows: the 64 e4m3 rope bytes -> fp16 A operand [64 rows, 64 k] (k permuted, _perm64)."""
+    """Plain fp8 rows: the 64 e4m3 rope bytes -> fp16 A operand [64 rows, 64 k] (k permuted like L_QK64)."""
     a = rope.load(L_QK64).to(gl.float8e4nv, bitcast=True).to(gl.float16)
     a = a.reshape([64, 4, 4, 2, 2]).permute(0, 2, 3, 1, 4).reshape([64, 64])
     return gl.convert_layout(a, A_OP)
@@ -270,15 +259,6 @@ def _col(x, G: gl.constexpr):
 
 
 @gluon.jit
-def _scaled(t, sc, PER_ROW: gl.constexpr):
-    """A group's S^T times its scales: per row (fp8_ds_mla) or one scalar (k_scale; 1 for bf16 rope)."""
-    if PER_ROW:
-        return t * sc[:, None]
-    else:
-        return t * sc
-
-
-@gluon.jit
 def _pick(v, G: gl.constexpr):
     """Element G of a [4] vector in SliceLayout(0, SC_L), as a scalar (held in every thread)."""
     c = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
@@ -351,86 +331,47 @@ def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, st
             cs = gl.arange(0, 64, layout=gl.SliceLayout(1, SC_L))
             ok = gl.load(idx_row + p0 + cs, mask=p0 + cs < k_end, other=-1) >= 0
             sv = gl.where(ok[:, None], scl.index(st).load(SC_L), 0.0)
-            sc0 = _col(sv, 0)
-            sc1 = _col(sv, 1)
-            sc2 = _col(sv, 2)
-            sc3 = _col(sv, 3)
-        else:
-            sc0 = k_scale
-            sc1 = k_scale
-            sc2 = k_scale
-            sc3 = k_scale
-        if QK_CHAIN:
-            # S^T = K q^T as one chain of MMAs (A = the converted bytes, B = q^T).  fp8_ds_mla: each row's
-            # group values are multiplied by scale / (the row's largest scale) on the A registers (a ratio
-            # <= 1, in fp16), and S^T by the row's largest scale after.  One wait per group keeps two
-            # groups' A registers alive at most; it names no accumulator (waiting on the chain's pending
-            # accumulator would make ptxas serialize the MMAs).
-            if DS:
-                smax = gl.max(sv, 1)
-                rinv = gl.where(smax > 0, 1.0 / gl.where(smax > 0, smax, 1.0), 0.0)
-                a0 = _qk_scaled(rs, 0, sv, rinv)
-                acc = warpgroup_mma(a0, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                a1 = _qk_scaled(rs, 1, sv, rinv)
-                acc = warpgroup_mma(a1, qn.index(1 + z).permute((1, 0)), acc, is_async=True)
-                warpgroup_mma_wait(1, deps=(a0, ))
-                a2 = _qk_scaled(rs, 2, sv, rinv)
-                acc = warpgroup_mma(a2, qn.index(2 + z).permute((1, 0)), acc, is_async=True)
-                warpgroup_mma_wait(1, deps=(a1, ))
-                a3 = _qk_scaled(rs, 3, sv, rinv)
-                acc = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), acc, is_async=True)
-                if ROPE:  # bf16 rope (A from shared memory), not scaled: its own accumulator
-                    tr = warpgroup_mma(rope.index(st), qr.index(z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                    acc, tr = warpgroup_mma_wait(0, deps=(acc, tr))
-                    x = acc * gl.convert_layout(smax, ROW)[:, None] + tr
-                else:
-                    acc = warpgroup_mma_wait(0, deps=(acc, ))
-                    x = acc * gl.convert_layout(smax, ROW)[:, None]
+        # S^T = K q^T as one chain of MMAs (A = the converted bytes, B = q^T).  fp8_ds_mla: each row's
+        # group values are multiplied by scale / (the row's largest scale) on the A registers (a ratio
+        # <= 1, in fp16), and S^T by the row's largest scale after.  One wait per group keeps two
+        # groups' A registers alive at most; it names no accumulator (waiting on the chain's pending
+        # accumulator would make ptxas serialize the MMAs).
+        if DS:
+            smax = gl.max(sv, 1)
+            rinv = gl.where(smax > 0, 1.0 / gl.where(smax > 0, smax, 1.0), 0.0)
+            a0 = _qk_scaled(rs, 0, sv, rinv)
+            acc = warpgroup_mma(a0, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            a1 = _qk_scaled(rs, 1, sv, rinv)
+            acc = warpgroup_mma(a1, qn.index(1 + z).permute((1, 0)), acc, is_async=True)
+            warpgroup_mma_wait(1, deps=(a0, ))
+            a2 = _qk_scaled(rs, 2, sv, rinv)
+            acc = warpgroup_mma(a2, qn.index(2 + z).permute((1, 0)), acc, is_async=True)
+            warpgroup_mma_wait(1, deps=(a1, ))
+            a3 = _qk_scaled(rs, 3, sv, rinv)
+            acc = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), acc, is_async=True)
+            if ROPE:  # bf16 rope (A from shared memory), not scaled: its own accumulator
+                tr = warpgroup_mma(rope.index(st), qr.index(z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                acc, tr = warpgroup_mma_wait(0, deps=(acc, tr))
+                x = acc * gl.convert_layout(smax, ROW)[:, None] + tr
             else:
-                a0 = _qk_operand(rs, 0)
-                acc = warpgroup_mma(a0, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                a1 = _qk_operand(rs, 1)
-                acc = warpgroup_mma(a1, qn.index(1 + z).permute((1, 0)), acc, is_async=True)
-                warpgroup_mma_wait(1, deps=(a0, ))
-                a2 = _qk_operand(rs, 2)
-                acc = warpgroup_mma(a2, qn.index(2 + z).permute((1, 0)), acc, is_async=True)
-                warpgroup_mma_wait(1, deps=(a1, ))
-                a3 = _qk_operand(rs, 3)
-                acc = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), acc, is_async=True)
-                if ROPE:
-                    warpgroup_mma_wait(1, deps=(a2, ))
-                    acc = warpgroup_mma(_rope_operand(rope.index(st)), qr.index(z).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
-                x = acc * k_scale
+                x = acc * gl.convert_layout(smax, ROW)[:, None]
         else:
-            # S^T = K q^T group by group (A = the converted bytes, B = q^T); a group's product is scaled by its
-            # rows' scales as soon as it lands, so at most two groups (and their A registers) are in flight
-            t0 = warpgroup_mma(_qk_operand(rs, 0), qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            t1 = warpgroup_mma(_qk_operand(rs, 1), qn.index(1 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            t0 = warpgroup_mma_wait(1, deps=(t0, ))
-            x = _scaled(t0, sc0, DS)
-            t2 = warpgroup_mma(_qk_operand(rs, 2), qn.index(2 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            t1 = warpgroup_mma_wait(1, deps=(t1, ))
-            x += _scaled(t1, sc1, DS)
-            t3 = warpgroup_mma(_qk_operand(rs, 3), qn.index(3 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            t2 = warpgroup_mma_wait(1, deps=(t2, ))
-            x += _scaled(t2, sc2, DS)
+            a0 = _qk_operand(rs, 0)
+            acc = warpgroup_mma(a0, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            a1 = _qk_operand(rs, 1)
+            acc = warpgroup_mma(a1, qn.index(1 + z).permute((1, 0)), acc, is_async=True)
+            warpgroup_mma_wait(1, deps=(a0, ))
+            a2 = _qk_operand(rs, 2)
+            acc = warpgroup_mma(a2, qn.index(2 + z).permute((1, 0)), acc, is_async=True)
+            warpgroup_mma_wait(1, deps=(a1, ))
+            a3 = _qk_operand(rs, 3)
+            acc = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), acc, is_async=True)
             if ROPE:
-                if DS:  # bf16 rope (A from shared memory), not scaled
-                    tr = warpgroup_mma(rope.index(st), qr.index(z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                else:   # e4m3 rope, scaled by k_scale like the rest of the row
-                    tr = warpgroup_mma(_rope_operand(rope.index(st)), qr.index(z).permute((1, 0)), s_zero, use_acc=False,
-                                       is_async=True)
-                t3 = warpgroup_mma_wait(1, deps=(t3, ))
-                x += _scaled(t3, sc3, DS)
-                tr = warpgroup_mma_wait(0, deps=(tr, ))
-                if DS:
-                    x += tr
-                else:
-                    x += tr * k_scale
-            else:
-                t3 = warpgroup_mma_wait(0, deps=(t3, ))
-                x += _scaled(t3, sc3, DS)
+                warpgroup_mma_wait(1, deps=(a2, ))
+                acc = warpgroup_mma(_rope_operand(rope.index(st)), qr.index(z).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            x = acc * k_scale
         x = x * score_scale
         x = gl.where(valid[:, None], x, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(x, 0))
@@ -444,10 +385,10 @@ def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, st
             u_new = gl.where(mx > 0, mx, u)
             f = u / u_new
             inv = 1.0 / u_new
-            pb.index(4 * WG + 0).store((p * (sc0 * _pick(inv, 0))[:, None]).to(gl.float16))
-            pb.index(4 * WG + 1).store((p * (sc1 * _pick(inv, 1))[:, None]).to(gl.float16))
-            pb.index(4 * WG + 2).store((p * (sc2 * _pick(inv, 2))[:, None]).to(gl.float16))
-            pb.index(4 * WG + 3).store((p * (sc3 * _pick(inv, 3))[:, None]).to(gl.float16))
+            pb.index(4 * WG + 0).store((p * (_col(sv, 0) * _pick(inv, 0))[:, None]).to(gl.float16))
+            pb.index(4 * WG + 1).store((p * (_col(sv, 1) * _pick(inv, 1))[:, None]).to(gl.float16))
+            pb.index(4 * WG + 2).store((p * (_col(sv, 2) * _pick(inv, 2))[:, None]).to(gl.float16))
+            pb.index(4 * WG + 3).store((p * (_col(sv, 3) * _pick(inv, 3))[:, None]).to(gl.float16))
             o0 = o0 * (alpha * _pick(f, 0))[None, :]
             o1 = o1 * (alpha * _pick(f, 1))[None, :]
             o2 = o2 * (alpha * _pick(f, 2))[None, :]

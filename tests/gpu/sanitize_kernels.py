@@ -35,8 +35,8 @@ def write_into_last_rows(fid: str, strided: bool = False):
 
 
 def main():
-    for fmt in ["bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "fp8_ds_mla-nope", "nvfp4_ds_mla-nope"]:
-        for heads, splits in [(20, 2), (70, 1)]:
+    for fmt in ["bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "fp8_ds_mla-nope", "nvfp4_ds_mla-nope", "fp8-nope"]:
+        for heads, splits in [(20, 2), (70, 1), (16, 1)]:
             c = make_case(fmt, 3, heads, 128, ctx=256, block_size=64, device="cuda")
             sparse_mla_fwd(c["q"], c["cache"].rows, c["fmt"], c["indices"], 0.1, c["valid_counts"],
                            num_splits=splits)
