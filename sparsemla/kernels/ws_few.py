@@ -31,8 +31,8 @@ largest scale of group g, again <= 1) and each group's accumulator is held in un
 of fp8_ds_mla is bf16 and multiplies in bf16 (A from shared memory, its own accumulator); plain fp8 rows
 are e4m3 throughout with the per-tensor ``k_scale`` applied to the scores and the output.
 
-Measured on the H200 (BENCHMARKS.md): D-h16 (b 128, top-k 2048) fp8 55-62 us, fp8_ds_mla 68-91 us between
-runs, against 101 / 119 us for the Triton kernels; D-h32 2-2.4x faster than them.
+Measured on the H200 (BENCHMARKS.md section 7): D-h16 (b 128, top-k 2048) fp8 55 us, fp8_ds_mla 80 us
+(68-91 us across the sweeps), against 101 / 119 us for the Triton kernels; D-h32 2-2.4x faster than them.
 
 Same arguments and output contract as ``sparse_attention._fwd_fp8_kernel`` (split partials, normalized
 output, natural-log lse).  Gluon does not run under the Triton interpreter: CPU CI compiles it for sm_90
