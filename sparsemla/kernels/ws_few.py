@@ -269,12 +269,12 @@ def _pick(v, G: gl.constexpr):
 def _pv_issue(v0, v1, v2, v3, pb, P0, ks: gl.constexpr, a0, a1, a2, a3, DS: gl.constexpr):
     """Issue O^T_G += V^T_G P_G^T over rows 16 ks .. 16 ks + 15 for the four groups (asynchronous)."""
     if DS:
-        b0 = pb.index(P0 + 0).slice(16 * ks, 16, dim=0)
-        b1 = pb.index(P0 + 1).slice(16 * ks, 16, dim=0)
-        b2 = pb.index(P0 + 2).slice(16 * ks, 16, dim=0)
-        b3 = pb.index(P0 + 3).slice(16 * ks, 16, dim=0)
+        b0 = pb[0].index(P0).slice(16 * ks, 16, dim=0)
+        b1 = pb[1].index(P0).slice(16 * ks, 16, dim=0)
+        b2 = pb[2].index(P0).slice(16 * ks, 16, dim=0)
+        b3 = pb[3].index(P0).slice(16 * ks, 16, dim=0)
     else:
-        b0 = pb.index(P0).slice(16 * ks, 16, dim=0)
+        b0 = pb[0].index(P0).slice(16 * ks, 16, dim=0)
         b1 = b0
         b2 = b0
         b3 = b0
@@ -385,17 +385,17 @@ def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, st
             u_new = gl.where(mx > 0, mx, u)
             f = u / u_new
             inv = 1.0 / u_new
-            pb.index(4 * WG + 0).store((p * (_col(sv, 0) * _pick(inv, 0))[:, None]).to(gl.float16))
-            pb.index(4 * WG + 1).store((p * (_col(sv, 1) * _pick(inv, 1))[:, None]).to(gl.float16))
-            pb.index(4 * WG + 2).store((p * (_col(sv, 2) * _pick(inv, 2))[:, None]).to(gl.float16))
-            pb.index(4 * WG + 3).store((p * (_col(sv, 3) * _pick(inv, 3))[:, None]).to(gl.float16))
+            pb[0].index(WG).store((p * (_col(sv, 0) * _pick(inv, 0))[:, None]).to(gl.float16))
+            pb[1].index(WG).store((p * (_col(sv, 1) * _pick(inv, 1))[:, None]).to(gl.float16))
+            pb[2].index(WG).store((p * (_col(sv, 2) * _pick(inv, 2))[:, None]).to(gl.float16))
+            pb[3].index(WG).store((p * (_col(sv, 3) * _pick(inv, 3))[:, None]).to(gl.float16))
             o0 = o0 * (alpha * _pick(f, 0))[None, :]
             o1 = o1 * (alpha * _pick(f, 1))[None, :]
             o2 = o2 * (alpha * _pick(f, 2))[None, :]
             o3 = o3 * (alpha * _pick(f, 3))[None, :]
             u = u_new
         else:
-            pb.index(4 * WG + 0).store(p.to(gl.float16))
+            pb[0].index(WG).store(p.to(gl.float16))
             o0 = o0 * alpha[None, :]
             o1 = o1 * alpha[None, :]
             o2 = o2 * alpha[None, :]
@@ -406,18 +406,18 @@ def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, st
         # run; each wait retires all four (waiting on an accumulator still in flight makes ptxas
         # serialize every wgmma: it then reads those registers)
         v0, v1, v2, v3 = _pv_operands(rs, 0)
-        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, 4 * WG + z, 0, o0, o1, o2, o3, DS)
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 0, o0, o1, o2, o3, DS)
         v0, v1, v2, v3 = _pv_operands(rs, 1)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, 4 * WG + z, 1, o0, o1, o2, o3, DS)
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 1, o0, o1, o2, o3, DS)
         v0, v1, v2, v3 = _pv_operands(rs, 2)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, 4 * WG + z, 2, o0, o1, o2, o3, DS)
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 2, o0, o1, o2, o3, DS)
         v0, v1, v2, v3 = _pv_operands(rs, 3)
         gl.thread_barrier()  # all of this warpgroup's reads of the stage are done (the MMAs read registers)
         mbarrier.arrive(free.index(st), count=1)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, 4 * WG + z, 3, o0, o1, o2, o3, DS)
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 3, o0, o1, o2, o3, DS)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
     l_i = gl.sum(l_acc, 0)
     if DS:
@@ -578,7 +578,11 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
         rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
         qr = gl.allocate_shared_memory(gl.float16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
     qn = gl.allocate_shared_memory(gl.float16, [4, 16, 128], gl.NVMMASharedLayout.get_default_for([16, 128], gl.float16))
-    pb = gl.allocate_shared_memory(gl.float16, [8, 64, 16], gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16))
+    # P (times each group's scale ratio) per group, [warpgroup, 64 rows, 16 heads]: one allocation per group
+    # so that the four stores need no barrier between them (the barrier analysis works per allocation)
+    pl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16)
+    pb = (gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl), gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl),
+          gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl), gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl))
     # warpgroup 1's accumulators for the final merge go over stage 1's bytes (only warpgroup 1 reads stage 1)
     mrg = raw.index(1)._reinterpret(gl.float32, [4, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     vec = gl.allocate_shared_memory(gl.float32, [2, 16], plain)
