@@ -833,8 +833,9 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     wide = wide and kernel is None and (head_block_size or cfg_hb) >= 64
     # fp8 / fp8_ds_mla at few heads on sm_90: the warp-specialized kernel (ws_few.py), 16 heads per program,
     # 64-row blocks
-    few = (not wide and kernel is None and head_block_size is None and ws_kernel is not False
-           and _few_ok(q, kv, kind, h, ws_kernel))
+    # (not when a Triton tiling -- head block, BLOCK_N, warps, stages -- is asked for: that is a tuning run)
+    few = (not wide and kernel is None and head_block_size is None and block_n is None and num_warps is None
+           and num_stages is None and ws_kernel is not False and _few_ok(q, kv, kind, h, ws_kernel))
     if few:
         head_block_size, block_n = 16, 64
     hb = head_block_size or cfg_hb
