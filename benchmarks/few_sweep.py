@@ -62,8 +62,8 @@ def main(argv=None):
                 sm = fmt.head_dim ** -0.5
                 sol_us = unique_bytes(cache, idx, h, b) / bw * 1e6
 
-                def call(ws_kernel, splits):
-                    return lambda: _launch(fmt.name, q, cache.rows, fmt, idx, sm, None, 1.0, out, lse,
+                def call(ws_kernel, splits, q=q, rows=cache.rows, idx=idx, out=out, lse=lse, fmt=fmt, sm=sm):
+                    return lambda: _launch(fmt.name, q, rows, fmt, idx, sm, None, 1.0, out, lse,
                                            splits, None, None, None, None, ws_kernel=ws_kernel)
                 variants = [] if a.no_triton and fmt.name != "bf16" else [("triton", False, None)]
                 if fmt.name in ("fp8", "fp8_ds_mla"):
