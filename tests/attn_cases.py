@@ -72,6 +72,17 @@ def make_case(fmt_name, num_tokens, num_heads, topk, *, ctx=None, block_size=32,
     return dict(cache=cache, q=q, indices=indices.contiguous(), valid_counts=valid_counts, fmt=fmt, gen=gen)
 
 
+def launch_case(c, sm_scale, ws_kernel, splits=None, k_scale=1.0):
+    """The attention launcher on a ``make_case`` case with outputs poisoned (NaN) first; ``ws_kernel`` as in
+    ``sparse_attention._launch`` (None = the default dispatch, False = the Triton kernels only)."""
+    from sparsemla.kernels.sparse_attention import _launch
+    t, h = c["q"].shape[:2]
+    out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device=c["q"].device)
+    lse = torch.full((t, h), float("nan"), dtype=torch.float32, device=c["q"].device)
+    return _launch(c["fmt"].name, c["q"], c["cache"].rows, c["fmt"], c["indices"], sm_scale, c["valid_counts"],
+                   k_scale, out, lse, splits, None, None, None, None, ws_kernel=ws_kernel)
+
+
 def rel_err(a, b):
     a = a.double()
     b = b.double()

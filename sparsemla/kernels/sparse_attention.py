@@ -787,33 +787,33 @@ def _check_common(q, indices, valid_counts, out, lse, head_dim):
         raise ValueError(f"lse: expected float32 [{t}, {q.shape[1]}], got {lse.dtype} {tuple(lse.shape)}")
 
 
+def _gluon_off(ws_kernel=None) -> bool:
+    """Whether the Gluon kernels are unavailable or switched off for this call: no Gluon, the interpreter,
+    or ``SPARSEMLA_WS=0`` (unless ``ws_kernel`` asks for them)."""
+    if _ws is None or interpreting():
+        return True
+    return ws_kernel is None and os.environ.get("SPARSEMLA_WS", "1") == "0"
+
+
 def _ws_ok(q, kv, kind, num_heads, ws_kernel) -> bool:
     """Whether the warp-specialized Gluon kernel takes this wide-kernel call (bf16 rows on sm_90; never
     under the interpreter).  ``ws_kernel``: None = when supported (unless SPARSEMLA_WS=0 is set), False =
     never, True or a ``ws_attention.CONFIGS`` name = when supported."""
-    if _ws is None or interpreting():
-        return False
-    if ws_kernel is None and os.environ.get("SPARSEMLA_WS", "1") == "0":
-        return False
-    return _ws.supported(q, kv, kind, num_heads)
+    return not _gluon_off(ws_kernel) and _ws.supported(q, kv, kind, num_heads)
 
 
 def _few_planned(kind, num_heads, device) -> bool:
     """Whether a call of this kind and head count on ``device`` goes to the warp-specialized few-heads
     kernel by default (the split plan depends on it; q and cache alignment are checked at launch)."""
-    if _ws is None or interpreting() or device.type != "cuda" or os.environ.get("SPARSEMLA_WS", "1") == "0":
+    if _gluon_off() or device.type != "cuda":
         return False
     return kind in _ws.FEW_KINDS and num_heads <= _ws.FEW_MAX_HEADS and _ws._capability(device) == (9, 0)
 
 
 def _few_ok(q, kv, kind, num_heads, ws_kernel) -> bool:
     """Whether the warp-specialized few-heads kernel takes this call (fp8 / fp8_ds_mla rows, <= 32 heads,
-    sm_90; never under the interpreter; ``SPARSEMLA_WS=0`` turns it off unless ``ws_kernel`` asks for it)."""
-    if _ws is None or interpreting():
-        return False
-    if ws_kernel is None and os.environ.get("SPARSEMLA_WS", "1") == "0":
-        return False
-    return _ws.few_supported(q, kv, kind, num_heads)
+    sm_90; same switches as ``_ws_ok``)."""
+    return not _gluon_off(ws_kernel) and _ws.few_supported(q, kv, kind, num_heads)
 
 
 def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_scale, out, lse, num_splits,

@@ -4,22 +4,13 @@ import pytest
 import torch
 
 from sparsemla.kernels import ws_attention as ws
-from sparsemla.kernels.sparse_attention import _launch
 from sparsemla.reference import sparse_mla
 
 import sys, os  # noqa: E401
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from attn_cases import SEED, lse_err, make_case, rel_err  # noqa: E402
+from attn_cases import SEED, launch_case as _run, lse_err, make_case, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-
-def _run(c, sm_scale, ws_kernel, splits=None):
-    t, h = c["q"].shape[:2]
-    out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    lse = torch.full((t, h), float("nan"), dtype=torch.float32, device="cuda")
-    return _launch(c["fmt"].name, c["q"], c["cache"].rows, c["fmt"], c["indices"], sm_scale, c["valid_counts"], 1.0,
-                   out, lse, splits, None, None, None, None, ws_kernel=ws_kernel)
 
 
 @pytest.mark.parametrize("config", sorted(ws.CONFIGS))
