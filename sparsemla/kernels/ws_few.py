@@ -94,22 +94,20 @@ def _qk_operand(raw, G: gl.constexpr):
 
 
 @gluon.jit
-def _qk_a(raw, G: gl.constexpr, sv, rinv, DS: gl.constexpr):
-    """Group G's QK A operand; fp8_ds_mla: times each row's scale of group G over its largest scale (fp16,
-    <= 1; ``sv`` the [64, 4] scales, ``rinv`` 1 / the row's largest)."""
+def _qk_scaled(raw, G: gl.constexpr, sv, rinv):
+    """fp8_ds_mla: _qk_operand times each row's scale of group G over its largest scale (fp16, <= 1)."""
+    c = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
+    r = gl.sum(gl.where(c[None, :] == G, sv, 0.0), 1) * rinv
     a = _qk_operand(raw, G)
-    if DS:
-        c = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
-        r = gl.sum(gl.where(c[None, :] == G, sv, 0.0), 1) * rinv
-        a = a * gl.convert_layout(r.to(gl.float16), gl.SliceLayout(1, A_OP))[:, None]
-    return a
+    return a * gl.convert_layout(r.to(gl.float16), gl.SliceLayout(1, A_OP))[:, None]
 
 
 @gluon.jit
 def _rope_operand(rope):
     """Plain fp8 rows: the 64 e4m3 rope bytes -> fp16 A operand [64 rows, 64 k] (k permuted like L_QK64)."""
     a = rope.load(L_QK64).to(gl.float8e4nv, bitcast=True).to(gl.float16)
-    return gl.convert_layout(_relabel64(a), A_OP)
+    a = a.reshape([64, 4, 4, 2, 2]).permute(0, 2, 3, 1, 4).reshape([64, 64])
+    return gl.convert_layout(a, A_OP)
 
 
 @gluon.jit
@@ -144,11 +142,11 @@ def _copy(dst, kv_ptr, idx, BPT: gl.constexpr, off: gl.constexpr, cols, ty: gl.c
 
 
 @gluon.jit
-def _producer(args, BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
+def _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars,
+              BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG, HAS_VC):
     """Gathers each 64-row block's raw bytes into stage b % NS: e4m3 values, then (fp8_ds_mla) the four
     scales and the bf16 rope, or (fp8) the e4m3 rope.  The next block's indices are loaded before waiting
     for a free stage, so their latency is not on the producer's path."""
-    kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC = args
     raw, scl, rope, qn, qr, pb, mrg, vec = smem
     q_bar, ready, free, done_bar = bars
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
@@ -242,7 +240,7 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROP
         if DS:
             qr.index(0).store((xr * c).to(gl.bfloat16))
         else:
-            qr.index(0).store(_relabel64(xr * c).to(gl.float16))
+            qr.index(0).store((xr * c).reshape([16, 4, 4, 2, 2]).permute(0, 2, 3, 1, 4).reshape([16, 64]).to(gl.float16))
     return c
 
 
@@ -251,12 +249,6 @@ def _relabel128(x):
     """[R, 128] indexed by byte -> indexed by fragment column (byte 32t + 16j + 4s + 2p + e is column
     64j + 16s + 8p + 2t + e): a relabelling of the registers, no data movement."""
     return x.reshape([x.shape[0], 4, 2, 4, 2, 2]).permute(0, 2, 3, 4, 1, 5).reshape([x.shape[0], 128])
-
-
-@gluon.jit
-def _relabel64(x):
-    """The same for [R, 64] (byte 16t + 4s + 2p + e is column 16s + 8p + 2t + e; see L_QK64)."""
-    return x.reshape([x.shape[0], 4, 4, 2, 2]).permute(0, 2, 3, 1, 4).reshape([x.shape[0], 64])
 
 
 @gluon.jit
@@ -294,11 +286,10 @@ def _pv_issue(v0, v1, v2, v3, pb, P0, ks: gl.constexpr, a0, a1, a2, a3, DS: gl.c
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
+def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+              smem, bars, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG, HAS_VC):
     """Consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...; warpgroup 0 then merges and stores."""
-    (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-     stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
-     HAS_VC) = args
     raw, scl, rope, qn, qr, pb, mrg, vec = smem
     q_bar, ready, free, done_bar = bars
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
@@ -348,20 +339,16 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
         if DS:
             smax = gl.max(sv, 1)
             rinv = gl.where(smax > 0, 1.0 / gl.where(smax > 0, smax, 1.0), 0.0)
-        else:
-            sv = 0.0  # unused by _qk_a without DS
-            rinv = 0.0
-        a0 = _qk_a(rs, 0, sv, rinv, DS)
-        acc = warpgroup_mma(a0, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        a1 = _qk_a(rs, 1, sv, rinv, DS)
-        acc = warpgroup_mma(a1, qn.index(1 + z).permute((1, 0)), acc, is_async=True)
-        warpgroup_mma_wait(1, deps=(a0, ))
-        a2 = _qk_a(rs, 2, sv, rinv, DS)
-        acc = warpgroup_mma(a2, qn.index(2 + z).permute((1, 0)), acc, is_async=True)
-        warpgroup_mma_wait(1, deps=(a1, ))
-        a3 = _qk_a(rs, 3, sv, rinv, DS)
-        acc = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), acc, is_async=True)
-        if DS:
+            a0 = _qk_scaled(rs, 0, sv, rinv)
+            acc = warpgroup_mma(a0, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            a1 = _qk_scaled(rs, 1, sv, rinv)
+            acc = warpgroup_mma(a1, qn.index(1 + z).permute((1, 0)), acc, is_async=True)
+            warpgroup_mma_wait(1, deps=(a0, ))
+            a2 = _qk_scaled(rs, 2, sv, rinv)
+            acc = warpgroup_mma(a2, qn.index(2 + z).permute((1, 0)), acc, is_async=True)
+            warpgroup_mma_wait(1, deps=(a1, ))
+            a3 = _qk_scaled(rs, 3, sv, rinv)
+            acc = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), acc, is_async=True)
             if ROPE:  # bf16 rope (A from shared memory), not scaled: its own accumulator
                 tr = warpgroup_mma(rope.index(st), qr.index(z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc, tr = warpgroup_mma_wait(0, deps=(acc, tr))
@@ -370,7 +357,17 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 x = acc * gl.convert_layout(smax, ROW)[:, None]
         else:
-            if ROPE:  # e4m3 rope, in the same chain
+            a0 = _qk_operand(rs, 0)
+            acc = warpgroup_mma(a0, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            a1 = _qk_operand(rs, 1)
+            acc = warpgroup_mma(a1, qn.index(1 + z).permute((1, 0)), acc, is_async=True)
+            warpgroup_mma_wait(1, deps=(a0, ))
+            a2 = _qk_operand(rs, 2)
+            acc = warpgroup_mma(a2, qn.index(2 + z).permute((1, 0)), acc, is_async=True)
+            warpgroup_mma_wait(1, deps=(a1, ))
+            a3 = _qk_operand(rs, 3)
+            acc = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), acc, is_async=True)
+            if ROPE:
                 warpgroup_mma_wait(1, deps=(a2, ))
                 acc = warpgroup_mma(_rope_operand(rope.index(st)), qr.index(z).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -467,66 +464,101 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
         gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
 
 
-# ---- the partitions of each format variant: (warpgroup, DS, ROPE, bytes per token) as literals, the
-# kernel's values as one tuple (constexpr arguments do not survive warp_specialize: see the kernel) ----
+# ---- the partitions of each format variant: (warpgroup, DS, ROPE, bytes per token) as literals ----
 @gluon.jit
-def _c0_ds(args):
-    _consumer(args, 0, True, 64)
-
-
-@gluon.jit
-def _c1_ds(args):
-    _consumer(args, 1, True, 64)
+def _c0_ds(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+    stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
+    HAS_VC):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+              smem, bars, 0, True, 64, NG, HAS_VC)
 
 
 @gluon.jit
-def _p_ds(args):
-    _producer(args, 656, True, 64)
+def _c1_ds(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+    stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
+    HAS_VC):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+              smem, bars, 1, True, 64, NG, HAS_VC)
 
 
 @gluon.jit
-def _c0_ds_nope(args):
-    _consumer(args, 0, True, 0)
+def _p_ds(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC):
+    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 656, True, 64, NG,
+              HAS_VC)
 
 
 @gluon.jit
-def _c1_ds_nope(args):
-    _consumer(args, 1, True, 0)
+def _c0_ds_nope(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+    lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
+    NG, HAS_VC):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+              smem, bars, 0, True, 0, NG, HAS_VC)
 
 
 @gluon.jit
-def _p_ds_nope(args):
-    _producer(args, 528, True, 0)
+def _c1_ds_nope(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+    lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
+    NG, HAS_VC):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+              smem, bars, 1, True, 0, NG, HAS_VC)
 
 
 @gluon.jit
-def _c0_fp8(args):
-    _consumer(args, 0, False, 64)
+def _p_ds_nope(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC):
+    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 528, True, 0, NG,
+              HAS_VC)
 
 
 @gluon.jit
-def _c1_fp8(args):
-    _consumer(args, 1, False, 64)
+def _c0_fp8(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+    lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
+    NG, HAS_VC):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+              smem, bars, 0, False, 64, NG, HAS_VC)
 
 
 @gluon.jit
-def _p_fp8(args):
-    _producer(args, 576, False, 64)
+def _c1_fp8(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+    lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
+    NG, HAS_VC):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+              smem, bars, 1, False, 64, NG, HAS_VC)
 
 
 @gluon.jit
-def _c0_fp8_nope(args):
-    _consumer(args, 0, False, 0)
+def _p_fp8(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC):
+    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 576, False, 64, NG,
+              HAS_VC)
 
 
 @gluon.jit
-def _c1_fp8_nope(args):
-    _consumer(args, 1, False, 0)
+def _c0_fp8_nope(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+    lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
+    NG, HAS_VC):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+              smem, bars, 0, False, 0, NG, HAS_VC)
 
 
 @gluon.jit
-def _p_fp8_nope(args):
-    _producer(args, 512, False, 0)
+def _c1_fp8_nope(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+    lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
+    NG, HAS_VC):
+    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+              smem, bars, 1, False, 0, NG, HAS_VC)
+
+
+@gluon.jit
+def _p_fp8_nope(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC):
+    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 512, False, 0, NG,
+              HAS_VC)
 
 
 @gluon.jit
@@ -568,10 +600,10 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
     bars = (q_bar, ready, free, done_bar)
     # Constexpr arguments do not survive warp_specialize (they arrive as tensors, and an `if` on them then
     # traces both branches), so each warpgroup of each format variant has its own partition function.
-    ca = ((q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-           lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-           smem, bars, NG, HAS_VC), )
-    pa = ((kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC), )
+    ca = (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+          lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+          smem, bars, NG, HAS_VC)
+    pa = (kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC)
     if DS:
         if ROPE:
             gl.warp_specialize([(_c0_ds, ca), (_c1_ds, ca), (_p_ds, pa)], [4, 4], [232, 40])
