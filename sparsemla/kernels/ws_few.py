@@ -55,15 +55,10 @@ S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_L.value, k_width=2))
 ROW = gl.constexpr(gl.SliceLayout(1, S_L.value))   # one value per cache row (or output dim)
 HEAD = gl.constexpr(gl.SliceLayout(0, S_L.value))  # one value per head
-# Raw e4m3 bytes for QK, [64 rows, 128 bytes] (one 128-dim group): thread (warp w, lane 4g + t) holds rows
-# 16w + g and 16w + g + 8, bytes 32t .. 32t + 31.  Register order = byte order (128-bit loads).  Byte
-# 32t + 16 j + 4 s + 2 p + e is the fragment's k = 64 j + 16 s + 8 p + 2 t + e (see _qk_operand).
+# Raw e4m3 bytes for QK, [64 rows, 64 bytes] (one 64-dim chunk): thread (warp w, lane 4g + t) holds rows
+# 16w + g and 16w + g + 8, bytes 16t .. 16t + 15.  Register order = byte order (128-bit loads).  Byte
+# 16 t + 4 s + 2 p + e is the fragment's k = 16 s + 8 p + 2 t + e (see _relabel64).
 L_QK = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
-    lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
-    shape=[64, 128]))
-# The same for a 64-byte rope part: bytes 16t .. 16t + 15; byte 16 t + 4 s + 2 p + e is k = 16 s + 8 p + 2 t + e
-L_QK64 = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
     lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
     shape=[64, 64]))
@@ -87,27 +82,37 @@ def _dims(m):
 
 
 @gluon.jit
-def _qk_operand(raw, G: gl.constexpr):
-    """Group G's e4m3 bytes of the stage -> the fp16 A operand [64 rows, 128 k] (k permuted, _relabel128)."""
-    a = raw.slice(128 * G, 128, dim=1).load(L_QK).to(gl.float8e4nv, bitcast=True).to(gl.float16)
-    return gl.convert_layout(_relabel128(a), A_OP)
+def _qk_operand(raw, C: gl.constexpr):
+    """64-byte chunk C of the stage's e4m3 bytes -> the fp16 A operand [64 rows, 64 k] (k permuted)."""
+    a = raw.slice(64 * C, 64, dim=1).load(L_QK).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    return gl.convert_layout(_relabel64(a), A_OP)
 
 
 @gluon.jit
-def _qk_scaled(raw, G: gl.constexpr, sv, rinv):
-    """fp8_ds_mla: _qk_operand times each row's scale of group G over its largest scale (fp16, <= 1)."""
+def _ratio(scl, G: gl.constexpr):
+    """fp8_ds_mla: each row's scale of group G over the row's largest scale (<= 1; 0 for a row without a
+    positive scale), fp16, one value per row of the A operand.  Read from shared memory where it is used,
+    so that no scales stay in registers across the QK chain."""
+    sv = scl.load(SC_L)
+    smax = gl.max(sv, 1)
     c = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
-    r = gl.sum(gl.where(c[None, :] == G, sv, 0.0), 1) * rinv
-    a = _qk_operand(raw, G)
-    return a * gl.convert_layout(r.to(gl.float16), gl.SliceLayout(1, A_OP))[:, None]
+    r = gl.sum(gl.where(c[None, :] == G, sv, 0.0), 1) / gl.where(smax > 0, smax, 1.0)
+    return gl.convert_layout(r.to(gl.float16), gl.SliceLayout(1, A_OP))
+
+
+@gluon.jit
+def _qk_a(raw, C: gl.constexpr, r, DS: gl.constexpr):
+    """Latent chunk C's QK A operand; fp8_ds_mla: times ``r``, the rows' _ratio of the chunk's group."""
+    a = _qk_operand(raw, C)
+    if DS:
+        a = a * r[:, None]
+    return a
 
 
 @gluon.jit
 def _rope_operand(rope):
-    """Plain fp8 rows: the 64 e4m3 rope bytes -> fp16 A operand [64 rows, 64 k] (k permuted like L_QK64)."""
-    a = rope.load(L_QK64).to(gl.float8e4nv, bitcast=True).to(gl.float16)
-    a = a.reshape([64, 4, 4, 2, 2]).permute(0, 2, 3, 1, 4).reshape([64, 64])
-    return gl.convert_layout(a, A_OP)
+    """Plain fp8 rows: the 64 e4m3 rope bytes -> fp16 A operand [64 rows, 64 k] (k permuted like L_QK)."""
+    return _qk_operand(rope, 0)
 
 
 @gluon.jit
@@ -117,11 +122,6 @@ def _pv_operand(raw, ks: gl.constexpr, G: gl.constexpr):
     v = v.to(gl.float8e4nv, bitcast=True).to(gl.float16)
     v = v.permute(1, 0).reshape([4, 8, 2, 2, 16]).permute(2, 0, 3, 1, 4).reshape([128, 16])
     return gl.convert_layout(v, A_OP)
-
-
-@gluon.jit
-def _pv_operands(raw, ks: gl.constexpr):
-    return _pv_operand(raw, ks, 0), _pv_operand(raw, ks, 1), _pv_operand(raw, ks, 2), _pv_operand(raw, ks, 3)
 
 
 @gluon.jit
@@ -142,13 +142,13 @@ def _copy(dst, kv_ptr, idx, BPT: gl.constexpr, off: gl.constexpr, cols, ty: gl.c
 
 
 @gluon.jit
-def _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars,
-              BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG, HAS_VC):
+def _producer(args, BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
     """Gathers each 64-row block's raw bytes into stage b % NS: e4m3 values, then (fp8_ds_mla) the four
     scales and the bf16 rope, or (fp8) the e4m3 rope.  The next block's indices are loaded before waiting
     for a free stage, so their latency is not on the producer's path."""
-    raw, scl, rope, qn, qr, pb, mrg, vec = smem
-    q_bar, ready, free, done_bar = bars
+    kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC = args
+    raw, scl, rope, qn, qr, pb, vec = smem
+    q_bar, ready, free, done_bar, all_done = bars
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
@@ -232,23 +232,31 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROP
             amax = gl.maximum(amax, _absmax(xr))
     e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
     c = gl.where(amax > 0, gl.exp2(13.0 - e), 1.0)
-    qn.index(0).store(_relabel128(x0 * c).to(gl.float16))
-    qn.index(1).store(_relabel128(x1 * c).to(gl.float16))
-    qn.index(2).store(_relabel128(x2 * c).to(gl.float16))
-    qn.index(3).store(_relabel128(x3 * c).to(gl.float16))
+    _store_chunks(qn, 0, x0 * c)
+    _store_chunks(qn, 2, x1 * c)
+    _store_chunks(qn, 4, x2 * c)
+    _store_chunks(qn, 6, x3 * c)
     if ROPE:
         if DS:
             qr.index(0).store((xr * c).to(gl.bfloat16))
         else:
-            qr.index(0).store((xr * c).reshape([16, 4, 4, 2, 2]).permute(0, 2, 3, 1, 4).reshape([16, 64]).to(gl.float16))
+            qr.index(0).store(_relabel64(xr * c).to(gl.float16))
     return c
 
 
 @gluon.jit
-def _relabel128(x):
-    """[R, 128] indexed by byte -> indexed by fragment column (byte 32t + 16j + 4s + 2p + e is column
-    64j + 16s + 8p + 2t + e): a relabelling of the registers, no data movement."""
-    return x.reshape([x.shape[0], 4, 2, 4, 2, 2]).permute(0, 2, 3, 4, 1, 5).reshape([x.shape[0], 128])
+def _store_chunks(qn, C: gl.constexpr, x):
+    """x [16, 128] (natural column order) -> chunks C and C + 1 of qn, each column-permuted like L_QK."""
+    lo, hi = x.reshape([16, 2, 64]).permute(0, 2, 1).split()
+    qn.index(C).store(_relabel64(lo).to(gl.float16))
+    qn.index(C + 1).store(_relabel64(hi).to(gl.float16))
+
+
+@gluon.jit
+def _relabel64(x):
+    """[R, 64] indexed by byte -> indexed by fragment column (byte 16t + 4s + 2p + e is column
+    16s + 8p + 2t + e; see L_QK): a relabelling of the registers, no data movement."""
+    return x.reshape([x.shape[0], 4, 4, 2, 2]).permute(0, 2, 3, 1, 4).reshape([x.shape[0], 64])
 
 
 @gluon.jit
@@ -266,32 +274,31 @@ def _pick(v, G: gl.constexpr):
 
 
 @gluon.jit
-def _pv_issue(v0, v1, v2, v3, pb, P0, ks: gl.constexpr, a0, a1, a2, a3, DS: gl.constexpr):
-    """Issue O^T_G += V^T_G P_G^T over rows 16 ks .. 16 ks + 15 for the four groups (asynchronous)."""
+def _pv_mma(v, pb, P0, ks: gl.constexpr, G: gl.constexpr, o0, o1, o2, o3, DS: gl.constexpr):
+    """Issue O^T_G += V^T_G P_G^T over rows 16 ks .. 16 ks + 15 (asynchronous); fp8 rows share one P."""
     if DS:
-        b0 = pb[0].index(P0).slice(16 * ks, 16, dim=0)
-        b1 = pb[1].index(P0).slice(16 * ks, 16, dim=0)
-        b2 = pb[2].index(P0).slice(16 * ks, 16, dim=0)
-        b3 = pb[3].index(P0).slice(16 * ks, 16, dim=0)
+        b = pb[G].index(P0).slice(16 * ks, 16, dim=0)
     else:
-        b0 = pb[0].index(P0).slice(16 * ks, 16, dim=0)
-        b1 = b0
-        b2 = b0
-        b3 = b0
-    a0 = warpgroup_mma(v0, b0, a0, is_async=True)
-    a1 = warpgroup_mma(v1, b1, a1, is_async=True)
-    a2 = warpgroup_mma(v2, b2, a2, is_async=True)
-    a3 = warpgroup_mma(v3, b3, a3, is_async=True)
-    return a0, a1, a2, a3
+        b = pb[0].index(P0).slice(16 * ks, 16, dim=0)
+    if G == 0:
+        o0 = warpgroup_mma(v, b, o0, is_async=True)
+    elif G == 1:
+        o1 = warpgroup_mma(v, b, o1, is_async=True)
+    elif G == 2:
+        o2 = warpgroup_mma(v, b, o2, is_async=True)
+    else:
+        o3 = warpgroup_mma(v, b, o3, is_async=True)
+    return o0, o1, o2, o3
 
 
 @gluon.jit
-def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-              smem, bars, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG, HAS_VC):
-    """Consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...; warpgroup 0 then merges and stores."""
-    raw, scl, rope, qn, qr, pb, mrg, vec = smem
-    q_bar, ready, free, done_bar = bars
+def _consumer(args, WG: gl.constexpr, NC: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
+    """Consumer warpgroup WG of NC: blocks WG, WG + NC, ...; warpgroup 0 then merges and stores."""
+    (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+     stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
+     HAS_VC) = args
+    raw, scl, rope, qn, qr, pb, vec = smem
+    q_bar, ready, free, done_bar, all_done = bars
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
@@ -314,9 +321,9 @@ def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, st
     l_acc = s_zero
     m_i = gl.full([16], _NEG_BIG, gl.float32, HEAD)
     u = gl.full([4], 1.0, gl.float32, gl.SliceLayout(0, SC_L))  # fp8_ds_mla: each group's accumulator unit
-    n_mine = (n_blocks + 1 - WG) // 2
+    n_mine = (n_blocks + NC - 1 - WG) // NC
     for j in range(n_mine):
-        b = 2 * j + WG
+        b = NC * j + WG
         # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in the
         # loop instead of their wgmma descriptors being hoisted out of it and spilled (as in ws_pair)
         z = j // (n_mine + 1)
@@ -327,48 +334,36 @@ def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, st
         mbarrier.wait(ready.index(st), (b // NS) & 1)
         fence_async_shared()  # cp.async data -> the wgmma (async proxy) reads of the rope part
         rs = raw.index(st)
-        if DS:
-            cs = gl.arange(0, 64, layout=gl.SliceLayout(1, SC_L))
-            ok = gl.load(idx_row + p0 + cs, mask=p0 + cs < k_end, other=-1) >= 0
-            sv = gl.where(ok[:, None], scl.index(st).load(SC_L), 0.0)
         # S^T = K q^T as one chain of MMAs (A = the converted bytes, B = q^T).  fp8_ds_mla: each row's
         # group values are multiplied by scale / (the row's largest scale) on the A registers (a ratio
-        # <= 1, in fp16), and S^T by the row's largest scale after.  One wait per group keeps two
-        # groups' A registers alive at most; it names no accumulator (waiting on the chain's pending
-        # accumulator would make ptxas serialize the MMAs).
+        # <= 1, in fp16), and S^T by the row's largest scale after.  The scales of a -1 row or one past the
+        # end are 0 (cp.async zero-fills them).  A wait per chunk keeps two chunks' A registers alive at
+        # most; it names no accumulator (waiting on the chain's pending accumulator would make ptxas
+        # serialize the MMAs).
+        r = 0.0
         if DS:
+            r = _ratio(scl.index(st), 0)
+        a = _qk_a(rs, 0, r, DS)
+        acc = warpgroup_mma(a, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        for C in gl.static_range(1, 8):
+            if DS:
+                if C % 2 == 0:
+                    r = _ratio(scl.index(st), C // 2)
+            a_prev = a
+            a = _qk_a(rs, C, r, DS)
+            acc = warpgroup_mma(a, qn.index(C + z).permute((1, 0)), acc, is_async=True)
+            warpgroup_mma_wait(1, deps=(a_prev, ))
+        if DS:
+            sv = scl.index(st).load(SC_L)
             smax = gl.max(sv, 1)
-            rinv = gl.where(smax > 0, 1.0 / gl.where(smax > 0, smax, 1.0), 0.0)
-            a0 = _qk_scaled(rs, 0, sv, rinv)
-            acc = warpgroup_mma(a0, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            a1 = _qk_scaled(rs, 1, sv, rinv)
-            acc = warpgroup_mma(a1, qn.index(1 + z).permute((1, 0)), acc, is_async=True)
-            warpgroup_mma_wait(1, deps=(a0, ))
-            a2 = _qk_scaled(rs, 2, sv, rinv)
-            acc = warpgroup_mma(a2, qn.index(2 + z).permute((1, 0)), acc, is_async=True)
-            warpgroup_mma_wait(1, deps=(a1, ))
-            a3 = _qk_scaled(rs, 3, sv, rinv)
-            acc = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), acc, is_async=True)
-            if ROPE:  # bf16 rope (A from shared memory), not scaled: its own accumulator
-                tr = warpgroup_mma(rope.index(st), qr.index(z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                acc, tr = warpgroup_mma_wait(0, deps=(acc, tr))
-                x = acc * gl.convert_layout(smax, ROW)[:, None] + tr
-            else:
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                x = acc * gl.convert_layout(smax, ROW)[:, None]
+        if DS:
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            x = acc * gl.convert_layout(smax, ROW)[:, None]
+            if ROPE:  # bf16 rope (A from shared memory, not scaled), added onto the scaled latent scores
+                x = warpgroup_mma(rope.index(st), qr.index(z).permute((1, 0)), x, is_async=True)
+                x = warpgroup_mma_wait(0, deps=(x, ))
         else:
-            a0 = _qk_operand(rs, 0)
-            acc = warpgroup_mma(a0, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            a1 = _qk_operand(rs, 1)
-            acc = warpgroup_mma(a1, qn.index(1 + z).permute((1, 0)), acc, is_async=True)
-            warpgroup_mma_wait(1, deps=(a0, ))
-            a2 = _qk_operand(rs, 2)
-            acc = warpgroup_mma(a2, qn.index(2 + z).permute((1, 0)), acc, is_async=True)
-            warpgroup_mma_wait(1, deps=(a1, ))
-            a3 = _qk_operand(rs, 3)
-            acc = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), acc, is_async=True)
-            if ROPE:
-                warpgroup_mma_wait(1, deps=(a2, ))
+            if ROPE:  # e4m3 rope, in the same chain
                 acc = warpgroup_mma(_rope_operand(rope.index(st)), qr.index(z).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             x = acc * k_scale
@@ -402,22 +397,20 @@ def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, st
             o3 = o3 * alpha[None, :]
         fence_async_shared()
         gl.thread_barrier()  # every warp's part of P is in shared memory before the MMAs read it
-        # PV, one 16-row step at a time: the next step's operands are converted while this step's MMAs
-        # run; each wait retires all four (waiting on an accumulator still in flight makes ptxas
-        # serialize every wgmma: it then reads those registers)
-        v0, v1, v2, v3 = _pv_operands(rs, 0)
-        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 0, o0, o1, o2, o3, DS)
-        v0, v1, v2, v3 = _pv_operands(rs, 1)
-        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 1, o0, o1, o2, o3, DS)
-        v0, v1, v2, v3 = _pv_operands(rs, 2)
-        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 2, o0, o1, o2, o3, DS)
-        v0, v1, v2, v3 = _pv_operands(rs, 3)
-        gl.thread_barrier()  # all of this warpgroup's reads of the stage are done (the MMAs read registers)
-        mbarrier.arrive(free.index(st), count=1)
-        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 3, o0, o1, o2, o3, DS)
+        # PV, one MMA per (16-row step, group): each operand is converted while the previous MMA runs, and
+        # a wait naming the operand before it releases that one's registers (a wait never names the
+        # accumulators in flight: ptxas would then serialize every wgmma).  Two operands live at a time.
+        v = _pv_operand(rs, 0, 0)
+        for i in gl.static_range(16):
+            o0, o1, o2, o3 = _pv_mma(v, pb, WG + z, i // 4, i % 4, o0, o1, o2, o3, DS)
+            if i + 1 < 16:
+                if i > 0:
+                    warpgroup_mma_wait(1, deps=(v_prev, ))
+                v_prev = v
+                v = _pv_operand(rs, (i + 1) // 4, (i + 1) % 4)
+                if i == 14:
+                    gl.thread_barrier()  # this warpgroup's reads of the stage are done (the MMAs read registers)
+                    mbarrier.arrive(free.index(st), count=1)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
     l_i = gl.sum(l_acc, 0)
     if DS:
@@ -430,142 +423,193 @@ def _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, st
         o1 = o1 * k_scale
         o2 = o2 * k_scale
         o3 = o3 * k_scale
-    if WG == 1:
+    if WG > 0:
+        # warpgroup WG's accumulators go over stage WG's bytes: with two consumers only warpgroup 1 reads
+        # stage 1; with more, every consumer must first be done with every stage
+        if NC > 2:
+            gl.thread_barrier()
+            mbarrier.arrive(all_done, count=1)
+            mbarrier.wait(all_done, 0)
+        mrg = _merge_buf(raw, WG)
         mrg.index(0).store(o0)
         mrg.index(1).store(o1)
         mrg.index(2).store(o2)
         mrg.index(3).store(o3)
-        vec.index(0).store(m_i)
-        vec.index(1).store(l_i)
+        vec.index(2 * WG).store(m_i)
+        vec.index(2 * WG + 1).store(l_i)
         gl.thread_barrier()
         mbarrier.arrive(done_bar, count=1)
     else:
+        if NC > 2:
+            gl.thread_barrier()
+            mbarrier.arrive(all_done, count=1)
         mbarrier.wait(done_bar, 0)
-        m1 = vec.index(0).load(HEAD)
-        l1 = vec.index(1).load(HEAD)
-        m = gl.maximum(m_i, m1)
+        m = m_i
+        for w in gl.static_range(1, NC):
+            m = gl.maximum(m, vec.index(2 * w).load(HEAD))
         w0 = gl.exp2(m_i - m)
-        w1 = gl.exp2(m1 - m)
-        l_t = l_i * w0 + l1 * w1
+        l_t = l_i * w0
+        o0 = o0 * w0[None, :]
+        o1 = o1 * w0[None, :]
+        o2 = o2 * w0[None, :]
+        o3 = o3 * w0[None, :]
+        for w in gl.static_range(1, NC):
+            ww = gl.exp2(vec.index(2 * w).load(HEAD) - m)
+            l_t = l_t + vec.index(2 * w + 1).load(HEAD) * ww
+            mrg = _merge_buf(raw, w)
+            o0 = o0 + mrg.index(0).load(S_L) * ww[None, :]
+            o1 = o1 + mrg.index(1).load(S_L) * ww[None, :]
+            o2 = o2 + mrg.index(2).load(S_L) * ww[None, :]
+            o3 = o3 + mrg.index(3).load(S_L) * ww[None, :]
         has = l_t > 0
-        inv_l = gl.where(has, 1.0 / gl.where(has, l_t, 1.0), 0.0)
-        a0 = (w0 * inv_l)[None, :]
-        a1 = (w1 * inv_l)[None, :]
+        inv_l = gl.where(has, 1.0 / gl.where(has, l_t, 1.0), 0.0)[None, :]
         heads = g * 16 + gl.arange(0, 16, layout=HEAD)
         hm = (heads < H)[None, :]
         obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh
         d = _dims(gl.arange(0, 128, layout=ROW))[:, None]
         ty = o_ptr.dtype.element_ty
-        gl.store(obase + d, (o0 * a0 + mrg.index(0).load(S_L) * a1).to(ty), mask=hm)
-        gl.store(obase + 128 + d, (o1 * a0 + mrg.index(1).load(S_L) * a1).to(ty), mask=hm)
-        gl.store(obase + 256 + d, (o2 * a0 + mrg.index(2).load(S_L) * a1).to(ty), mask=hm)
-        gl.store(obase + 384 + d, (o3 * a0 + mrg.index(3).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + d, (o0 * inv_l).to(ty), mask=hm)
+        gl.store(obase + 128 + d, (o1 * inv_l).to(ty), mask=hm)
+        gl.store(obase + 256 + d, (o2 * inv_l).to(ty), mask=hm)
+        gl.store(obase + 384 + d, (o3 * inv_l).to(ty), mask=hm)
         lse = gl.where(has, (m + gl.log2(gl.where(has, l_t, 1.0))) * 0.6931471805599453, float("-inf"))
         gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
 
 
-# ---- the partitions of each format variant: (warpgroup, DS, ROPE, bytes per token) as literals ----
 @gluon.jit
-def _c0_ds(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-    stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
-    HAS_VC):
-    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-              smem, bars, 0, True, 64, NG, HAS_VC)
+def _merge_buf(raw, w: gl.constexpr):
+    """Consumer w's accumulators for the final merge, fp32 [4 groups, 128, 16] over stage w's 32 KB."""
+    return raw.index(w)._reinterpret(gl.float32, [4, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
 
+# ---- the partitions of each format variant: (warpgroup, consumers, DS, ROPE, bytes per token) as literals,
+# the kernel's values as one tuple (constexpr arguments do not survive warp_specialize: see the kernel) ----
 @gluon.jit
-def _c1_ds(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-    stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
-    HAS_VC):
-    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-              smem, bars, 1, True, 64, NG, HAS_VC)
+def _c0_ds2(args):
+    _consumer(args, 0, 2, True, 64)
 
 
 @gluon.jit
-def _p_ds(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC):
-    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 656, True, 64, NG,
-              HAS_VC)
+def _c1_ds2(args):
+    _consumer(args, 1, 2, True, 64)
 
 
 @gluon.jit
-def _c0_ds_nope(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-    lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
-    NG, HAS_VC):
-    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-              smem, bars, 0, True, 0, NG, HAS_VC)
+def _c0_ds_nope2(args):
+    _consumer(args, 0, 2, True, 0)
 
 
 @gluon.jit
-def _c1_ds_nope(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-    lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
-    NG, HAS_VC):
-    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-              smem, bars, 1, True, 0, NG, HAS_VC)
+def _c1_ds_nope2(args):
+    _consumer(args, 1, 2, True, 0)
 
 
 @gluon.jit
-def _p_ds_nope(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC):
-    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 528, True, 0, NG,
-              HAS_VC)
+def _c0_fp82(args):
+    _consumer(args, 0, 2, False, 64)
 
 
 @gluon.jit
-def _c0_fp8(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-    lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
-    NG, HAS_VC):
-    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-              smem, bars, 0, False, 64, NG, HAS_VC)
+def _c1_fp82(args):
+    _consumer(args, 1, 2, False, 64)
 
 
 @gluon.jit
-def _c1_fp8(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-    lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
-    NG, HAS_VC):
-    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-              smem, bars, 1, False, 64, NG, HAS_VC)
+def _c0_fp8_nope2(args):
+    _consumer(args, 0, 2, False, 0)
 
 
 @gluon.jit
-def _p_fp8(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC):
-    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 576, False, 64, NG,
-              HAS_VC)
+def _c1_fp8_nope2(args):
+    _consumer(args, 1, 2, False, 0)
 
 
 @gluon.jit
-def _c0_fp8_nope(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-    lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
-    NG, HAS_VC):
-    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-              smem, bars, 0, False, 0, NG, HAS_VC)
+def _c0_ds3(args):
+    _consumer(args, 0, 3, True, 64)
 
 
 @gluon.jit
-def _c1_fp8_nope(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-    lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars,
-    NG, HAS_VC):
-    _consumer(q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-              lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-              smem, bars, 1, False, 0, NG, HAS_VC)
+def _c1_ds3(args):
+    _consumer(args, 1, 3, True, 64)
 
 
 @gluon.jit
-def _p_fp8_nope(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC):
-    _producer(kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, 512, False, 0, NG,
-              HAS_VC)
+def _c2_ds3(args):
+    _consumer(args, 2, 3, True, 64)
+
+
+@gluon.jit
+def _c0_ds_nope3(args):
+    _consumer(args, 0, 3, True, 0)
+
+
+@gluon.jit
+def _c1_ds_nope3(args):
+    _consumer(args, 1, 3, True, 0)
+
+
+@gluon.jit
+def _c2_ds_nope3(args):
+    _consumer(args, 2, 3, True, 0)
+
+
+@gluon.jit
+def _c0_fp83(args):
+    _consumer(args, 0, 3, False, 64)
+
+
+@gluon.jit
+def _c1_fp83(args):
+    _consumer(args, 1, 3, False, 64)
+
+
+@gluon.jit
+def _c2_fp83(args):
+    _consumer(args, 2, 3, False, 64)
+
+
+@gluon.jit
+def _c0_fp8_nope3(args):
+    _consumer(args, 0, 3, False, 0)
+
+
+@gluon.jit
+def _c1_fp8_nope3(args):
+    _consumer(args, 1, 3, False, 0)
+
+
+@gluon.jit
+def _c2_fp8_nope3(args):
+    _consumer(args, 2, 3, False, 0)
+
+
+@gluon.jit
+def _p_ds(args):
+    _producer(args, 656, True, 64)
+
+
+@gluon.jit
+def _p_ds_nope(args):
+    _producer(args, 528, True, 0)
+
+
+@gluon.jit
+def _p_fp8(args):
+    _producer(args, 576, False, 64)
+
+
+@gluon.jit
+def _p_fp8_nope(args):
+    _producer(args, 512, False, 0)
 
 
 @gluon.jit
 def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                   o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                   sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-                  BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
+                  BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
+                  NC: gl.constexpr = 2):
     """One program = one query token x 16 heads x one split; launch with num_warps=4 (warpgroup 0)."""
     raw = gl.allocate_shared_memory(gl.uint8, [NS, 64, 512], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -577,40 +621,54 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
         scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
         qr = gl.allocate_shared_memory(gl.float16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
-    qn = gl.allocate_shared_memory(gl.float16, [4, 16, 128], gl.NVMMASharedLayout.get_default_for([16, 128], gl.float16))
+    qn = gl.allocate_shared_memory(gl.float16, [8, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
     # P (times each group's scale ratio) per group, [warpgroup, 64 rows, 16 heads]: one allocation per group
     # so that the four stores need no barrier between them (the barrier analysis works per allocation)
     pl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16)
-    pb = (gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl), gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl),
-          gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl), gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl))
-    # warpgroup 1's accumulators for the final merge go over stage 1's bytes (only warpgroup 1 reads stage 1)
-    mrg = raw.index(1)._reinterpret(gl.float32, [4, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    vec = gl.allocate_shared_memory(gl.float32, [2, 16], plain)
+    pb = (gl.allocate_shared_memory(gl.float16, [NC, 64, 16], pl), gl.allocate_shared_memory(gl.float16, [NC, 64, 16], pl),
+          gl.allocate_shared_memory(gl.float16, [NC, 64, 16], pl), gl.allocate_shared_memory(gl.float16, [NC, 64, 16], pl))
+    vec = gl.allocate_shared_memory(gl.float32, [2 * NC, 16], plain)
     bl: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], bl)
     free = gl.allocate_shared_memory(gl.int64, [NS, 1], bl)
     done_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
+    all_done = gl.allocate_shared_memory(gl.int64, [1], bl)
     mbarrier.init(q_bar, count=1)
-    mbarrier.init(done_bar, count=1)
+    mbarrier.init(done_bar, count=NC - 1)  # the other consumers' accumulators are in shared memory
+    mbarrier.init(all_done, count=NC)      # (NC > 2) every consumer is done with every stage
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=128)  # one cp.async arrival per producer thread
         mbarrier.init(free.index(i), count=1)     # the consuming warpgroup
-    smem = (raw, scl, rope, qn, qr, pb, mrg, vec)
-    bars = (q_bar, ready, free, done_bar)
+    smem = (raw, scl, rope, qn, qr, pb, vec)
+    bars = (q_bar, ready, free, done_bar, all_done)
     # Constexpr arguments do not survive warp_specialize (they arrive as tensors, and an `if` on them then
     # traces both branches), so each warpgroup of each format variant has its own partition function.
-    ca = (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-          lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-          smem, bars, NG, HAS_VC)
-    pa = (kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC)
-    if DS:
-        if ROPE:
-            gl.warp_specialize([(_c0_ds, ca), (_c1_ds, ca), (_p_ds, pa)], [4, 4], [232, 40])
+    ca = ((q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+           lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+           smem, bars, NG, HAS_VC), )
+    pa = ((kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC), )
+    if NC == 2:
+        if DS:
+            if ROPE:
+                gl.warp_specialize([(_c0_ds2, ca), (_c1_ds2, ca), (_p_ds, pa)], [4, 4], [232, 40])
+            else:
+                gl.warp_specialize([(_c0_ds_nope2, ca), (_c1_ds_nope2, ca), (_p_ds_nope, pa)], [4, 4], [232, 40])
         else:
-            gl.warp_specialize([(_c0_ds_nope, ca), (_c1_ds_nope, ca), (_p_ds_nope, pa)], [4, 4], [232, 40])
+            if ROPE:
+                gl.warp_specialize([(_c0_fp82, ca), (_c1_fp82, ca), (_p_fp8, pa)], [4, 4], [232, 40])
+            else:
+                gl.warp_specialize([(_c0_fp8_nope2, ca), (_c1_fp8_nope2, ca), (_p_fp8_nope, pa)], [4, 4], [232, 40])
     else:
-        if ROPE:
-            gl.warp_specialize([(_c0_fp8, ca), (_c1_fp8, ca), (_p_fp8, pa)], [4, 4], [232, 40])
+        if DS:
+            if ROPE:
+                gl.warp_specialize([(_c0_ds3, ca), (_c1_ds3, ca), (_c2_ds3, ca), (_p_ds, pa)], [4, 4, 4], [160, 160, 32])
+            else:
+                gl.warp_specialize([(_c0_ds_nope3, ca), (_c1_ds_nope3, ca), (_c2_ds_nope3, ca), (_p_ds_nope, pa)],
+                                   [4, 4, 4], [160, 160, 32])
         else:
-            gl.warp_specialize([(_c0_fp8_nope, ca), (_c1_fp8_nope, ca), (_p_fp8_nope, pa)], [4, 4], [232, 40])
+            if ROPE:
+                gl.warp_specialize([(_c0_fp83, ca), (_c1_fp83, ca), (_c2_fp83, ca), (_p_fp8, pa)], [4, 4, 4], [160, 160, 32])
+            else:
+                gl.warp_specialize([(_c0_fp8_nope3, ca), (_c1_fp8_nope3, ca), (_c2_fp8_nope3, ca), (_p_fp8_nope, pa)],
+                                   [4, 4, 4], [160, 160, 32])
