@@ -1,4 +1,4 @@
-"""Time the warp-specialized few-heads kernel (sparsemla/kernels/ws_few.py) against the Triton few-heads
+"""Time the warp-specialized few-heads kernel (sparsemla/kernels/ws_few.py) against the Triton kernels
 kernels in one process, on the peers' decode cache (benchmarks/decode_sweep.build: 32K-token contexts in
 shuffled 64-row blocks, heavy-tailed values), b 128 and small batches, top-k 2048; bf16 rows alongside
 (the format a quantized cache has to beat).  Median of --reps calls, L2 flushed; % of memory
@@ -41,11 +41,10 @@ def spin(seconds=0.05):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--formats", default="fp8_ds_mla,fp8,fp8_ds_mla-nope,fp8-nope,bf16")
+    ap.add_argument("--formats", default="fp8_ds_mla,fp8,nvfp4_ds_mla,fp8_ds_mla-nope,fp8-nope,nvfp4_ds_mla-nope,bf16")
     ap.add_argument("--heads", default="16,32")
     ap.add_argument("--batches", default="128")
     ap.add_argument("--splits", default="0,1,2", help="0 = the default plan")
-    ap.add_argument("--consumers", default="3", help="consumer warpgroups of the few-heads kernel (2 or 3)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-triton", action="store_true", help="skip the Triton few-heads kernels")
     ap.add_argument("--out", default=None)
@@ -64,19 +63,15 @@ def main(argv=None):
                 sm = fmt.head_dim ** -0.5
                 sol_us = unique_bytes(cache, idx, h, b) / bw * 1e6
 
-                def call(ws_kernel, splits, nc, q=q, rows=cache.rows, idx=idx, out=out, lse=lse, fmt=fmt, sm=sm):
-                    def fn():
-                        ws_attention.FEW_CONSUMERS = nc
-                        return _launch(fmt.name, q, rows, fmt, idx, sm, None, 1.0, out, lse,
-                                       splits, None, None, None, None, ws_kernel=ws_kernel)
-                    return fn
-                variants = [] if a.no_triton and fmt.name != "bf16" else [("triton", False, None, 3)]
+                def call(ws_kernel, splits, q=q, rows=cache.rows, idx=idx, out=out, lse=lse, fmt=fmt, sm=sm):
+                    return lambda: _launch(fmt.name, q, rows, fmt, idx, sm, None, 1.0, out, lse,
+                                           splits, None, None, None, None, ws_kernel=ws_kernel)
+                variants = [] if a.no_triton and fmt.name != "bf16" else [("triton", False, None)]
                 if fmt.name in ws_attention.FEW_KINDS:
-                    variants += [(f"ws-c{nc}" + (f"-s{s}" if s else ""), None, s or None, nc)
-                                 for nc in map(int, a.consumers.split(",")) for s in map(int, a.splits.split(","))]
+                    variants += [(f"ws-s{s}" if s else "ws", None, s or None) for s in map(int, a.splits.split(","))]
                 ref = None
-                for tag, wk, sp, nc in variants:
-                    fn = call(wk, sp, nc)
+                for tag, wk, sp in variants:
+                    fn = call(wk, sp)
                     o, l = fn()
                     o = o.float().clone()
                     err = None if ref is None else round(((o - ref).norm() / ref.norm()).item(), 6)

@@ -60,15 +60,15 @@ def main():
                                          setmaxnreg="setmaxnreg" in ptx,
                                          mbarrier_cp_async="cp.async.mbarrier.arrive.noinc" in ptx)
     few_sig = dict(SIG, k_scale="fp32")
-    for name, ds, rope, bpt in [("ds-64", True, 64, 656), ("ds-0", True, 0, 528), ("fp8-64", False, 64, 576),
-                                ("fp8-0", False, 0, 512)]:
-      for nc in (2, 3):
-        cons = dict(BPT=bpt, DS=ds, ROPE=rope, NG=2, HAS_VC=True, NC=nc)
+    for name, ds, rope, bpt, fp4 in [("ds-64", True, 64, 656, False), ("ds-0", True, 0, 528, False),
+                                     ("fp8-64", False, 64, 576, False), ("fp8-0", False, 0, 512, False),
+                                     ("fp4-64", False, 64, 352, True), ("fp4-0", False, 0, 288, True)]:
+        cons = dict(BPT=bpt, DS=ds, ROPE=rope, NG=2, HAS_VC=True, FP4=fp4)
         sig = dict(few_sig, **{k: "constexpr" for k in cons})
-        k = triton.compile(GluonASTSource(fn=ws_few_kernel, signature=sig, constexprs=cons), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4, "maxnreg": 168 if nc == 2 else 128})
+        k = triton.compile(GluonASTSource(fn=ws_few_kernel, signature=sig, constexprs=cons),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
         ptx = k.asm["ptx"]
-        out[f"few-{name}-c{nc}"] = dict(smem=k.metadata.shared, stack=_stack_bytes(k.asm["cubin"]),
+        out[f"few-{name}"] = dict(smem=k.metadata.shared, stack=_stack_bytes(k.asm["cubin"]),
                                   setmaxnreg="setmaxnreg" in ptx,
                                   mbarrier_cp_async="cp.async.mbarrier.arrive.noinc" in ptx,
                                   serialized=_serialized(ptx))

@@ -811,7 +811,7 @@ def _few_planned(kind, num_heads, device) -> bool:
 
 
 def _few_ok(q, kv, kind, num_heads, ws_kernel) -> bool:
-    """Whether the warp-specialized few-heads kernel takes this call (fp8 / fp8_ds_mla rows, <= 32 heads,
+    """Whether the warp-specialized few-heads kernel takes this call (fp8 / fp8_ds_mla / nvfp4 rows, <= 32 heads,
     sm_90; same switches as ``_ws_ok``)."""
     return not _gluon_off(ws_kernel) and _ws.few_supported(q, kv, kind, num_heads)
 
@@ -830,12 +830,12 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
         return out, lse
     interp = interpreting()
     cfg_hb, cfg_bn, cfg_w, cfg_st, wide = kernel_config(kind, h)
-    wide = wide and kernel is None and (head_block_size or cfg_hb) >= 64
-    # fp8 / fp8_ds_mla at few heads on sm_90: the warp-specialized kernel (ws_few.py), 16 heads per program,
-    # 64-row blocks
-    # (not when a Triton tiling -- head block, BLOCK_N, warps, stages -- is asked for: that is a tuning run)
-    few = (not wide and kernel is None and head_block_size is None and block_n is None and num_warps is None
+    # fp8 / fp8_ds_mla / nvfp4_ds_mla at <= 32 heads on sm_90: the warp-specialized kernel (ws_few.py), 16
+    # heads per program, 64-row blocks (it also takes NVFP4's 17-32 heads from the Triton wide kernel); not
+    # when a Triton tiling -- head block, BLOCK_N, warps, stages -- is asked for: that is a tuning run
+    few = (kernel is None and head_block_size is None and block_n is None and num_warps is None
            and num_stages is None and ws_kernel is not False and _few_ok(q, kv, kind, h, ws_kernel))
+    wide = wide and not few and kernel is None and (head_block_size or cfg_hb) >= 64
     if few:
         head_block_size, block_n = 16, 64
     hb = head_block_size or cfg_hb
@@ -884,7 +884,7 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
         kernel[grid](*args, h, k, rows_per_split, num_splits, BPT=fmt.bytes_per_token, ROPE=rope, **common)
     elif few:
         _ws.launch_few(grid, args + (float(k_scale), h, k, rows_per_split, num_splits), fmt.bytes_per_token,
-                       kind == "fp8_ds_mla", rope, ng, valid_counts is not None)
+                       kind, rope, ng, valid_counts is not None)
     elif wide and hb == 64 and ws_kernel is not False and _ws_ok(q, kv, kind, h, ws_kernel):
         _ws.launch(grid, args + (h, k, rows_per_split, num_splits), fmt.bytes_per_token, rope, ng,
                    valid_counts is not None, config=ws_kernel if isinstance(ws_kernel, str) else None)

@@ -69,30 +69,25 @@ def supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) -> b
             and (q.stride(1) * 2) % 16 == 0)
 
 
-# fp8 kinds the few-heads kernel (ws_few.py) reads, and the most heads it takes (16 per program)
-FEW_KINDS = ("fp8", "fp8_ds_mla")
+# kinds the few-heads kernel (ws_few.py) reads, and the most heads it takes (16 per program)
+FEW_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")
 FEW_MAX_HEADS = 32
-# consumer warpgroups of the few-heads kernel (2: 232 registers each; 3: 160 each, one more warpgroup to
-# hide the latency of each block's QK -> softmax -> PV chain)
-FEW_CONSUMERS = 3
 
 
 def few_supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) -> bool:
-    """Whether the warp-specialized few-heads kernel can take this call: fp8 / fp8_ds_mla rows (rope or
-    NoPE), at most ``FEW_MAX_HEADS`` heads, an sm_90 GPU, a 16-byte aligned cache, bf16 q."""
+    """Whether the warp-specialized few-heads kernel can take this call: fp8 / fp8_ds_mla / nvfp4_ds_mla rows
+    (rope or NoPE), at most ``FEW_MAX_HEADS`` heads, an sm_90 GPU, a 16-byte aligned cache, bf16 q."""
     if kind not in FEW_KINDS or num_heads > FEW_MAX_HEADS or q.device.type != "cuda" or q.dtype != torch.bfloat16:
         return False
     return _capability(q.device) == (9, 0) and kv.data_ptr() % 16 == 0
 
 
-def launch_few(grid, args, bytes_per_token: int, ds: bool, rope: int, num_groups: int, has_vc: bool):
-    """Launch ``ws_few_kernel`` with ``_fwd_fp8_kernel``'s positional arguments (k_scale included).
-    ``FEW_CONSUMERS`` consumer warpgroups and one producer; the register file is split evenly at launch
-    (12 warps x 168 or 16 x 128 registers) and re-balanced with setmaxnreg."""
+def launch_few(grid, args, bytes_per_token: int, kind: str, rope: int, num_groups: int, has_vc: bool):
+    """Launch ``ws_few_kernel`` with ``_fwd_fp8_kernel``'s positional arguments (k_scale included).  12 warps
+    (two consumer warpgroups, one producer); 12 x 32 x 168 registers at launch, then setmaxnreg."""
     from .ws_few import ws_few_kernel
-    nc = FEW_CONSUMERS
-    ws_few_kernel[grid](*args, BPT=bytes_per_token, DS=ds, ROPE=rope, NG=num_groups, HAS_VC=has_vc, NC=nc,
-                        num_warps=4, maxnreg=168 if nc == 2 else 128)
+    ws_few_kernel[grid](*args, BPT=bytes_per_token, DS=kind == "fp8_ds_mla", FP4=kind == "nvfp4_ds_mla", ROPE=rope,
+                        NG=num_groups, HAS_VC=has_vc, num_warps=4, maxnreg=168)
 
 
 # Schedules by name; "tile-nogather" is a benchmark-only probe (the tile schedule without its row gathers:

@@ -48,17 +48,22 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .ws_attention import _NEG_BIG, _coords
 
-NS = gl.constexpr(4)  # ring stages of 64 rows
+NS = gl.constexpr(4)  # ring stages of 64 rows (fp8 rows; nvfp4 rows, at 22 KB a stage, have 8)
 
 # S^T [64 rows, 16 heads] and O^T [128 dims, 16 heads] (one per 128-dim group) on wgmma m64n16
 S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_L.value, k_width=2))
 ROW = gl.constexpr(gl.SliceLayout(1, S_L.value))   # one value per cache row (or output dim)
 HEAD = gl.constexpr(gl.SliceLayout(0, S_L.value))  # one value per head
-# Raw e4m3 bytes for QK, [64 rows, 64 bytes] (one 64-dim chunk): thread (warp w, lane 4g + t) holds rows
-# 16w + g and 16w + g + 8, bytes 16t .. 16t + 15.  Register order = byte order (128-bit loads).  Byte
-# 16 t + 4 s + 2 p + e is the fragment's k = 16 s + 8 p + 2 t + e (see _relabel64).
+# Raw e4m3 bytes for QK, [64 rows, 128 bytes] (one 128-dim group): thread (warp w, lane 4g + t) holds rows
+# 16w + g and 16w + g + 8, bytes 32t .. 32t + 31.  Register order = byte order (128-bit loads).  Byte
+# 32t + 16 j + 4 s + 2 p + e is the fragment's k = 64 j + 16 s + 8 p + 2 t + e (see _qk_operand).
 L_QK = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
+    lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+    shape=[64, 128]))
+# The same for a 64-byte rope part: bytes 16t .. 16t + 15; byte 16 t + 4 s + 2 p + e is k = 16 s + 8 p + 2 t + e
+L_QK64 = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
     lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
     shape=[64, 64]))
@@ -75,6 +80,117 @@ SC_L = gl.constexpr(gl.DistributedLinearLayout(
     warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 4]))
 
 
+# nvfp4_ds_mla, QK: one 64-dim chunk's packed nibbles [64 rows, 4 blocks, 8 bytes]: thread (w, 4g + t) holds rows
+# 16w + g and 16w + g + 8, block t of the chunk (bytes 8t .. 8t + 7 = dims 16t .. 16t + 15, one e4m3 scale):
+# after the nibble split these are the 16 dims a thread holds of a 64-wide fp8 chunk (_relabel64's order)
+L_Q4 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
+    lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[[16, 0, 0], [32, 0, 0]],
+    block_bases=[], shape=[64, 4, 8]))
+L_Q4B = gl.constexpr(gl.DistributedLinearLayout(  # the same bytes as a [64, 32] tensor (64-bit loads)
+    reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
+    lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+    shape=[64, 32]))
+L_Q4S = gl.constexpr(gl.DistributedLinearLayout(  # the chunk's scale bytes [64 rows, 4 blocks, 1]
+    reg_bases=[[8, 0, 0]],
+    lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[[16, 0, 0], [32, 0, 0]],
+    block_bases=[], shape=[64, 4, 1]))
+# nvfp4_ds_mla, PV: 16 rows' packed nibbles [16 rows, 256 bytes]: thread (w, 4g + t) holds rows 2t, 2t + 1,
+# 2t + 8, 2t + 9 and block s = 8w + g (bytes 8s .. 8s + 7, 64-bit loads); 2 of those bytes (4 dims) go to each
+# of the four accumulators: dim 16 s + 4 G + 2 i + h is group G's M row 64 i + 16 w + 8 h + g (see _dims4)
+L_V4 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0]],
+    lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]], warp_bases=[[0, 64], [0, 128]], block_bases=[],
+    shape=[16, 256]))
+# its scale bytes as stored, [16 rows, s % 4, s // 4] (block s's scale is at byte 8 (s % 4) + s // 4)
+L_V4S = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[1, 0, 0], [8, 0, 0]],
+    lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 0, 1]], warp_bases=[[0, 0, 2], [0, 0, 4]],
+    block_bases=[], shape=[16, 4, 8]))
+
+# e2m1 nibbles -> fp16, four bytes at a time: each nibble becomes an e4m3 code worth its value x 2^-6 (sign to
+# bit 7, the three magnitude bits to bits 2-4: exact for the subnormal code 0.5 too), converted in pairs by
+# cvt.f16x2.e4m3x2, then multiplied by the byte's block scale x 2^6 (<= 448 x 64, exact in fp16).  The
+# products are the exact dequantized values (<= 6 x 448, >= 2^-10: normal fp16).  $0 $1: low nibbles of bytes
+# 0-1, 2-3; $2 $3: high nibbles; $4: the four bytes; $5: their four scale bytes.
+_FP4_ASM = gl.constexpr("""{
+.reg .b32 e, o, t, u, k, sc0, sc1;
+.reg .b16 e0, e1, o0, o1, s0, s1;
+shl.b32 t, $4, 4;
+shl.b32 u, $4, 2;
+and.b32 t, t, 0x80808080;
+and.b32 u, u, 0x1C1C1C1C;
+or.b32 e, t, u;
+shr.b32 u, $4, 2;
+and.b32 t, $4, 0x80808080;
+and.b32 u, u, 0x1C1C1C1C;
+or.b32 o, t, u;
+mov.b32 {e0, e1}, e;
+mov.b32 {o0, o1}, o;
+mov.b32 {s0, s1}, $5;
+mov.b32 k, 0x54005400;
+cvt.rn.f16x2.e4m3x2 sc0, s0;
+cvt.rn.f16x2.e4m3x2 sc1, s1;
+mul.f16x2 sc0, sc0, k;
+mul.f16x2 sc1, sc1, k;
+cvt.rn.f16x2.e4m3x2 $0, e0;
+cvt.rn.f16x2.e4m3x2 $1, e1;
+cvt.rn.f16x2.e4m3x2 $2, o0;
+cvt.rn.f16x2.e4m3x2 $3, o1;
+mul.f16x2 $0, $0, sc0;
+mul.f16x2 $1, $1, sc1;
+mul.f16x2 $2, $2, sc0;
+mul.f16x2 $3, $3, sc1;
+}""")
+
+
+@gluon.jit
+def _fp4(x, sc):
+    """Packed e2m1 bytes ``x`` and each byte's e4m3 block scale ``sc`` (u8, same shape) -> fp16 values, shape
+    x.shape + [2] (the low nibble -- the even dim -- first)."""
+    lo, hi = gl.inline_asm_elementwise(_FP4_ASM, "=r,=r,=r,=r,r,r", [x, sc], (gl.float16, gl.float16), True, 4)
+    return gl.join(lo, hi)
+
+
+@gluon.jit
+def _qk_fp4(raw, scl, C: gl.constexpr):
+    """nvfp4: 64-dim chunk C of the stage -> the fp16 A operand [64 rows, 64 k] (k permuted like L_QK64)."""
+    x = gl.convert_layout(raw.slice(32 * C, 32, dim=1).load(L_Q4B).reshape([64, 4, 8]), L_Q4)
+    # block 4C + t of a row: its scale is at byte 8 t + C
+    sc = scl.reshape([64, 4, 8]).slice(C, 1, dim=2).load(L_Q4S).reshape([64, 4])
+    sc = gl.convert_layout(sc, gl.SliceLayout(2, L_Q4))[:, :, None]
+    a = _fp4(x, gl.broadcast(sc, x)[0]).reshape([64, 64])
+    return gl.convert_layout(_relabel64(a), A_OP)
+
+
+@gluon.jit
+def _pv_fp4(raw, scl, ks: gl.constexpr):
+    """nvfp4: rows 16 ks .. 16 ks + 15 -> the four fp16 A operands V^T_G [128 (M, see _dims4), 16 rows]."""
+    x = raw.slice(16 * ks, 16, dim=0).load(L_V4).reshape([16, 32, 2, 2, 2])  # [row, s, G // 2, G % 2, byte]
+    sc = scl.reshape([64, 4, 8]).slice(16 * ks, 16, dim=0).load(L_V4S)        # [row, s % 4, s // 4]
+    sc = sc.permute(0, 2, 1).reshape([16, 32])
+    xe, xo = x.permute(0, 1, 4, 2, 3).split()  # G even / odd: [row, s, byte, G // 2]
+    x0, x2 = xe.split()
+    x1, x3 = xo.split()
+    return _pv4(x0, sc), _pv4(x1, sc), _pv4(x2, sc), _pv4(x3, sc)
+
+
+@gluon.jit
+def _pv4(x, sc):
+    """[16 rows, 32 blocks, 2 bytes] of one group and the blocks' scale bytes [16, 32] -> V^T_G [128, 16] in the A
+    operand layout."""
+    sc = gl.convert_layout(sc, gl.SliceLayout(2, x.type.layout))[:, :, None]
+    v = _fp4(x, gl.broadcast(sc, x)[0]).reshape([16, 4, 8, 2, 2])  # [row, w, g, i, h]
+    v = v.permute(3, 1, 4, 2, 0).reshape([128, 16])
+    return gl.convert_layout(v, A_OP)
+
+
+@gluon.jit
+def _dims4(m, G: gl.constexpr):
+    """nvfp4: accumulator row m (0..127) of group G -> the output dim (see L_V4)."""
+    return 128 * ((m >> 4) & 3) + 16 * (m & 7) + 4 * G + 2 * (m >> 6) + ((m >> 3) & 1)
+
+
 @gluon.jit
 def _dims(m):
     """Accumulator row m (0..127) of a group -> the output dim within the group (see L_V)."""
@@ -82,37 +198,29 @@ def _dims(m):
 
 
 @gluon.jit
-def _qk_operand(raw, C: gl.constexpr):
-    """64-byte chunk C of the stage's e4m3 bytes -> the fp16 A operand [64 rows, 64 k] (k permuted)."""
-    a = raw.slice(64 * C, 64, dim=1).load(L_QK).to(gl.float8e4nv, bitcast=True).to(gl.float16)
-    return gl.convert_layout(_relabel64(a), A_OP)
+def _qk_operand(raw, G: gl.constexpr):
+    """Group G's e4m3 bytes of the stage -> the fp16 A operand [64 rows, 128 k] (k permuted, _relabel128)."""
+    a = raw.slice(128 * G, 128, dim=1).load(L_QK).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    return gl.convert_layout(_relabel128(a), A_OP)
 
 
 @gluon.jit
-def _ratio(scl, G: gl.constexpr):
-    """fp8_ds_mla: each row's scale of group G over the row's largest scale (<= 1; 0 for a row without a
-    positive scale), fp16, one value per row of the A operand.  Read from shared memory where it is used,
-    so that no scales stay in registers across the QK chain."""
-    sv = scl.load(SC_L)
-    smax = gl.max(sv, 1)
-    c = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
-    r = gl.sum(gl.where(c[None, :] == G, sv, 0.0), 1) / gl.where(smax > 0, smax, 1.0)
-    return gl.convert_layout(r.to(gl.float16), gl.SliceLayout(1, A_OP))
-
-
-@gluon.jit
-def _qk_a(raw, C: gl.constexpr, r, DS: gl.constexpr):
-    """Latent chunk C's QK A operand; fp8_ds_mla: times ``r``, the rows' _ratio of the chunk's group."""
-    a = _qk_operand(raw, C)
+def _qk_a(raw, G: gl.constexpr, sv, rinv, DS: gl.constexpr):
+    """Group G's QK A operand; fp8_ds_mla: times each row's scale of group G over its largest scale (fp16,
+    <= 1; ``sv`` the [64, 4] scales, ``rinv`` 1 / the row's largest)."""
+    a = _qk_operand(raw, G)
     if DS:
-        a = a * r[:, None]
+        c = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
+        r = gl.sum(gl.where(c[None, :] == G, sv, 0.0), 1) * rinv
+        a = a * gl.convert_layout(r.to(gl.float16), gl.SliceLayout(1, A_OP))[:, None]
     return a
 
 
 @gluon.jit
 def _rope_operand(rope):
-    """Plain fp8 rows: the 64 e4m3 rope bytes -> fp16 A operand [64 rows, 64 k] (k permuted like L_QK)."""
-    return _qk_operand(rope, 0)
+    """Plain fp8 rows: the 64 e4m3 rope bytes -> fp16 A operand [64 rows, 64 k] (k permuted like L_QK64)."""
+    a = rope.load(L_QK64).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    return gl.convert_layout(_relabel64(a), A_OP)
 
 
 @gluon.jit
@@ -122,6 +230,14 @@ def _pv_operand(raw, ks: gl.constexpr, G: gl.constexpr):
     v = v.to(gl.float8e4nv, bitcast=True).to(gl.float16)
     v = v.permute(1, 0).reshape([4, 8, 2, 2, 16]).permute(2, 0, 3, 1, 4).reshape([128, 16])
     return gl.convert_layout(v, A_OP)
+
+
+@gluon.jit
+def _pv_operands(raw, scl, ks: gl.constexpr, FP4: gl.constexpr):
+    """Rows 16 ks .. 16 ks + 15 of the stage -> the four groups' V^T A operands."""
+    if FP4:
+        return _pv_fp4(raw, scl, ks)
+    return _pv_operand(raw, ks, 0), _pv_operand(raw, ks, 1), _pv_operand(raw, ks, 2), _pv_operand(raw, ks, 3)
 
 
 @gluon.jit
@@ -142,30 +258,33 @@ def _copy(dst, kv_ptr, idx, BPT: gl.constexpr, off: gl.constexpr, cols, ty: gl.c
 
 
 @gluon.jit
-def _producer(args, BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
+def _producer(args, BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP4: gl.constexpr):
     """Gathers each 64-row block's raw bytes into stage b % NS: e4m3 values, then (fp8_ds_mla) the four
-    scales and the bf16 rope, or (fp8) the e4m3 rope.  The next block's indices are loaded before waiting
-    for a free stage, so their latency is not on the producer's path."""
+    scales and the bf16 rope, or (fp8) the e4m3 rope; nvfp4 rows: the packed nibbles, the e4m3 rope and the
+    32 scale bytes.  The next block's indices are loaded before waiting for a free stage, so their latency
+    is not on the producer's path."""
     kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC = args
-    raw, scl, rope, qn, qr, pb, vec = smem
+    raw, scl, rope, qn, qr, pb, mrg, vec = smem
     q_bar, ready, free, done_bar, all_done = bars
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    lv: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])   # [64, 512] u8, 16 B each, 4 rows a thread
+    n_st: gl.constexpr = raw.shape[0]
+    lv: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])   # [64, 512 or 256] u8, 16 B each
     ls: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0])   # [64, 4] f32, 8 B each
     lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])    # [64, 64] bf16, 16 B each
-    lq: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])  # [64, 64] u8, 16 B each
-    cv = gl.arange(0, 512, layout=gl.SliceLayout(0, lv))
+    lq: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])  # [64, 64 or 32] u8, 16 B each
+    cv = gl.arange(0, raw.shape[2], layout=gl.SliceLayout(0, lv))
     cs = gl.arange(0, 4, layout=gl.SliceLayout(0, ls))
     cr = gl.arange(0, 64, layout=gl.SliceLayout(0, lr))
     cq = gl.arange(0, 64, layout=gl.SliceLayout(0, lq))
+    c4 = gl.arange(0, 32, layout=gl.SliceLayout(0, lq))
     iv = _idx(idx_row, k_begin, k_end, gl.SliceLayout(1, lv))
     i_s = _idx(idx_row, k_begin, k_end, gl.SliceLayout(1, ls))
     ir = _idx(idx_row, k_begin, k_end, gl.SliceLayout(1, lr))
     iq = _idx(idx_row, k_begin, k_end, gl.SliceLayout(1, lq))
     for b in range(n_blocks):
-        st = b % NS
+        st = b % n_st
         p1 = k_begin + (b + 1) * 64
         nv = _idx(idx_row, p1, k_end, gl.SliceLayout(1, lv))
         if DS:
@@ -178,16 +297,20 @@ def _producer(args, BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
         else:
             ns = i_s
             nr = ir
-            if ROPE:
+            if ROPE or FP4:
                 nq = _idx(idx_row, p1, k_end, gl.SliceLayout(1, lq))
             else:
                 nq = iq
-        mbarrier.wait(free.index(st), ((b // NS) & 1) ^ 1)  # fresh barriers pass phase 1 at once
+        mbarrier.wait(free.index(st), ((b // n_st) & 1) ^ 1)  # fresh barriers pass phase 1 at once
         _copy(raw.index(st), kv_ptr, iv, BPT, 0, cv, gl.uint8)
         if DS:
             _copy(scl.index(st), kv_ptr, i_s, BPT, 512, cs, gl.float32)
             if ROPE:
                 _copy(rope.index(st), kv_ptr, ir, BPT, 528, cr, gl.bfloat16)
+        elif FP4:
+            if ROPE:
+                _copy(rope.index(st), kv_ptr, iq, BPT, 256, cq, gl.uint8)
+            _copy(scl.index(st), kv_ptr, iq, BPT, 256 + ROPE, c4, gl.uint8)
         elif ROPE:
             _copy(rope.index(st), kv_ptr, iq, BPT, 512, cq, gl.uint8)
         async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
@@ -210,12 +333,13 @@ def _absmax(x):
 
 
 @gluon.jit
-def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr):
+def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr, FP4: gl.constexpr):
     """q * c into shared memory as the QK B operand, once per program; returns c, the per-token power of two
     that brings q into fp16 range (amax * c in [2^13, 2^15); over the latent dims, and the rope dims too
     when they are fp16 operands (plain fp8)).  Groups are fp16 [4, 16, 128] with columns permuted like the
     A fragments (the same register relabelling as _qk_operand, applied to q loaded in natural order); the
-    rope part is bf16 in natural order (fp8_ds_mla) or fp16 permuted (fp8)."""
+    rope part is bf16 in natural order (fp8_ds_mla) or fp16 permuted (fp8, nvfp4).  nvfp4: eight 64-dim
+    chunks [8, 16, 64] permuted like _relabel64."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     heads = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
     hm = (heads < H)[:, None]
@@ -232,10 +356,16 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROP
             amax = gl.maximum(amax, _absmax(xr))
     e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
     c = gl.where(amax > 0, gl.exp2(13.0 - e), 1.0)
-    _store_chunks(qn, 0, x0 * c)
-    _store_chunks(qn, 2, x1 * c)
-    _store_chunks(qn, 4, x2 * c)
-    _store_chunks(qn, 6, x3 * c)
+    if FP4:
+        _store_chunks(qn, 0, x0 * c)
+        _store_chunks(qn, 2, x1 * c)
+        _store_chunks(qn, 4, x2 * c)
+        _store_chunks(qn, 6, x3 * c)
+    else:
+        qn.index(0).store(_relabel128(x0 * c).to(gl.float16))
+        qn.index(1).store(_relabel128(x1 * c).to(gl.float16))
+        qn.index(2).store(_relabel128(x2 * c).to(gl.float16))
+        qn.index(3).store(_relabel128(x3 * c).to(gl.float16))
     if ROPE:
         if DS:
             qr.index(0).store((xr * c).to(gl.bfloat16))
@@ -246,16 +376,22 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROP
 
 @gluon.jit
 def _store_chunks(qn, C: gl.constexpr, x):
-    """x [16, 128] (natural column order) -> chunks C and C + 1 of qn, each column-permuted like L_QK."""
+    """x [16, 128] (natural column order) -> 64-dim chunks C and C + 1 of qn, each permuted like _relabel64."""
     lo, hi = x.reshape([16, 2, 64]).permute(0, 2, 1).split()
     qn.index(C).store(_relabel64(lo).to(gl.float16))
     qn.index(C + 1).store(_relabel64(hi).to(gl.float16))
 
 
 @gluon.jit
+def _relabel128(x):
+    """[R, 128] indexed by byte -> indexed by fragment column (byte 32t + 16j + 4s + 2p + e is column
+    64j + 16s + 8p + 2t + e): a relabelling of the registers, no data movement."""
+    return x.reshape([x.shape[0], 4, 2, 4, 2, 2]).permute(0, 2, 3, 4, 1, 5).reshape([x.shape[0], 128])
+
+
+@gluon.jit
 def _relabel64(x):
-    """[R, 64] indexed by byte -> indexed by fragment column (byte 16t + 4s + 2p + e is column
-    16s + 8p + 2t + e; see L_QK): a relabelling of the registers, no data movement."""
+    """The same for [R, 64] (byte 16t + 4s + 2p + e is column 16s + 8p + 2t + e; see L_QK64)."""
     return x.reshape([x.shape[0], 4, 4, 2, 2]).permute(0, 2, 3, 1, 4).reshape([x.shape[0], 64])
 
 
@@ -274,36 +410,77 @@ def _pick(v, G: gl.constexpr):
 
 
 @gluon.jit
-def _pv_mma(v, pb, P0, ks: gl.constexpr, G: gl.constexpr, o0, o1, o2, o3, DS: gl.constexpr):
-    """Issue O^T_G += V^T_G P_G^T over rows 16 ks .. 16 ks + 15 (asynchronous); fp8 rows share one P."""
+def _pv_issue(v0, v1, v2, v3, pb, P0, ks: gl.constexpr, a0, a1, a2, a3, DS: gl.constexpr):
+    """Issue O^T_G += V^T_G P_G^T over rows 16 ks .. 16 ks + 15 for the four groups (asynchronous)."""
     if DS:
-        b = pb[G].index(P0).slice(16 * ks, 16, dim=0)
+        b0 = pb[0].index(P0).slice(16 * ks, 16, dim=0)
+        b1 = pb[1].index(P0).slice(16 * ks, 16, dim=0)
+        b2 = pb[2].index(P0).slice(16 * ks, 16, dim=0)
+        b3 = pb[3].index(P0).slice(16 * ks, 16, dim=0)
     else:
-        b = pb[0].index(P0).slice(16 * ks, 16, dim=0)
-    if G == 0:
-        o0 = warpgroup_mma(v, b, o0, is_async=True)
-    elif G == 1:
-        o1 = warpgroup_mma(v, b, o1, is_async=True)
-    elif G == 2:
-        o2 = warpgroup_mma(v, b, o2, is_async=True)
-    else:
-        o3 = warpgroup_mma(v, b, o3, is_async=True)
-    return o0, o1, o2, o3
+        b0 = pb[0].index(P0).slice(16 * ks, 16, dim=0)
+        b1 = b0
+        b2 = b0
+        b3 = b0
+    a0 = warpgroup_mma(v0, b0, a0, is_async=True)
+    a1 = warpgroup_mma(v1, b1, a1, is_async=True)
+    a2 = warpgroup_mma(v2, b2, a2, is_async=True)
+    a3 = warpgroup_mma(v3, b3, a3, is_async=True)
+    return a0, a1, a2, a3
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, NC: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
-    """Consumer warpgroup WG of NC: blocks WG, WG + NC, ...; warpgroup 0 then merges and stores."""
+def _qk_chain(rs, sv, rinv, qn, z, s_zero, DS: gl.constexpr):
+    """Issue S^T = K q^T over the four 128-dim groups as one chain of MMAs (A = the converted bytes, B = q^T);
+    returns the pending accumulator (and the third group's operand, for a wait that names it).  fp8_ds_mla: each row's group values are multiplied by scale / (the
+    row's largest scale) on the A registers (a ratio <= 1, in fp16; S^T is multiplied by the row's largest
+    scale after).  One wait per group keeps two groups' A registers alive at most; it names no accumulator
+    (waiting on the chain's pending accumulator would make ptxas serialize the MMAs)."""
+    a0 = _qk_a(rs, 0, sv, rinv, DS)
+    acc = warpgroup_mma(a0, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    a1 = _qk_a(rs, 1, sv, rinv, DS)
+    acc = warpgroup_mma(a1, qn.index(1 + z).permute((1, 0)), acc, is_async=True)
+    warpgroup_mma_wait(1, deps=(a0, ))
+    a2 = _qk_a(rs, 2, sv, rinv, DS)
+    acc = warpgroup_mma(a2, qn.index(2 + z).permute((1, 0)), acc, is_async=True)
+    warpgroup_mma_wait(1, deps=(a1, ))
+    a3 = _qk_a(rs, 3, sv, rinv, DS)
+    acc = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), acc, is_async=True)
+    return acc, a2
+
+
+@gluon.jit
+def _qk_chain_fp4(rs, sc, qn, z, s_zero):
+    """nvfp4: the same chain over eight 64-dim chunks, converted and issued two at a time."""
+    a = _qk_fp4(rs, sc, 0)
+    b = _qk_fp4(rs, sc, 1)
+    acc = warpgroup_mma(a, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    acc = warpgroup_mma(b, qn.index(1 + z).permute((1, 0)), acc, is_async=True)
+    for P in gl.static_range(1, 4):
+        a_prev = a
+        b_prev = b
+        a = _qk_fp4(rs, sc, 2 * P)
+        b = _qk_fp4(rs, sc, 2 * P + 1)
+        acc = warpgroup_mma(a, qn.index(2 * P + z).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(b, qn.index(2 * P + 1 + z).permute((1, 0)), acc, is_async=True)
+        warpgroup_mma_wait(2, deps=(a_prev, b_prev))
+    return acc
+
+
+@gluon.jit
+def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP4: gl.constexpr):
+    """Consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...; warpgroup 0 then merges and stores."""
     (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
      stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
      HAS_VC) = args
-    raw, scl, rope, qn, qr, pb, vec = smem
+    raw, scl, rope, qn, qr, pb, mrg, vec = smem
     q_bar, ready, free, done_bar, all_done = bars
+    n_st: gl.constexpr = raw.shape[0]
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     if WG == 0:
-        c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE)
+        c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE, FP4)
         vec.index(0).store(gl.full([16], 1.0, gl.float32, HEAD) * c)  # c for warpgroup 1
         fence_async_shared()
         gl.thread_barrier()
@@ -321,52 +498,50 @@ def _consumer(args, WG: gl.constexpr, NC: gl.constexpr, DS: gl.constexpr, ROPE: 
     l_acc = s_zero
     m_i = gl.full([16], _NEG_BIG, gl.float32, HEAD)
     u = gl.full([4], 1.0, gl.float32, gl.SliceLayout(0, SC_L))  # fp8_ds_mla: each group's accumulator unit
-    n_mine = (n_blocks + NC - 1 - WG) // NC
+    n_mine = (n_blocks + 1 - WG) // 2
     for j in range(n_mine):
-        b = NC * j + WG
+        b = 2 * j + WG
         # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in the
         # loop instead of their wgmma descriptors being hoisted out of it and spilled (as in ws_pair)
         z = j // (n_mine + 1)
-        st = b % NS
+        st = b % n_st
         p0 = k_begin + b * 64
         offs = p0 + gl.arange(0, 64, layout=ROW)
         valid = gl.load(idx_row + offs, mask=offs < k_end, other=-1) >= 0
-        mbarrier.wait(ready.index(st), (b // NS) & 1)
+        mbarrier.wait(ready.index(st), (b // n_st) & 1)
         fence_async_shared()  # cp.async data -> the wgmma (async proxy) reads of the rope part
         rs = raw.index(st)
+        if DS:
+            sv = scl.index(st).load(SC_L)  # 0 for a -1 row or one past the end (cp.async zero-fills them)
         # S^T = K q^T as one chain of MMAs (A = the converted bytes, B = q^T).  fp8_ds_mla: each row's
         # group values are multiplied by scale / (the row's largest scale) on the A registers (a ratio
-        # <= 1, in fp16), and S^T by the row's largest scale after.  The scales of a -1 row or one past the
-        # end are 0 (cp.async zero-fills them).  A wait per chunk keeps two chunks' A registers alive at
-        # most; it names no accumulator (waiting on the chain's pending accumulator would make ptxas
-        # serialize the MMAs).
-        r = 0.0
-        if DS:
-            r = _ratio(scl.index(st), 0)
-        a = _qk_a(rs, 0, r, DS)
-        acc = warpgroup_mma(a, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        for C in gl.static_range(1, 8):
-            if DS:
-                if C % 2 == 0:
-                    r = _ratio(scl.index(st), C // 2)
-            a_prev = a
-            a = _qk_a(rs, C, r, DS)
-            acc = warpgroup_mma(a, qn.index(C + z).permute((1, 0)), acc, is_async=True)
-            warpgroup_mma_wait(1, deps=(a_prev, ))
-        if DS:
-            sv = scl.index(st).load(SC_L)
-            smax = gl.max(sv, 1)
-        if DS:
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            x = acc * gl.convert_layout(smax, ROW)[:, None]
-            if ROPE:  # bf16 rope (A from shared memory, not scaled), added onto the scaled latent scores
-                x = warpgroup_mma(rope.index(st), qr.index(z).permute((1, 0)), x, is_async=True)
-                x = warpgroup_mma_wait(0, deps=(x, ))
-        else:
+        # <= 1, in fp16), and S^T by the row's largest scale after.  One wait per group keeps two
+        # groups' A registers alive at most; it names no accumulator (waiting on the chain's pending
+        # accumulator would make ptxas serialize the MMAs).
+        if FP4:
+            # nvfp4: the A operands are the exact dequantized values; 64-dim chunks, two per wait
+            x = _qk_chain_fp4(rs, scl.index(st), qn, z, s_zero)
             if ROPE:  # e4m3 rope, in the same chain
-                acc = warpgroup_mma(_rope_operand(rope.index(st)), qr.index(z).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            x = acc * k_scale
+                x = warpgroup_mma(_rope_operand(rope.index(st)), qr.index(z).permute((1, 0)), x, is_async=True)
+            x = warpgroup_mma_wait(0, deps=(x, ))
+        elif DS:
+            smax = gl.max(sv, 1)
+            rinv = gl.where(smax > 0, 1.0 / gl.where(smax > 0, smax, 1.0), 0.0)
+            x, _ = _qk_chain(rs, sv, rinv, qn, z, s_zero, True)
+            if ROPE:  # bf16 rope (A from shared memory), not scaled: its own accumulator
+                tr = warpgroup_mma(rope.index(st), qr.index(z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                x, tr = warpgroup_mma_wait(0, deps=(x, tr))
+                x = x * gl.convert_layout(smax, ROW)[:, None] + tr
+            else:
+                x = warpgroup_mma_wait(0, deps=(x, ))
+                x = x * gl.convert_layout(smax, ROW)[:, None]
+        else:
+            x, a2 = _qk_chain(rs, 0.0, 0.0, qn, z, s_zero, False)
+            if ROPE:  # e4m3 rope, in the same chain
+                warpgroup_mma_wait(1, deps=(a2, ))
+                x = warpgroup_mma(_rope_operand(rope.index(st)), qr.index(z).permute((1, 0)), x, is_async=True)
+            x = warpgroup_mma_wait(0, deps=(x, ))
+            x = x * k_scale
         x = x * score_scale
         x = gl.where(valid[:, None], x, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(x, 0))
@@ -397,20 +572,23 @@ def _consumer(args, WG: gl.constexpr, NC: gl.constexpr, DS: gl.constexpr, ROPE: 
             o3 = o3 * alpha[None, :]
         fence_async_shared()
         gl.thread_barrier()  # every warp's part of P is in shared memory before the MMAs read it
-        # PV, one MMA per (16-row step, group): each operand is converted while the previous MMA runs, and
-        # a wait naming the operand before it releases that one's registers (a wait never names the
-        # accumulators in flight: ptxas would then serialize every wgmma).  Two operands live at a time.
-        v = _pv_operand(rs, 0, 0)
-        for i in gl.static_range(16):
-            o0, o1, o2, o3 = _pv_mma(v, pb, WG + z, i // 4, i % 4, o0, o1, o2, o3, DS)
-            if i + 1 < 16:
-                if i > 0:
-                    warpgroup_mma_wait(1, deps=(v_prev, ))
-                v_prev = v
-                v = _pv_operand(rs, (i + 1) // 4, (i + 1) % 4)
-                if i == 14:
-                    gl.thread_barrier()  # this warpgroup's reads of the stage are done (the MMAs read registers)
-                    mbarrier.arrive(free.index(st), count=1)
+        # PV, one 16-row step at a time: the next step's operands are converted while this step's MMAs
+        # run; each wait retires all four (waiting on an accumulator still in flight makes ptxas
+        # serialize every wgmma: it then reads those registers)
+        sc_st = scl.index(st)
+        v0, v1, v2, v3 = _pv_operands(rs, sc_st, 0, FP4)
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 0, o0, o1, o2, o3, DS)
+        v0, v1, v2, v3 = _pv_operands(rs, sc_st, 1, FP4)
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 1, o0, o1, o2, o3, DS)
+        v0, v1, v2, v3 = _pv_operands(rs, sc_st, 2, FP4)
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 2, o0, o1, o2, o3, DS)
+        v0, v1, v2, v3 = _pv_operands(rs, sc_st, 3, FP4)
+        gl.thread_barrier()  # all of this warpgroup's reads of the stage are done (the MMAs read registers)
+        mbarrier.arrive(free.index(st), count=1)
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 3, o0, o1, o2, o3, DS)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
     l_i = gl.sum(l_acc, 0)
     if DS:
@@ -418,190 +596,150 @@ def _consumer(args, WG: gl.constexpr, NC: gl.constexpr, DS: gl.constexpr, ROPE: 
         o1 = o1 * _pick(u, 1)
         o2 = o2 * _pick(u, 2)
         o3 = o3 * _pick(u, 3)
-    else:
+    elif not FP4:
         o0 = o0 * k_scale
         o1 = o1 * k_scale
         o2 = o2 * k_scale
         o3 = o3 * k_scale
-    if WG > 0:
-        # warpgroup WG's accumulators go over stage WG's bytes: with two consumers only warpgroup 1 reads
-        # stage 1; with more, every consumer must first be done with every stage
-        if NC > 2:
-            gl.thread_barrier()
-            mbarrier.arrive(all_done, count=1)
+    if WG == 1:
+        if FP4:  # nvfp4's merge area spans stages warpgroup 0 reads: wait until it is done with them
             mbarrier.wait(all_done, 0)
-        mrg = _merge_buf(raw, WG)
         mrg.index(0).store(o0)
         mrg.index(1).store(o1)
         mrg.index(2).store(o2)
         mrg.index(3).store(o3)
-        vec.index(2 * WG).store(m_i)
-        vec.index(2 * WG + 1).store(l_i)
+        vec.index(0).store(m_i)
+        vec.index(1).store(l_i)
         gl.thread_barrier()
         mbarrier.arrive(done_bar, count=1)
     else:
-        if NC > 2:
+        if FP4:
             gl.thread_barrier()
             mbarrier.arrive(all_done, count=1)
         mbarrier.wait(done_bar, 0)
-        m = m_i
-        for w in gl.static_range(1, NC):
-            m = gl.maximum(m, vec.index(2 * w).load(HEAD))
+        m1 = vec.index(0).load(HEAD)
+        l1 = vec.index(1).load(HEAD)
+        m = gl.maximum(m_i, m1)
         w0 = gl.exp2(m_i - m)
-        l_t = l_i * w0
-        o0 = o0 * w0[None, :]
-        o1 = o1 * w0[None, :]
-        o2 = o2 * w0[None, :]
-        o3 = o3 * w0[None, :]
-        for w in gl.static_range(1, NC):
-            ww = gl.exp2(vec.index(2 * w).load(HEAD) - m)
-            l_t = l_t + vec.index(2 * w + 1).load(HEAD) * ww
-            mrg = _merge_buf(raw, w)
-            o0 = o0 + mrg.index(0).load(S_L) * ww[None, :]
-            o1 = o1 + mrg.index(1).load(S_L) * ww[None, :]
-            o2 = o2 + mrg.index(2).load(S_L) * ww[None, :]
-            o3 = o3 + mrg.index(3).load(S_L) * ww[None, :]
+        w1 = gl.exp2(m1 - m)
+        l_t = l_i * w0 + l1 * w1
         has = l_t > 0
-        inv_l = gl.where(has, 1.0 / gl.where(has, l_t, 1.0), 0.0)[None, :]
+        inv_l = gl.where(has, 1.0 / gl.where(has, l_t, 1.0), 0.0)
+        a0 = (w0 * inv_l)[None, :]
+        a1 = (w1 * inv_l)[None, :]
         heads = g * 16 + gl.arange(0, 16, layout=HEAD)
         hm = (heads < H)[None, :]
         obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh
-        d = _dims(gl.arange(0, 128, layout=ROW))[:, None]
+        mm = gl.arange(0, 128, layout=ROW)
+        if FP4:
+            d0 = _dims4(mm, 0)[:, None]
+            d1 = _dims4(mm, 1)[:, None]
+            d2 = _dims4(mm, 2)[:, None]
+            d3 = _dims4(mm, 3)[:, None]
+        else:
+            d0 = _dims(mm)[:, None]
+            d1 = d0 + 128
+            d2 = d0 + 256
+            d3 = d0 + 384
         ty = o_ptr.dtype.element_ty
-        gl.store(obase + d, (o0 * inv_l).to(ty), mask=hm)
-        gl.store(obase + 128 + d, (o1 * inv_l).to(ty), mask=hm)
-        gl.store(obase + 256 + d, (o2 * inv_l).to(ty), mask=hm)
-        gl.store(obase + 384 + d, (o3 * inv_l).to(ty), mask=hm)
+        gl.store(obase + d0, (o0 * a0 + mrg.index(0).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + d1, (o1 * a0 + mrg.index(1).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + d2, (o2 * a0 + mrg.index(2).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + d3, (o3 * a0 + mrg.index(3).load(S_L) * a1).to(ty), mask=hm)
         lse = gl.where(has, (m + gl.log2(gl.where(has, l_t, 1.0))) * 0.6931471805599453, float("-inf"))
         gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
 
 
+# ---- the partitions of each format variant: (warpgroup, DS, ROPE, FP4, bytes per token) as literals, the
+# kernel's values as one tuple (constexpr arguments do not survive warp_specialize: see the kernel) ----
 @gluon.jit
-def _merge_buf(raw, w: gl.constexpr):
-    """Consumer w's accumulators for the final merge, fp32 [4 groups, 128, 16] over stage w's 32 KB."""
-    return raw.index(w)._reinterpret(gl.float32, [4, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-
-
-# ---- the partitions of each format variant: (warpgroup, consumers, DS, ROPE, bytes per token) as literals,
-# the kernel's values as one tuple (constexpr arguments do not survive warp_specialize: see the kernel) ----
-@gluon.jit
-def _c0_ds2(args):
-    _consumer(args, 0, 2, True, 64)
+def _c0_ds(args):
+    _consumer(args, 0, True, 64, False)
 
 
 @gluon.jit
-def _c1_ds2(args):
-    _consumer(args, 1, 2, True, 64)
-
-
-@gluon.jit
-def _c0_ds_nope2(args):
-    _consumer(args, 0, 2, True, 0)
-
-
-@gluon.jit
-def _c1_ds_nope2(args):
-    _consumer(args, 1, 2, True, 0)
-
-
-@gluon.jit
-def _c0_fp82(args):
-    _consumer(args, 0, 2, False, 64)
-
-
-@gluon.jit
-def _c1_fp82(args):
-    _consumer(args, 1, 2, False, 64)
-
-
-@gluon.jit
-def _c0_fp8_nope2(args):
-    _consumer(args, 0, 2, False, 0)
-
-
-@gluon.jit
-def _c1_fp8_nope2(args):
-    _consumer(args, 1, 2, False, 0)
-
-
-@gluon.jit
-def _c0_ds3(args):
-    _consumer(args, 0, 3, True, 64)
-
-
-@gluon.jit
-def _c1_ds3(args):
-    _consumer(args, 1, 3, True, 64)
-
-
-@gluon.jit
-def _c2_ds3(args):
-    _consumer(args, 2, 3, True, 64)
-
-
-@gluon.jit
-def _c0_ds_nope3(args):
-    _consumer(args, 0, 3, True, 0)
-
-
-@gluon.jit
-def _c1_ds_nope3(args):
-    _consumer(args, 1, 3, True, 0)
-
-
-@gluon.jit
-def _c2_ds_nope3(args):
-    _consumer(args, 2, 3, True, 0)
-
-
-@gluon.jit
-def _c0_fp83(args):
-    _consumer(args, 0, 3, False, 64)
-
-
-@gluon.jit
-def _c1_fp83(args):
-    _consumer(args, 1, 3, False, 64)
-
-
-@gluon.jit
-def _c2_fp83(args):
-    _consumer(args, 2, 3, False, 64)
-
-
-@gluon.jit
-def _c0_fp8_nope3(args):
-    _consumer(args, 0, 3, False, 0)
-
-
-@gluon.jit
-def _c1_fp8_nope3(args):
-    _consumer(args, 1, 3, False, 0)
-
-
-@gluon.jit
-def _c2_fp8_nope3(args):
-    _consumer(args, 2, 3, False, 0)
+def _c1_ds(args):
+    _consumer(args, 1, True, 64, False)
 
 
 @gluon.jit
 def _p_ds(args):
-    _producer(args, 656, True, 64)
+    _producer(args, 656, True, 64, False)
+
+
+@gluon.jit
+def _c0_ds_nope(args):
+    _consumer(args, 0, True, 0, False)
+
+
+@gluon.jit
+def _c1_ds_nope(args):
+    _consumer(args, 1, True, 0, False)
 
 
 @gluon.jit
 def _p_ds_nope(args):
-    _producer(args, 528, True, 0)
+    _producer(args, 528, True, 0, False)
+
+
+@gluon.jit
+def _c0_fp8(args):
+    _consumer(args, 0, False, 64, False)
+
+
+@gluon.jit
+def _c1_fp8(args):
+    _consumer(args, 1, False, 64, False)
 
 
 @gluon.jit
 def _p_fp8(args):
-    _producer(args, 576, False, 64)
+    _producer(args, 576, False, 64, False)
+
+
+@gluon.jit
+def _c0_fp8_nope(args):
+    _consumer(args, 0, False, 0, False)
+
+
+@gluon.jit
+def _c1_fp8_nope(args):
+    _consumer(args, 1, False, 0, False)
 
 
 @gluon.jit
 def _p_fp8_nope(args):
-    _producer(args, 512, False, 0)
+    _producer(args, 512, False, 0, False)
+
+
+@gluon.jit
+def _c0_fp4(args):
+    _consumer(args, 0, False, 64, True)
+
+
+@gluon.jit
+def _c1_fp4(args):
+    _consumer(args, 1, False, 64, True)
+
+
+@gluon.jit
+def _p_fp4(args):
+    _producer(args, 352, False, 64, True)
+
+
+@gluon.jit
+def _c0_fp4_nope(args):
+    _consumer(args, 0, False, 0, True)
+
+
+@gluon.jit
+def _c1_fp4_nope(args):
+    _consumer(args, 1, False, 0, True)
+
+
+@gluon.jit
+def _p_fp4_nope(args):
+    _producer(args, 288, False, 0, True)
 
 
 @gluon.jit
@@ -609,38 +747,56 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
                   o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                   sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
                   BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-                  NC: gl.constexpr = 2):
+                  FP4: gl.constexpr = False):
     """One program = one query token x 16 heads x one split; launch with num_warps=4 (warpgroup 0)."""
-    raw = gl.allocate_shared_memory(gl.uint8, [NS, 64, 512], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    pl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16)
+    p0 = gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl)
+    if FP4:
+        # nvfp4: 22 KB stages (nibbles, scale bytes, e4m3 rope), eight of them; q in 64-dim chunks; one P
+        raw = gl.allocate_shared_memory(gl.uint8, [2 * NS, 64, 256], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
+        scl = gl.allocate_shared_memory(gl.uint8, [2 * NS, 64, 32], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        rope = gl.allocate_shared_memory(gl.uint8, [2 * NS, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
+        qr = gl.allocate_shared_memory(gl.float16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
+        qn = gl.allocate_shared_memory(gl.float16, [8, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
+        pb = (p0, p0, p0, p0)
+        # warpgroup 1's accumulators for the final merge go over stages 0-1, once both warpgroups are done
+        mrg = raw._reinterpret(gl.float32, [4, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # the first 32 KB
+    else:
+        raw = gl.allocate_shared_memory(gl.uint8, [NS, 64, 512], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
+        qn = gl.allocate_shared_memory(gl.float16, [4, 16, 128], gl.NVMMASharedLayout.get_default_for([16, 128], gl.float16))
+        # warpgroup 1's accumulators for the final merge go over stage 1's bytes (only warpgroup 1 reads stage 1)
+        mrg = raw.index(1)._reinterpret(gl.float32, [4, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     if DS:
         scl = gl.allocate_shared_memory(gl.float32, [NS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         rope = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16))
         qr = gl.allocate_shared_memory(gl.bfloat16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.bfloat16))
-    else:
+    elif not FP4:
         scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
         qr = gl.allocate_shared_memory(gl.float16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
-    qn = gl.allocate_shared_memory(gl.float16, [8, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
-    # P (times each group's scale ratio) per group, [warpgroup, 64 rows, 16 heads]: one allocation per group
-    # so that the four stores need no barrier between them (the barrier analysis works per allocation)
-    pl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16)
-    pb = (gl.allocate_shared_memory(gl.float16, [NC, 64, 16], pl), gl.allocate_shared_memory(gl.float16, [NC, 64, 16], pl),
-          gl.allocate_shared_memory(gl.float16, [NC, 64, 16], pl), gl.allocate_shared_memory(gl.float16, [NC, 64, 16], pl))
-    vec = gl.allocate_shared_memory(gl.float32, [2 * NC, 16], plain)
+    if DS:
+        # P (times each group's scale ratio) per group, [warpgroup, 64 rows, 16 heads]: one allocation per
+        # group so that the four stores need no barrier between them (the barrier analysis works per allocation)
+        pb = (p0, gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl), gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl),
+              gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl))
+    elif not FP4:
+        pb = (p0, p0, p0, p0)  # fp8: one P for the four groups
+    vec = gl.allocate_shared_memory(gl.float32, [2, 16], plain)
     bl: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], bl)
-    free = gl.allocate_shared_memory(gl.int64, [NS, 1], bl)
+    n_st: gl.constexpr = raw.shape[0]
+    ready = gl.allocate_shared_memory(gl.int64, [n_st, 1], bl)
+    free = gl.allocate_shared_memory(gl.int64, [n_st, 1], bl)
     done_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
     all_done = gl.allocate_shared_memory(gl.int64, [1], bl)
     mbarrier.init(q_bar, count=1)
-    mbarrier.init(done_bar, count=NC - 1)  # the other consumers' accumulators are in shared memory
-    mbarrier.init(all_done, count=NC)      # (NC > 2) every consumer is done with every stage
-    for i in gl.static_range(NS):
+    mbarrier.init(done_bar, count=1)
+    mbarrier.init(all_done, count=1)  # nvfp4: warpgroup 0 is done with every stage
+    for i in gl.static_range(n_st):
         mbarrier.init(ready.index(i), count=128)  # one cp.async arrival per producer thread
         mbarrier.init(free.index(i), count=1)     # the consuming warpgroup
-    smem = (raw, scl, rope, qn, qr, pb, vec)
+    smem = (raw, scl, rope, qn, qr, pb, mrg, vec)
     bars = (q_bar, ready, free, done_bar, all_done)
     # Constexpr arguments do not survive warp_specialize (they arrive as tensors, and an `if` on them then
     # traces both branches), so each warpgroup of each format variant has its own partition function.
@@ -648,27 +804,19 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
            lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
            smem, bars, NG, HAS_VC), )
     pa = ((kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC), )
-    if NC == 2:
-        if DS:
-            if ROPE:
-                gl.warp_specialize([(_c0_ds2, ca), (_c1_ds2, ca), (_p_ds, pa)], [4, 4], [232, 40])
-            else:
-                gl.warp_specialize([(_c0_ds_nope2, ca), (_c1_ds_nope2, ca), (_p_ds_nope, pa)], [4, 4], [232, 40])
+    if FP4:
+        if ROPE:
+            gl.warp_specialize([(_c0_fp4, ca), (_c1_fp4, ca), (_p_fp4, pa)], [4, 4], [232, 40])
         else:
-            if ROPE:
-                gl.warp_specialize([(_c0_fp82, ca), (_c1_fp82, ca), (_p_fp8, pa)], [4, 4], [232, 40])
-            else:
-                gl.warp_specialize([(_c0_fp8_nope2, ca), (_c1_fp8_nope2, ca), (_p_fp8_nope, pa)], [4, 4], [232, 40])
+            gl.warp_specialize([(_c0_fp4_nope, ca), (_c1_fp4_nope, ca), (_p_fp4_nope, pa)], [4, 4], [232, 40])
+    elif DS:
+        if ROPE:
+            gl.warp_specialize([(_c0_ds, ca), (_c1_ds, ca), (_p_ds, pa)], [4, 4], [232, 40])
+        else:
+            gl.warp_specialize([(_c0_ds_nope, ca), (_c1_ds_nope, ca), (_p_ds_nope, pa)], [4, 4], [232, 40])
     else:
-        if DS:
-            if ROPE:
-                gl.warp_specialize([(_c0_ds3, ca), (_c1_ds3, ca), (_c2_ds3, ca), (_p_ds, pa)], [4, 4, 4], [160, 160, 32])
-            else:
-                gl.warp_specialize([(_c0_ds_nope3, ca), (_c1_ds_nope3, ca), (_c2_ds_nope3, ca), (_p_ds_nope, pa)],
-                                   [4, 4, 4], [160, 160, 32])
+        if ROPE:
+            gl.warp_specialize([(_c0_fp8, ca), (_c1_fp8, ca), (_p_fp8, pa)], [4, 4], [232, 40])
         else:
-            if ROPE:
-                gl.warp_specialize([(_c0_fp83, ca), (_c1_fp83, ca), (_c2_fp83, ca), (_p_fp8, pa)], [4, 4, 4], [160, 160, 32])
-            else:
-                gl.warp_specialize([(_c0_fp8_nope3, ca), (_c1_fp8_nope3, ca), (_c2_fp8_nope3, ca), (_p_fp8_nope, pa)],
-                                   [4, 4, 4], [160, 160, 32])
+            gl.warp_specialize([(_c0_fp8_nope, ca), (_c1_fp8_nope, ca), (_p_fp8_nope, pa)], [4, 4], [232, 40])
+

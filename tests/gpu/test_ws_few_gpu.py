@@ -18,12 +18,10 @@ def _run(c, sm_scale, k_scale, ws_kernel, splits=None):
     return launch_case(c, sm_scale, ws_kernel, splits, k_scale)
 
 
-@pytest.mark.parametrize("consumers", [2, 3])
-@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8", "fp8-nope"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8", "fp8-nope", "nvfp4_ds_mla", "nvfp4_ds_mla-nope"])
 @pytest.mark.parametrize("heads,topk,splits", [(16, 2048, 1), (16, 2048, None), (1, 64, 1), (20, 2051, 3),
                                                (32, 192, None), (5, 2048, 2)])
-def test_ws_few_matches_reference(fmt, heads, topk, splits, consumers, monkeypatch):
-    monkeypatch.setattr(ws, "FEW_CONSUMERS", consumers)
+def test_ws_few_matches_reference(fmt, heads, topk, splits):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialized kernel is sm_90 only")
     k_scale = 0.5 if fmt.startswith("fp8-") or fmt == "fp8" else 1.0
@@ -40,7 +38,9 @@ def test_ws_few_matches_reference(fmt, heads, topk, splits, consumers, monkeypat
     assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
     # the Triton few-heads kernel on the same rows (both multiply in fp16 with fp32 accumulation)
     o2, l2 = _run(c, sm_scale, k_scale, False, splits)
-    assert rel_err(out, o2) <= 5e-3 and lse_err(lse, l2) <= 1e-3, (rel_err(out, o2), lse_err(lse, l2), SEED)
+    # lse compared relative to its size: heavy-tailed q gives lse ~1500, where one fp32 ulp is 1.2e-4
+    lse_tol = 1e-3 * max(1.0, ref_l[torch.isfinite(ref_l)].abs().max().item() / 100) if torch.isfinite(ref_l).any() else 1e-3
+    assert rel_err(out, o2) <= 5e-3 and lse_err(lse, l2) <= lse_tol, (rel_err(out, o2), lse_err(lse, l2), SEED)
 
 
 def test_ws_few_k_scale_applied_once():
@@ -60,6 +60,6 @@ def test_ws_few_dispatch():
     kv = torch.zeros(64, 656, dtype=torch.uint8, device="cuda")
     want = torch.cuda.get_device_capability() == (9, 0)
     assert ws.few_supported(q, kv, "fp8_ds_mla", 16) == want
-    assert not ws.few_supported(q, kv, "nvfp4_ds_mla", 16)
+    assert ws.few_supported(q, kv, "nvfp4_ds_mla", 16) == want
     assert not ws.few_supported(q, kv, "bf16", 16)
     assert not ws.few_supported(torch.zeros(1, 64, 576, dtype=torch.bfloat16, device="cuda"), kv, "fp8_ds_mla", 64)
