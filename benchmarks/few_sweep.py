@@ -1,5 +1,5 @@
 """Time the warp-specialized few-heads kernel (sparsemla/kernels/ws_few.py) against the Triton kernels
-kernels in one process, on the peers' decode cache (benchmarks/decode_sweep.build: 32K-token contexts in
+in one process, on the peers' decode cache (benchmarks/decode_sweep.build: 32K-token contexts in
 shuffled 64-row blocks, heavy-tailed values), b 128 and small batches, top-k 2048; bf16 rows alongside
 (the format a quantized cache has to beat).  Median of --reps calls, L2 flushed; % of memory
 speed-of-light with the copy ceiling measured in the same run.
