@@ -144,12 +144,63 @@ mul.f16x2 $3, $3, sc1;
 }""")
 
 
+# The same conversion with the values paired in dim order ((d0, d1), (d2, d3) from byte 0, 1 -- what a 16-byte
+# store of the row wants) and one f16 multiplier for all four bytes: $0 $1 = dims 0-3, $2 $3 = dims 4-7;
+# $4: the four bytes; $5 $6: the block scale x 2^6 as f16x2 (all four halves equal).
+_FP4N_ASM = gl.constexpr("""{
+.reg .b32 e, o, t, u, p0, p1;
+.reg .b16 h0, h1, h2, h3;
+shl.b32 t, $4, 4;
+shl.b32 u, $4, 2;
+and.b32 t, t, 0x80808080;
+and.b32 u, u, 0x1C1C1C1C;
+or.b32 e, t, u;
+shr.b32 u, $4, 2;
+and.b32 t, $4, 0x80808080;
+and.b32 u, u, 0x1C1C1C1C;
+or.b32 o, t, u;
+prmt.b32 p0, e, o, 0x5140;
+prmt.b32 p1, e, o, 0x7362;
+mov.b32 {h0, h1}, p0;
+mov.b32 {h2, h3}, p1;
+cvt.rn.f16x2.e4m3x2 $0, h0;
+cvt.rn.f16x2.e4m3x2 $1, h1;
+cvt.rn.f16x2.e4m3x2 $2, h2;
+cvt.rn.f16x2.e4m3x2 $3, h3;
+mul.f16x2 $0, $0, $5;
+mul.f16x2 $1, $1, $5;
+mul.f16x2 $2, $2, $5;
+mul.f16x2 $3, $3, $5;
+}""")
+
+
+@gluon.jit
+def _fp4n(x, sc):
+    """Packed e2m1 bytes ``x`` [64 rows, 4 blocks, 8 bytes] and each block's e4m3 scale byte ``sc`` (broadcast to
+    x's shape) -> fp16 [64, 4, 16] in dim order."""
+    f = (sc.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 64.0).to(gl.float16)
+    a, b = gl.inline_asm_elementwise(_FP4N_ASM, "=r,=r,=r,=r,r,r,r", [x, f], (gl.float16, gl.float16), True, 4)
+    # a[4p + k] = dim 8p + k, b[4p + k] = dim 8p + 4 + k (p: which four bytes): a relabelling of registers
+    return gl.join(a, b).reshape([64, 4, 2, 4, 2]).permute(0, 1, 2, 4, 3).reshape([64, 4, 16])
+
+
 @gluon.jit
 def _fp4(x, sc):
     """Packed e2m1 bytes ``x`` and each byte's e4m3 block scale ``sc`` (u8, same shape) -> fp16 values, shape
     x.shape + [2] (the low nibble -- the even dim -- first)."""
     lo, hi = gl.inline_asm_elementwise(_FP4_ASM, "=r,=r,=r,=r,r,r", [x, sc], (gl.float16, gl.float16), True, 4)
     return gl.join(lo, hi)
+
+
+@gluon.jit
+def _fp4_chunk(raw, scl, C: gl.constexpr):
+    """nvfp4: 64-dim chunk C of the stage's rows -> fp16 [64 rows, 64 dims] in natural order (each thread: two
+    rows x one 16-dim block)."""
+    x = gl.convert_layout(raw.slice(32 * C, 32, dim=1).load(L_Q4B).reshape([64, 4, 8]), L_Q4)
+    # block 4C + t of a row: its scale is at byte 8 t + C
+    sc = scl.reshape([64, 4, 8]).slice(C, 1, dim=2).load(L_Q4S).reshape([64, 4])
+    sc = gl.convert_layout(sc, gl.SliceLayout(2, L_Q4))[:, :, None]
+    return _fp4n(x, gl.broadcast(sc, x)[0]).reshape([64, 64])
 
 
 @gluon.jit
@@ -333,13 +384,14 @@ def _absmax(x):
 
 
 @gluon.jit
-def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr, FP4: gl.constexpr):
+def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr, QL: gl.constexpr):
     """q * c into shared memory as the QK B operand, once per program; returns c, the per-token power of two
     that brings q into fp16 range (amax * c in [2^13, 2^15); over the latent dims, and the rope dims too
     when they are fp16 operands (plain fp8)).  Groups are fp16 [4, 16, 128] with columns permuted like the
     A fragments (the same register relabelling as _qk_operand, applied to q loaded in natural order); the
     rope part is bf16 in natural order (fp8_ds_mla) or fp16 permuted (fp8, nvfp4).  nvfp4: eight 64-dim
-    chunks [8, 16, 64] permuted like _relabel64."""
+    chunks [8, 16, 64] (QL 1: permuted like _relabel64; QL 2: natural order, for A operands in shared
+    memory); QL 0: the four 128-dim groups permuted like _relabel128."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     heads = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
     hm = (heads < H)[:, None]
@@ -356,11 +408,11 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROP
             amax = gl.maximum(amax, _absmax(xr))
     e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
     c = gl.where(amax > 0, gl.exp2(13.0 - e), 1.0)
-    if FP4:
-        _store_chunks(qn, 0, x0 * c)
-        _store_chunks(qn, 2, x1 * c)
-        _store_chunks(qn, 4, x2 * c)
-        _store_chunks(qn, 6, x3 * c)
+    if QL:
+        _store_chunks(qn, 0, x0 * c, QL == 1)
+        _store_chunks(qn, 2, x1 * c, QL == 1)
+        _store_chunks(qn, 4, x2 * c, QL == 1)
+        _store_chunks(qn, 6, x3 * c, QL == 1)
     else:
         qn.index(0).store(_relabel128(x0 * c).to(gl.float16))
         qn.index(1).store(_relabel128(x1 * c).to(gl.float16))
@@ -375,11 +427,15 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROP
 
 
 @gluon.jit
-def _store_chunks(qn, C: gl.constexpr, x):
-    """x [16, 128] (natural column order) -> 64-dim chunks C and C + 1 of qn, each permuted like _relabel64."""
+def _store_chunks(qn, C: gl.constexpr, x, RELABEL: gl.constexpr):
+    """x [16, 128] (natural column order) -> 64-dim chunks C and C + 1 of qn (permuted like _relabel64 when
+    the A operands come from registers)."""
     lo, hi = x.reshape([16, 2, 64]).permute(0, 2, 1).split()
-    qn.index(C).store(_relabel64(lo).to(gl.float16))
-    qn.index(C + 1).store(_relabel64(hi).to(gl.float16))
+    if RELABEL:
+        lo = _relabel64(lo)
+        hi = _relabel64(hi)
+    qn.index(C).store(lo.to(gl.float16))
+    qn.index(C + 1).store(hi.to(gl.float16))
 
 
 @gluon.jit
@@ -468,6 +524,162 @@ def _qk_chain_fp4(rs, sc, qn, z, s_zero):
 
 
 @gluon.jit
+def _consumer_tile(args, WG: gl.constexpr, ROPE: gl.constexpr, FP4: gl.constexpr):
+    """fp8 / nvfp4 consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...  Each block is dequantized once, into this
+    warpgroup's fp16 tile in shared memory [8 chunks, 64 rows, 64 dims], and both MMAs read it from there:
+    S^T = K q^T (A = the tile), O^T += V^T P^T (A = the tile transposed), eight 64-dim accumulators.  The
+    raw stage is released as soon as it is converted.  Warpgroup 0 then merges and stores."""
+    (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+     stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
+     HAS_VC) = args
+    raw, scl, rope, qn, qr, pb, kt, vec = smem  # kt: the two warpgroups' tiles, [2 x 8 chunks, 64, 64] fp16
+    q_bar, ready, free, done_bar, all_done = bars
+    n_st: gl.constexpr = raw.shape[0]
+    t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    n_blocks = gl.cdiv(k_end - k_begin, 64)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    c = _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, False, ROPE, 2)
+    if not FP4:
+        c = c / k_scale  # plain fp8: the per-tensor k_scale multiplies the scores and the output
+    score_scale = sm_scale_log2 / c
+    s_zero = gl.zeros([64, 16], gl.float32, S_L)
+    o0 = s_zero
+    o1 = s_zero
+    o2 = s_zero
+    o3 = s_zero
+    o4 = s_zero
+    o5 = s_zero
+    o6 = s_zero
+    o7 = s_zero
+    l_acc = s_zero
+    m_i = gl.full([16], _NEG_BIG, gl.float32, HEAD)
+    n_mine = (n_blocks + 1 - WG) // 2
+    for j in range(n_mine):
+        b = 2 * j + WG
+        z = j // (n_mine + 1)  # == 0 (see _consumer)
+        st = b % n_st
+        p0 = k_begin + b * 64
+        offs = p0 + gl.arange(0, 64, layout=ROW)
+        valid = gl.load(idx_row + offs, mask=offs < k_end, other=-1) >= 0
+        mbarrier.wait(ready.index(st), (b // n_st) & 1)
+        kw = 8 * (WG + z)  # this warpgroup's tile: chunks kw .. kw + 7 of kt
+        rs = raw.index(st)
+        sc_st = scl.index(st)
+        for C in gl.static_range(8):
+            if FP4:
+                kt.index(kw + C).store(_fp4_chunk(rs, sc_st, C))
+            else:
+                kt.index(kw + C).store(rs.slice(64 * C, 64, dim=1).load(L_QK64).to(gl.float8e4nv, bitcast=True).to(gl.float16))
+        if ROPE:
+            ra = _rope_operand(rope.index(st))  # e4m3 rope: a register operand
+        fence_async_shared()  # the tile's stores -> the wgmma (async proxy) reads
+        gl.thread_barrier()   # every warp's part of the tile is written; the raw stage is read
+        mbarrier.arrive(free.index(st), count=1)
+        x = warpgroup_mma(kt.index(kw), qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        for C in gl.static_range(1, 8):
+            x = warpgroup_mma(kt.index(kw + C), qn.index(C + z).permute((1, 0)), x, is_async=True)
+        if ROPE:
+            x = warpgroup_mma(ra, qr.index(z).permute((1, 0)), x, is_async=True)
+        x = warpgroup_mma_wait(0, deps=(x, ))
+        x = gl.where(valid[:, None], x * score_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(x, 0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(x - m_new[None, :])
+        l_acc = l_acc * alpha[None, :] + p
+        m_i = m_new
+        pb[0].index(WG).store(p.to(gl.float16))
+        o0 = o0 * alpha[None, :]
+        o1 = o1 * alpha[None, :]
+        o2 = o2 * alpha[None, :]
+        o3 = o3 * alpha[None, :]
+        o4 = o4 * alpha[None, :]
+        o5 = o5 * alpha[None, :]
+        o6 = o6 * alpha[None, :]
+        o7 = o7 * alpha[None, :]
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's part of P is in shared memory before the MMAs read it
+        pv = pb[0].index(WG + z)
+        o0 = warpgroup_mma(kt.index(kw + 0).permute((1, 0)), pv, o0, is_async=True)
+        o1 = warpgroup_mma(kt.index(kw + 1).permute((1, 0)), pv, o1, is_async=True)
+        o2 = warpgroup_mma(kt.index(kw + 2).permute((1, 0)), pv, o2, is_async=True)
+        o3 = warpgroup_mma(kt.index(kw + 3).permute((1, 0)), pv, o3, is_async=True)
+        o4 = warpgroup_mma(kt.index(kw + 4).permute((1, 0)), pv, o4, is_async=True)
+        o5 = warpgroup_mma(kt.index(kw + 5).permute((1, 0)), pv, o5, is_async=True)
+        o6 = warpgroup_mma(kt.index(kw + 6).permute((1, 0)), pv, o6, is_async=True)
+        o7 = warpgroup_mma(kt.index(kw + 7).permute((1, 0)), pv, o7, is_async=True)
+        o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
+    l_i = gl.sum(l_acc, 0)
+    # warpgroup 1's accumulators go over its own tile (free once its last MMAs are done)
+    mrg = kt._reinterpret(gl.float32, [32, 64, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # 16 + i: tile 1
+    if WG == 1:
+        mrg.index(16).store(o0)
+        mrg.index(17).store(o1)
+        mrg.index(18).store(o2)
+        mrg.index(19).store(o3)
+        mrg.index(20).store(o4)
+        mrg.index(21).store(o5)
+        mrg.index(22).store(o6)
+        mrg.index(23).store(o7)
+        vec.index(0).store(m_i)
+        vec.index(1).store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(done_bar, count=1)
+    else:
+        mbarrier.wait(done_bar, 0)
+        a0, a1, has, lse = _merge_weights(m_i, l_i, vec)
+        if not FP4:
+            a0 = a0 * k_scale
+            a1 = a1 * k_scale
+        heads = g * 16 + gl.arange(0, 16, layout=HEAD)
+        hm = (heads < H)[None, :]
+        obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh
+        d = gl.arange(0, 64, layout=ROW)[:, None]
+        ty = o_ptr.dtype.element_ty
+        gl.store(obase + d, (o0 * a0 + mrg.index(16).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + 64 + d, (o1 * a0 + mrg.index(17).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + 128 + d, (o2 * a0 + mrg.index(18).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + 192 + d, (o3 * a0 + mrg.index(19).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + 256 + d, (o4 * a0 + mrg.index(20).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + 320 + d, (o5 * a0 + mrg.index(21).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + 384 + d, (o6 * a0 + mrg.index(22).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + 448 + d, (o7 * a0 + mrg.index(23).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
+
+
+@gluon.jit
+def _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
+             ROPE: gl.constexpr, QL: gl.constexpr):
+    """Warpgroup 0 stages q (_stage_q) and publishes c; warpgroup 1 waits for it.  Returns c."""
+    if WG == 0:
+        c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE, QL)
+        vec.index(0).store(gl.full([16], 1.0, gl.float32, HEAD) * c)  # c for warpgroup 1
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(q_bar, count=1)
+    else:
+        mbarrier.wait(q_bar, 0)
+        fence_async_shared()
+        c = gl.max(vec.index(0).load(HEAD), 0)
+    return c
+
+
+@gluon.jit
+def _merge_weights(m_i, l_i, vec):
+    """Warpgroup 0's and 1's weights (each [1, 16]) in the merged, normalized output, whether a head has any
+    row, and the natural-log lse, from warpgroup 0's (m_i, l_i) and warpgroup 1's (in ``vec``)."""
+    m1 = vec.index(0).load(HEAD)
+    l1 = vec.index(1).load(HEAD)
+    m = gl.maximum(m_i, m1)
+    w0 = gl.exp2(m_i - m)
+    w1 = gl.exp2(m1 - m)
+    l_t = l_i * w0 + l1 * w1
+    has = l_t > 0
+    inv_l = gl.where(has, 1.0 / gl.where(has, l_t, 1.0), 0.0)
+    lse = gl.where(has, (m + gl.log2(gl.where(has, l_t, 1.0))) * 0.6931471805599453, float("-inf"))
+    return (w0 * inv_l)[None, :], (w1 * inv_l)[None, :], has, lse
+
+
+@gluon.jit
 def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP4: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...; warpgroup 0 then merges and stores."""
     (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
@@ -479,16 +691,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP4:
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    if WG == 0:
-        c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE, FP4)
-        vec.index(0).store(gl.full([16], 1.0, gl.float32, HEAD) * c)  # c for warpgroup 1
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(q_bar, count=1)
-    else:
-        mbarrier.wait(q_bar, 0)
-        fence_async_shared()
-        c = gl.max(vec.index(0).load(HEAD), 0)
+    c = _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE, 1 if FP4 else 0)
     score_scale = sm_scale_log2 / c
     s_zero = gl.zeros([64, 16], gl.float32, S_L)
     o0 = gl.zeros([128, 16], gl.float32, S_L)
@@ -617,16 +820,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP4:
             gl.thread_barrier()
             mbarrier.arrive(all_done, count=1)
         mbarrier.wait(done_bar, 0)
-        m1 = vec.index(0).load(HEAD)
-        l1 = vec.index(1).load(HEAD)
-        m = gl.maximum(m_i, m1)
-        w0 = gl.exp2(m_i - m)
-        w1 = gl.exp2(m1 - m)
-        l_t = l_i * w0 + l1 * w1
-        has = l_t > 0
-        inv_l = gl.where(has, 1.0 / gl.where(has, l_t, 1.0), 0.0)
-        a0 = (w0 * inv_l)[None, :]
-        a1 = (w1 * inv_l)[None, :]
+        a0, a1, has, lse = _merge_weights(m_i, l_i, vec)
         heads = g * 16 + gl.arange(0, 16, layout=HEAD)
         hm = (heads < H)[None, :]
         obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh
@@ -646,7 +840,6 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP4:
         gl.store(obase + d1, (o1 * a0 + mrg.index(1).load(S_L) * a1).to(ty), mask=hm)
         gl.store(obase + d2, (o2 * a0 + mrg.index(2).load(S_L) * a1).to(ty), mask=hm)
         gl.store(obase + d3, (o3 * a0 + mrg.index(3).load(S_L) * a1).to(ty), mask=hm)
-        lse = gl.where(has, (m + gl.log2(gl.where(has, l_t, 1.0))) * 0.6931471805599453, float("-inf"))
         gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
 
 
@@ -728,6 +921,46 @@ def _p_fp4(args):
 
 
 @gluon.jit
+def _c0_fp8t(args):
+    _consumer_tile(args, 0, 64, False)
+
+
+@gluon.jit
+def _c1_fp8t(args):
+    _consumer_tile(args, 1, 64, False)
+
+
+@gluon.jit
+def _c0_fp8t_nope(args):
+    _consumer_tile(args, 0, 0, False)
+
+
+@gluon.jit
+def _c1_fp8t_nope(args):
+    _consumer_tile(args, 1, 0, False)
+
+
+@gluon.jit
+def _c0_fp4t(args):
+    _consumer_tile(args, 0, 64, True)
+
+
+@gluon.jit
+def _c1_fp4t(args):
+    _consumer_tile(args, 1, 64, True)
+
+
+@gluon.jit
+def _c0_fp4t_nope(args):
+    _consumer_tile(args, 0, 0, True)
+
+
+@gluon.jit
+def _c1_fp4t_nope(args):
+    _consumer_tile(args, 1, 0, True)
+
+
+@gluon.jit
 def _c0_fp4_nope(args):
     _consumer(args, 0, False, 0, True)
 
@@ -747,12 +980,27 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
                   o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                   sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
                   BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-                  FP4: gl.constexpr = False):
+                  FP4: gl.constexpr = False, TILE: gl.constexpr = False):
     """One program = one query token x 16 heads x one split; launch with num_warps=4 (warpgroup 0)."""
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     pl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16)
     p0 = gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl)
-    if FP4:
+    if TILE:
+        # the tile path: each consumer warpgroup's fp16 tile [8 chunks, 64 rows, 64 dims]; nvfp4: three 22 KB
+        # stages, fp8: two 36 KB ones
+        if FP4:
+            raw = gl.allocate_shared_memory(gl.uint8, [3, 64, 256], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
+            scl = gl.allocate_shared_memory(gl.uint8, [3, 64, 32], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            rope = gl.allocate_shared_memory(gl.uint8, [3, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
+        else:
+            raw = gl.allocate_shared_memory(gl.uint8, [2, 64, 512], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
+            scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            rope = gl.allocate_shared_memory(gl.uint8, [2, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
+        qr = gl.allocate_shared_memory(gl.float16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
+        qn = gl.allocate_shared_memory(gl.float16, [8, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
+        pb = (p0, p0, p0, p0)
+        mrg = gl.allocate_shared_memory(gl.float16, [16, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16))
+    elif FP4:
         # nvfp4: 22 KB stages (nibbles, scale bytes, e4m3 rope), eight of them; q in 64-dim chunks; one P
         raw = gl.allocate_shared_memory(gl.uint8, [2 * NS, 64, 256], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
         scl = gl.allocate_shared_memory(gl.uint8, [2 * NS, 64, 32], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -771,7 +1019,7 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
         scl = gl.allocate_shared_memory(gl.float32, [NS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         rope = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16))
         qr = gl.allocate_shared_memory(gl.bfloat16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.bfloat16))
-    elif not FP4:
+    elif not FP4 and not TILE:
         scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
         qr = gl.allocate_shared_memory(gl.float16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
@@ -780,7 +1028,7 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
         # group so that the four stores need no barrier between them (the barrier analysis works per allocation)
         pb = (p0, gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl), gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl),
               gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl))
-    elif not FP4:
+    elif not FP4 and not TILE:
         pb = (p0, p0, p0, p0)  # fp8: one P for the four groups
     vec = gl.allocate_shared_memory(gl.float32, [2, 16], plain)
     bl: gl.constexpr = mbarrier.MBarrierLayout()
@@ -804,7 +1052,17 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
            lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
            smem, bars, NG, HAS_VC), )
     pa = ((kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC), )
-    if FP4:
+    if TILE and FP4:
+        if ROPE:
+            gl.warp_specialize([(_c0_fp4t, ca), (_c1_fp4t, ca), (_p_fp4, pa)], [4, 4], [232, 40])
+        else:
+            gl.warp_specialize([(_c0_fp4t_nope, ca), (_c1_fp4t_nope, ca), (_p_fp4_nope, pa)], [4, 4], [232, 40])
+    elif TILE:
+        if ROPE:
+            gl.warp_specialize([(_c0_fp8t, ca), (_c1_fp8t, ca), (_p_fp8, pa)], [4, 4], [232, 40])
+        else:
+            gl.warp_specialize([(_c0_fp8t_nope, ca), (_c1_fp8t_nope, ca), (_p_fp8_nope, pa)], [4, 4], [232, 40])
+    elif FP4:
         if ROPE:
             gl.warp_specialize([(_c0_fp4, ca), (_c1_fp4, ca), (_p_fp4, pa)], [4, 4], [232, 40])
         else:
