@@ -45,7 +45,6 @@ def main(argv=None):
     ap.add_argument("--heads", default="16,32")
     ap.add_argument("--batches", default="128")
     ap.add_argument("--splits", default="0,1,2", help="0 = the default plan")
-    ap.add_argument("--tile", default="1", help="few-heads kernel variants for fp8 / nvfp4: 1 = fp16 tile, 0 = registers")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-triton", action="store_true", help="skip the Triton few-heads kernels")
     ap.add_argument("--out", default=None)
@@ -64,21 +63,15 @@ def main(argv=None):
                 sm = fmt.head_dim ** -0.5
                 sol_us = unique_bytes(cache, idx, h, b) / bw * 1e6
 
-                def call(ws_kernel, splits, tile, q=q, rows=cache.rows, idx=idx, out=out, lse=lse, fmt=fmt, sm=sm):
-                    def fn():
-                        if fmt.name in ws_attention.FEW_TILE:
-                            ws_attention.FEW_TILE[fmt.name] = tile
-                        return _launch(fmt.name, q, rows, fmt, idx, sm, None, 1.0, out, lse,
-                                       splits, None, None, None, None, ws_kernel=ws_kernel)
-                    return fn
-                variants = [] if a.no_triton and fmt.name != "bf16" else [("triton", False, None, True)]
+                def call(ws_kernel, splits, q=q, rows=cache.rows, idx=idx, out=out, lse=lse, fmt=fmt, sm=sm):
+                    return lambda: _launch(fmt.name, q, rows, fmt, idx, sm, None, 1.0, out, lse,
+                                           splits, None, None, None, None, ws_kernel=ws_kernel)
+                variants = [] if a.no_triton and fmt.name != "bf16" else [("triton", False, None)]
                 if fmt.name in ws_attention.FEW_KINDS:
-                    tiles = [bool(int(x)) for x in a.tile.split(",")] if fmt.name in ws_attention.FEW_TILE else [False]
-                    variants += [(("ws-tile" if tl else "ws") + (f"-s{s}" if s else ""), None, s or None, tl)
-                                 for tl in tiles for s in map(int, a.splits.split(","))]
+                    variants += [(f"ws-s{s}" if s else "ws", None, s or None) for s in map(int, a.splits.split(","))]
                 ref = None
-                for tag, wk, sp, tl in variants:
-                    fn = call(wk, sp, tl)
+                for tag, wk, sp in variants:
+                    fn = call(wk, sp)
                     o, l = fn()
                     o = o.float().clone()
                     err = None if ref is None else round(((o - ref).norm() / ref.norm()).item(), 6)

@@ -72,9 +72,6 @@ def supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) -> b
 # kinds the few-heads kernel (ws_few.py) reads, and the most heads it takes (16 per program)
 FEW_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")
 FEW_MAX_HEADS = 32
-# kinds the few-heads kernel dequantizes once per block into a shared-memory fp16 tile that both MMAs read
-# (the others convert each block twice, into the QK and the PV register operands)
-FEW_TILE = {"fp8": True, "nvfp4_ds_mla": True}
 
 
 def few_supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) -> bool:
@@ -89,9 +86,8 @@ def launch_few(grid, args, bytes_per_token: int, kind: str, rope: int, num_group
     """Launch ``ws_few_kernel`` with ``_fwd_fp8_kernel``'s positional arguments (k_scale included).  12 warps
     (two consumer warpgroups, one producer); 12 x 32 x 168 registers at launch, then setmaxnreg."""
     from .ws_few import ws_few_kernel
-    ws_few_kernel[grid](*args, BPT=bytes_per_token, DS=kind == "fp8_ds_mla", FP4=kind == "nvfp4_ds_mla",
-                        TILE=FEW_TILE.get(kind, False), ROPE=rope, NG=num_groups, HAS_VC=has_vc, num_warps=4,
-                        maxnreg=168)
+    ws_few_kernel[grid](*args, BPT=bytes_per_token, DS=kind == "fp8_ds_mla", FP4=kind == "nvfp4_ds_mla", ROPE=rope,
+                        NG=num_groups, HAS_VC=has_vc, num_warps=4, maxnreg=168)
 
 
 # Schedules by name; "tile-nogather" is a benchmark-only probe (the tile schedule without its row gathers:

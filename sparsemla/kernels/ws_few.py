@@ -1,5 +1,5 @@
-"""Warp-specialized sparse MLA decode for FP8 rows at few heads (Hopper, Gluon): ``fp8`` and ``fp8_ds_mla``
-(rope or NoPE), 16 heads per program.
+"""Warp-specialized sparse MLA decode for quantized rows at few heads (Hopper, Gluon): ``fp8``, ``fp8_ds_mla``
+and ``nvfp4_ds_mla`` (rope or NoPE), 16 heads per program.
 
 Why a second kernel: the Triton few-heads kernels (``sparse_attention._fwd_fp8_kernel``) hold q as
 mma.sync fragments in every warp (~144 registers), so two programs (8 warps) fit an SM; each tile then
@@ -31,8 +31,18 @@ largest scale of group g, again <= 1) and each group's accumulator is held in un
 of fp8_ds_mla is bf16 and multiplies in bf16 (A from shared memory, its own accumulator); plain fp8 rows
 are e4m3 throughout with the per-tensor ``k_scale`` applied to the scores and the output.
 
-Measured on the H200 (BENCHMARKS.md section 7): D-h16 (b 128, top-k 2048) fp8 55 us, fp8_ds_mla 80 us
-(68-91 us across the sweeps), against 101 / 119 us for the Triton kernels; D-h32 2-2.4x faster than them.
+nvfp4_ds_mla rows take a different route (``_consumer_fp4``): converting e2m1 costs about four
+instructions per pair of values (against one for e4m3), and the consumers are instruction-bound, so each
+block is dequantized **once**, into the consumer warpgroup's own fp16 tile in shared memory, and both MMAs
+read the tile (S^T: A = the tile; O^T: A = the tile transposed).  The nibbles become e4m3 codes worth
+value x 2^-6 by shifts and masks, cvt.f16x2.e4m3x2 converts them, one multiply by the block's e4m3 scale
+x 2^6 gives the exact dequantized value in fp16 (``_FP4N_ASM``).  Two 64 KB tiles leave room for only three
+22 KB stages; fp8 rows, at 36 KB a stage, would get two, and measured slower that way (fp8 D-h16 77 us
+against 61 us for the register operands).
+
+Measured on the H200 (BENCHMARKS.md sections 7 and 8): D-h16 (b 128, top-k 2048) fp8 55-62 us,
+fp8_ds_mla 80 us (68-91 us across the sweeps), nvfp4_ds_mla 83 us, against 101 / 119 / 208 us for the
+Triton kernels; D-h32 1.8-2.4x faster than them.
 
 Same arguments and output contract as ``sparse_attention._fwd_fp8_kernel`` (split partials, normalized
 output, natural-log lse).  Gluon does not run under the Triton interpreter: CPU CI compiles it for sm_90
@@ -48,7 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .ws_attention import _NEG_BIG, _coords
 
-NS = gl.constexpr(4)  # ring stages of 64 rows (fp8 rows; nvfp4 rows, at 22 KB a stage, have 8)
+NS = gl.constexpr(4)  # ring stages of 64 rows (fp8 / fp8_ds_mla rows; nvfp4 rows have 3, see the kernel)
 
 # S^T [64 rows, 16 heads] and O^T [128 dims, 16 heads] (one per 128-dim group) on wgmma m64n16
 S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
@@ -80,9 +90,9 @@ SC_L = gl.constexpr(gl.DistributedLinearLayout(
     warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 4]))
 
 
-# nvfp4_ds_mla, QK: one 64-dim chunk's packed nibbles [64 rows, 4 blocks, 8 bytes]: thread (w, 4g + t) holds rows
-# 16w + g and 16w + g + 8, block t of the chunk (bytes 8t .. 8t + 7 = dims 16t .. 16t + 15, one e4m3 scale):
-# after the nibble split these are the 16 dims a thread holds of a 64-wide fp8 chunk (_relabel64's order)
+# nvfp4_ds_mla: one 64-dim chunk's packed nibbles [64 rows, 4 blocks, 8 bytes]: thread (w, 4g + t) holds rows
+# 16w + g and 16w + g + 8, block t of the chunk (bytes 8t .. 8t + 7 = dims 16t .. 16t + 15, one e4m3 scale,
+# two 128-bit stores of fp16 into the tile)
 L_Q4 = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
     lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[[16, 0, 0], [32, 0, 0]],
@@ -95,58 +105,12 @@ L_Q4S = gl.constexpr(gl.DistributedLinearLayout(  # the chunk's scale bytes [64 
     reg_bases=[[8, 0, 0]],
     lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[[16, 0, 0], [32, 0, 0]],
     block_bases=[], shape=[64, 4, 1]))
-# nvfp4_ds_mla, PV: 16 rows' packed nibbles [16 rows, 256 bytes]: thread (w, 4g + t) holds rows 2t, 2t + 1,
-# 2t + 8, 2t + 9 and block s = 8w + g (bytes 8s .. 8s + 7, 64-bit loads); 2 of those bytes (4 dims) go to each
-# of the four accumulators: dim 16 s + 4 G + 2 i + h is group G's M row 64 i + 16 w + 8 h + g (see _dims4)
-L_V4 = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0]],
-    lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]], warp_bases=[[0, 64], [0, 128]], block_bases=[],
-    shape=[16, 256]))
-# its scale bytes as stored, [16 rows, s % 4, s // 4] (block s's scale is at byte 8 (s % 4) + s // 4)
-L_V4S = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[1, 0, 0], [8, 0, 0]],
-    lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 0, 1]], warp_bases=[[0, 0, 2], [0, 0, 4]],
-    block_bases=[], shape=[16, 4, 8]))
-
-# e2m1 nibbles -> fp16, four bytes at a time: each nibble becomes an e4m3 code worth its value x 2^-6 (sign to
-# bit 7, the three magnitude bits to bits 2-4: exact for the subnormal code 0.5 too), converted in pairs by
-# cvt.f16x2.e4m3x2, then multiplied by the byte's block scale x 2^6 (<= 448 x 64, exact in fp16).  The
-# products are the exact dequantized values (<= 6 x 448, >= 2^-10: normal fp16).  $0 $1: low nibbles of bytes
-# 0-1, 2-3; $2 $3: high nibbles; $4: the four bytes; $5: their four scale bytes.
-_FP4_ASM = gl.constexpr("""{
-.reg .b32 e, o, t, u, k, sc0, sc1;
-.reg .b16 e0, e1, o0, o1, s0, s1;
-shl.b32 t, $4, 4;
-shl.b32 u, $4, 2;
-and.b32 t, t, 0x80808080;
-and.b32 u, u, 0x1C1C1C1C;
-or.b32 e, t, u;
-shr.b32 u, $4, 2;
-and.b32 t, $4, 0x80808080;
-and.b32 u, u, 0x1C1C1C1C;
-or.b32 o, t, u;
-mov.b32 {e0, e1}, e;
-mov.b32 {o0, o1}, o;
-mov.b32 {s0, s1}, $5;
-mov.b32 k, 0x54005400;
-cvt.rn.f16x2.e4m3x2 sc0, s0;
-cvt.rn.f16x2.e4m3x2 sc1, s1;
-mul.f16x2 sc0, sc0, k;
-mul.f16x2 sc1, sc1, k;
-cvt.rn.f16x2.e4m3x2 $0, e0;
-cvt.rn.f16x2.e4m3x2 $1, e1;
-cvt.rn.f16x2.e4m3x2 $2, o0;
-cvt.rn.f16x2.e4m3x2 $3, o1;
-mul.f16x2 $0, $0, sc0;
-mul.f16x2 $1, $1, sc1;
-mul.f16x2 $2, $2, sc0;
-mul.f16x2 $3, $3, sc1;
-}""")
-
-
-# The same conversion with the values paired in dim order ((d0, d1), (d2, d3) from byte 0, 1 -- what a 16-byte
-# store of the row wants) and one f16 multiplier for all four bytes: $0 $1 = dims 0-3, $2 $3 = dims 4-7;
-# $4: the four bytes; $5 $6: the block scale x 2^6 as f16x2 (all four halves equal).
+# e2m1 nibbles -> fp16, four bytes (eight values) at a time: each nibble becomes an e4m3 code worth its value
+# x 2^-6 (sign to bit 7, the three magnitude bits to bits 2-4: exact for the subnormal code 0.5 too), the
+# codes are paired in dim order (byte 0's low and high nibble = dims 0, 1, ...: what a 16-byte store of the
+# row wants), cvt.f16x2.e4m3x2 converts them and one multiply by the block scale x 2^6 (<= 448 x 64, exact)
+# gives the exact dequantized values (<= 6 x 448, >= 2^-10: normal fp16).  $0 $1 = dims 0-3, $2 $3 = dims
+# 4-7; $4: the four bytes; $5 $6: the block scale x 2^6 as f16x2 (all four halves equal).
 _FP4N_ASM = gl.constexpr("""{
 .reg .b32 e, o, t, u, p0, p1;
 .reg .b16 h0, h1, h2, h3;
@@ -185,14 +149,6 @@ def _fp4n(x, sc):
 
 
 @gluon.jit
-def _fp4(x, sc):
-    """Packed e2m1 bytes ``x`` and each byte's e4m3 block scale ``sc`` (u8, same shape) -> fp16 values, shape
-    x.shape + [2] (the low nibble -- the even dim -- first)."""
-    lo, hi = gl.inline_asm_elementwise(_FP4_ASM, "=r,=r,=r,=r,r,r", [x, sc], (gl.float16, gl.float16), True, 4)
-    return gl.join(lo, hi)
-
-
-@gluon.jit
 def _fp4_chunk(raw, scl, C: gl.constexpr):
     """nvfp4: 64-dim chunk C of the stage's rows -> fp16 [64 rows, 64 dims] in natural order (each thread: two
     rows x one 16-dim block)."""
@@ -201,45 +157,6 @@ def _fp4_chunk(raw, scl, C: gl.constexpr):
     sc = scl.reshape([64, 4, 8]).slice(C, 1, dim=2).load(L_Q4S).reshape([64, 4])
     sc = gl.convert_layout(sc, gl.SliceLayout(2, L_Q4))[:, :, None]
     return _fp4n(x, gl.broadcast(sc, x)[0]).reshape([64, 64])
-
-
-@gluon.jit
-def _qk_fp4(raw, scl, C: gl.constexpr):
-    """nvfp4: 64-dim chunk C of the stage -> the fp16 A operand [64 rows, 64 k] (k permuted like L_QK64)."""
-    x = gl.convert_layout(raw.slice(32 * C, 32, dim=1).load(L_Q4B).reshape([64, 4, 8]), L_Q4)
-    # block 4C + t of a row: its scale is at byte 8 t + C
-    sc = scl.reshape([64, 4, 8]).slice(C, 1, dim=2).load(L_Q4S).reshape([64, 4])
-    sc = gl.convert_layout(sc, gl.SliceLayout(2, L_Q4))[:, :, None]
-    a = _fp4(x, gl.broadcast(sc, x)[0]).reshape([64, 64])
-    return gl.convert_layout(_relabel64(a), A_OP)
-
-
-@gluon.jit
-def _pv_fp4(raw, scl, ks: gl.constexpr):
-    """nvfp4: rows 16 ks .. 16 ks + 15 -> the four fp16 A operands V^T_G [128 (M, see _dims4), 16 rows]."""
-    x = raw.slice(16 * ks, 16, dim=0).load(L_V4).reshape([16, 32, 2, 2, 2])  # [row, s, G // 2, G % 2, byte]
-    sc = scl.reshape([64, 4, 8]).slice(16 * ks, 16, dim=0).load(L_V4S)        # [row, s % 4, s // 4]
-    sc = sc.permute(0, 2, 1).reshape([16, 32])
-    xe, xo = x.permute(0, 1, 4, 2, 3).split()  # G even / odd: [row, s, byte, G // 2]
-    x0, x2 = xe.split()
-    x1, x3 = xo.split()
-    return _pv4(x0, sc), _pv4(x1, sc), _pv4(x2, sc), _pv4(x3, sc)
-
-
-@gluon.jit
-def _pv4(x, sc):
-    """[16 rows, 32 blocks, 2 bytes] of one group and the blocks' scale bytes [16, 32] -> V^T_G [128, 16] in the A
-    operand layout."""
-    sc = gl.convert_layout(sc, gl.SliceLayout(2, x.type.layout))[:, :, None]
-    v = _fp4(x, gl.broadcast(sc, x)[0]).reshape([16, 4, 8, 2, 2])  # [row, w, g, i, h]
-    v = v.permute(3, 1, 4, 2, 0).reshape([128, 16])
-    return gl.convert_layout(v, A_OP)
-
-
-@gluon.jit
-def _dims4(m, G: gl.constexpr):
-    """nvfp4: accumulator row m (0..127) of group G -> the output dim (see L_V4)."""
-    return 128 * ((m >> 4) & 3) + 16 * (m & 7) + 4 * G + 2 * (m >> 6) + ((m >> 3) & 1)
 
 
 @gluon.jit
@@ -284,10 +201,8 @@ def _pv_operand(raw, ks: gl.constexpr, G: gl.constexpr):
 
 
 @gluon.jit
-def _pv_operands(raw, scl, ks: gl.constexpr, FP4: gl.constexpr):
+def _pv_operands(raw, ks: gl.constexpr):
     """Rows 16 ks .. 16 ks + 15 of the stage -> the four groups' V^T A operands."""
-    if FP4:
-        return _pv_fp4(raw, scl, ks)
     return _pv_operand(raw, ks, 0), _pv_operand(raw, ks, 1), _pv_operand(raw, ks, 2), _pv_operand(raw, ks, 3)
 
 
@@ -316,7 +231,7 @@ def _producer(args, BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP4
     is not on the producer's path."""
     kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC = args
     raw, scl, rope, qn, qr, pb, mrg, vec = smem
-    q_bar, ready, free, done_bar, all_done = bars
+    q_bar, ready, free, done_bar = bars
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
@@ -384,14 +299,14 @@ def _absmax(x):
 
 
 @gluon.jit
-def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr, QL: gl.constexpr):
+def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr, CHUNKS: gl.constexpr):
     """q * c into shared memory as the QK B operand, once per program; returns c, the per-token power of two
     that brings q into fp16 range (amax * c in [2^13, 2^15); over the latent dims, and the rope dims too
     when they are fp16 operands (plain fp8)).  Groups are fp16 [4, 16, 128] with columns permuted like the
     A fragments (the same register relabelling as _qk_operand, applied to q loaded in natural order); the
     rope part is bf16 in natural order (fp8_ds_mla) or fp16 permuted (fp8, nvfp4).  nvfp4: eight 64-dim
-    chunks [8, 16, 64] (QL 1: permuted like _relabel64; QL 2: natural order, for A operands in shared
-    memory); QL 0: the four 128-dim groups permuted like _relabel128."""
+    chunks [8, 16, 64] in natural order (CHUNKS: the A operands are in shared memory), otherwise the four
+    128-dim groups permuted like _relabel128."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     heads = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
     hm = (heads < H)[:, None]
@@ -408,11 +323,11 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROP
             amax = gl.maximum(amax, _absmax(xr))
     e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
     c = gl.where(amax > 0, gl.exp2(13.0 - e), 1.0)
-    if QL:
-        _store_chunks(qn, 0, x0 * c, QL == 1)
-        _store_chunks(qn, 2, x1 * c, QL == 1)
-        _store_chunks(qn, 4, x2 * c, QL == 1)
-        _store_chunks(qn, 6, x3 * c, QL == 1)
+    if CHUNKS:
+        _store_chunks(qn, 0, x0 * c)
+        _store_chunks(qn, 2, x1 * c)
+        _store_chunks(qn, 4, x2 * c)
+        _store_chunks(qn, 6, x3 * c)
     else:
         qn.index(0).store(_relabel128(x0 * c).to(gl.float16))
         qn.index(1).store(_relabel128(x1 * c).to(gl.float16))
@@ -427,13 +342,9 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROP
 
 
 @gluon.jit
-def _store_chunks(qn, C: gl.constexpr, x, RELABEL: gl.constexpr):
-    """x [16, 128] (natural column order) -> 64-dim chunks C and C + 1 of qn (permuted like _relabel64 when
-    the A operands come from registers)."""
+def _store_chunks(qn, C: gl.constexpr, x):
+    """x [16, 128] -> 64-dim chunks C and C + 1 of qn (natural order: the A operands are in shared memory)."""
     lo, hi = x.reshape([16, 2, 64]).permute(0, 2, 1).split()
-    if RELABEL:
-        lo = _relabel64(lo)
-        hi = _relabel64(hi)
     qn.index(C).store(lo.to(gl.float16))
     qn.index(C + 1).store(hi.to(gl.float16))
 
@@ -506,26 +417,8 @@ def _qk_chain(rs, sv, rinv, qn, z, s_zero, DS: gl.constexpr):
 
 
 @gluon.jit
-def _qk_chain_fp4(rs, sc, qn, z, s_zero):
-    """nvfp4: the same chain over eight 64-dim chunks, converted and issued two at a time."""
-    a = _qk_fp4(rs, sc, 0)
-    b = _qk_fp4(rs, sc, 1)
-    acc = warpgroup_mma(a, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    acc = warpgroup_mma(b, qn.index(1 + z).permute((1, 0)), acc, is_async=True)
-    for P in gl.static_range(1, 4):
-        a_prev = a
-        b_prev = b
-        a = _qk_fp4(rs, sc, 2 * P)
-        b = _qk_fp4(rs, sc, 2 * P + 1)
-        acc = warpgroup_mma(a, qn.index(2 * P + z).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(b, qn.index(2 * P + 1 + z).permute((1, 0)), acc, is_async=True)
-        warpgroup_mma_wait(2, deps=(a_prev, b_prev))
-    return acc
-
-
-@gluon.jit
-def _consumer_tile(args, WG: gl.constexpr, ROPE: gl.constexpr, FP4: gl.constexpr):
-    """fp8 / nvfp4 consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...  Each block is dequantized once, into this
+def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
+    """nvfp4 consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...  Each block is dequantized once, into this
     warpgroup's fp16 tile in shared memory [8 chunks, 64 rows, 64 dims], and both MMAs read it from there:
     S^T = K q^T (A = the tile), O^T += V^T P^T (A = the tile transposed), eight 64-dim accumulators.  The
     raw stage is released as soon as it is converted.  Warpgroup 0 then merges and stores."""
@@ -533,14 +426,12 @@ def _consumer_tile(args, WG: gl.constexpr, ROPE: gl.constexpr, FP4: gl.constexpr
      stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
      HAS_VC) = args
     raw, scl, rope, qn, qr, pb, kt, vec = smem  # kt: the two warpgroups' tiles, [2 x 8 chunks, 64, 64] fp16
-    q_bar, ready, free, done_bar, all_done = bars
+    q_bar, ready, free, done_bar = bars
     n_st: gl.constexpr = raw.shape[0]
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    c = _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, False, ROPE, 2)
-    if not FP4:
-        c = c / k_scale  # plain fp8: the per-tensor k_scale multiplies the scores and the output
+    c = _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, False, ROPE, True)
     score_scale = sm_scale_log2 / c
     s_zero = gl.zeros([64, 16], gl.float32, S_L)
     o0 = s_zero
@@ -566,10 +457,7 @@ def _consumer_tile(args, WG: gl.constexpr, ROPE: gl.constexpr, FP4: gl.constexpr
         rs = raw.index(st)
         sc_st = scl.index(st)
         for C in gl.static_range(8):
-            if FP4:
-                kt.index(kw + C).store(_fp4_chunk(rs, sc_st, C))
-            else:
-                kt.index(kw + C).store(rs.slice(64 * C, 64, dim=1).load(L_QK64).to(gl.float8e4nv, bitcast=True).to(gl.float16))
+            kt.index(kw + C).store(_fp4_chunk(rs, sc_st, C))
         if ROPE:
             ra = _rope_operand(rope.index(st))  # e4m3 rope: a register operand
         fence_async_shared()  # the tile's stores -> the wgmma (async proxy) reads
@@ -627,9 +515,6 @@ def _consumer_tile(args, WG: gl.constexpr, ROPE: gl.constexpr, FP4: gl.constexpr
     else:
         mbarrier.wait(done_bar, 0)
         a0, a1, has, lse = _merge_weights(m_i, l_i, vec)
-        if not FP4:
-            a0 = a0 * k_scale
-            a1 = a1 * k_scale
         heads = g * 16 + gl.arange(0, 16, layout=HEAD)
         hm = (heads < H)[None, :]
         obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh
@@ -648,10 +533,10 @@ def _consumer_tile(args, WG: gl.constexpr, ROPE: gl.constexpr, FP4: gl.constexpr
 
 @gluon.jit
 def _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
-             ROPE: gl.constexpr, QL: gl.constexpr):
+             ROPE: gl.constexpr, CHUNKS: gl.constexpr):
     """Warpgroup 0 stages q (_stage_q) and publishes c; warpgroup 1 waits for it.  Returns c."""
     if WG == 0:
-        c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE, QL)
+        c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE, CHUNKS)
         vec.index(0).store(gl.full([16], 1.0, gl.float32, HEAD) * c)  # c for warpgroup 1
         fence_async_shared()
         gl.thread_barrier()
@@ -680,18 +565,18 @@ def _merge_weights(m_i, l_i, vec):
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP4: gl.constexpr):
+def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...; warpgroup 0 then merges and stores."""
     (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
      stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
      HAS_VC) = args
     raw, scl, rope, qn, qr, pb, mrg, vec = smem
-    q_bar, ready, free, done_bar, all_done = bars
+    q_bar, ready, free, done_bar = bars
     n_st: gl.constexpr = raw.shape[0]
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    c = _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE, 1 if FP4 else 0)
+    c = _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE, False)
     score_scale = sm_scale_log2 / c
     s_zero = gl.zeros([64, 16], gl.float32, S_L)
     o0 = gl.zeros([128, 16], gl.float32, S_L)
@@ -721,13 +606,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP4:
         # <= 1, in fp16), and S^T by the row's largest scale after.  One wait per group keeps two
         # groups' A registers alive at most; it names no accumulator (waiting on the chain's pending
         # accumulator would make ptxas serialize the MMAs).
-        if FP4:
-            # nvfp4: the A operands are the exact dequantized values; 64-dim chunks, two per wait
-            x = _qk_chain_fp4(rs, scl.index(st), qn, z, s_zero)
-            if ROPE:  # e4m3 rope, in the same chain
-                x = warpgroup_mma(_rope_operand(rope.index(st)), qr.index(z).permute((1, 0)), x, is_async=True)
-            x = warpgroup_mma_wait(0, deps=(x, ))
-        elif DS:
+        if DS:
             smax = gl.max(sv, 1)
             rinv = gl.where(smax > 0, 1.0 / gl.where(smax > 0, smax, 1.0), 0.0)
             x, _ = _qk_chain(rs, sv, rinv, qn, z, s_zero, True)
@@ -778,16 +657,15 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP4:
         # PV, one 16-row step at a time: the next step's operands are converted while this step's MMAs
         # run; each wait retires all four (waiting on an accumulator still in flight makes ptxas
         # serialize every wgmma: it then reads those registers)
-        sc_st = scl.index(st)
-        v0, v1, v2, v3 = _pv_operands(rs, sc_st, 0, FP4)
+        v0, v1, v2, v3 = _pv_operands(rs, 0)
         o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 0, o0, o1, o2, o3, DS)
-        v0, v1, v2, v3 = _pv_operands(rs, sc_st, 1, FP4)
+        v0, v1, v2, v3 = _pv_operands(rs, 1)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 1, o0, o1, o2, o3, DS)
-        v0, v1, v2, v3 = _pv_operands(rs, sc_st, 2, FP4)
+        v0, v1, v2, v3 = _pv_operands(rs, 2)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 2, o0, o1, o2, o3, DS)
-        v0, v1, v2, v3 = _pv_operands(rs, sc_st, 3, FP4)
+        v0, v1, v2, v3 = _pv_operands(rs, 3)
         gl.thread_barrier()  # all of this warpgroup's reads of the stage are done (the MMAs read registers)
         mbarrier.arrive(free.index(st), count=1)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
@@ -799,14 +677,12 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP4:
         o1 = o1 * _pick(u, 1)
         o2 = o2 * _pick(u, 2)
         o3 = o3 * _pick(u, 3)
-    elif not FP4:
+    else:
         o0 = o0 * k_scale
         o1 = o1 * k_scale
         o2 = o2 * k_scale
         o3 = o3 * k_scale
     if WG == 1:
-        if FP4:  # nvfp4's merge area spans stages warpgroup 0 reads: wait until it is done with them
-            mbarrier.wait(all_done, 0)
         mrg.index(0).store(o0)
         mrg.index(1).store(o1)
         mrg.index(2).store(o2)
@@ -816,25 +692,15 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP4:
         gl.thread_barrier()
         mbarrier.arrive(done_bar, count=1)
     else:
-        if FP4:
-            gl.thread_barrier()
-            mbarrier.arrive(all_done, count=1)
         mbarrier.wait(done_bar, 0)
         a0, a1, has, lse = _merge_weights(m_i, l_i, vec)
         heads = g * 16 + gl.arange(0, 16, layout=HEAD)
         hm = (heads < H)[None, :]
         obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh
-        mm = gl.arange(0, 128, layout=ROW)
-        if FP4:
-            d0 = _dims4(mm, 0)[:, None]
-            d1 = _dims4(mm, 1)[:, None]
-            d2 = _dims4(mm, 2)[:, None]
-            d3 = _dims4(mm, 3)[:, None]
-        else:
-            d0 = _dims(mm)[:, None]
-            d1 = d0 + 128
-            d2 = d0 + 256
-            d3 = d0 + 384
+        d0 = _dims(gl.arange(0, 128, layout=ROW))[:, None]
+        d1 = d0 + 128
+        d2 = d0 + 256
+        d3 = d0 + 384
         ty = o_ptr.dtype.element_ty
         gl.store(obase + d0, (o0 * a0 + mrg.index(0).load(S_L) * a1).to(ty), mask=hm)
         gl.store(obase + d1, (o1 * a0 + mrg.index(1).load(S_L) * a1).to(ty), mask=hm)
@@ -843,16 +709,16 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP4:
         gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
 
 
-# ---- the partitions of each format variant: (warpgroup, DS, ROPE, FP4, bytes per token) as literals, the
+# ---- the partitions of each format variant: (warpgroup, kind flags, rope width, bytes per token) as literals, the
 # kernel's values as one tuple (constexpr arguments do not survive warp_specialize: see the kernel) ----
 @gluon.jit
 def _c0_ds(args):
-    _consumer(args, 0, True, 64, False)
+    _consumer(args, 0, True, 64)
 
 
 @gluon.jit
 def _c1_ds(args):
-    _consumer(args, 1, True, 64, False)
+    _consumer(args, 1, True, 64)
 
 
 @gluon.jit
@@ -862,12 +728,12 @@ def _p_ds(args):
 
 @gluon.jit
 def _c0_ds_nope(args):
-    _consumer(args, 0, True, 0, False)
+    _consumer(args, 0, True, 0)
 
 
 @gluon.jit
 def _c1_ds_nope(args):
-    _consumer(args, 1, True, 0, False)
+    _consumer(args, 1, True, 0)
 
 
 @gluon.jit
@@ -877,12 +743,12 @@ def _p_ds_nope(args):
 
 @gluon.jit
 def _c0_fp8(args):
-    _consumer(args, 0, False, 64, False)
+    _consumer(args, 0, False, 64)
 
 
 @gluon.jit
 def _c1_fp8(args):
-    _consumer(args, 1, False, 64, False)
+    _consumer(args, 1, False, 64)
 
 
 @gluon.jit
@@ -892,12 +758,12 @@ def _p_fp8(args):
 
 @gluon.jit
 def _c0_fp8_nope(args):
-    _consumer(args, 0, False, 0, False)
+    _consumer(args, 0, False, 0)
 
 
 @gluon.jit
 def _c1_fp8_nope(args):
-    _consumer(args, 1, False, 0, False)
+    _consumer(args, 1, False, 0)
 
 
 @gluon.jit
@@ -906,68 +772,28 @@ def _p_fp8_nope(args):
 
 
 @gluon.jit
-def _c0_fp4(args):
-    _consumer(args, 0, False, 64, True)
-
-
-@gluon.jit
-def _c1_fp4(args):
-    _consumer(args, 1, False, 64, True)
-
-
-@gluon.jit
 def _p_fp4(args):
     _producer(args, 352, False, 64, True)
 
 
 @gluon.jit
-def _c0_fp8t(args):
-    _consumer_tile(args, 0, 64, False)
+def _c0_fp4(args):
+    _consumer_fp4(args, 0, 64)
 
 
 @gluon.jit
-def _c1_fp8t(args):
-    _consumer_tile(args, 1, 64, False)
-
-
-@gluon.jit
-def _c0_fp8t_nope(args):
-    _consumer_tile(args, 0, 0, False)
-
-
-@gluon.jit
-def _c1_fp8t_nope(args):
-    _consumer_tile(args, 1, 0, False)
-
-
-@gluon.jit
-def _c0_fp4t(args):
-    _consumer_tile(args, 0, 64, True)
-
-
-@gluon.jit
-def _c1_fp4t(args):
-    _consumer_tile(args, 1, 64, True)
-
-
-@gluon.jit
-def _c0_fp4t_nope(args):
-    _consumer_tile(args, 0, 0, True)
-
-
-@gluon.jit
-def _c1_fp4t_nope(args):
-    _consumer_tile(args, 1, 0, True)
+def _c1_fp4(args):
+    _consumer_fp4(args, 1, 64)
 
 
 @gluon.jit
 def _c0_fp4_nope(args):
-    _consumer(args, 0, False, 0, True)
+    _consumer_fp4(args, 0, 0)
 
 
 @gluon.jit
 def _c1_fp4_nope(args):
-    _consumer(args, 1, False, 0, True)
+    _consumer_fp4(args, 1, 0)
 
 
 @gluon.jit
@@ -980,55 +806,38 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
                   o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                   sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
                   BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-                  FP4: gl.constexpr = False, TILE: gl.constexpr = False):
+                  FP4: gl.constexpr = False):
     """One program = one query token x 16 heads x one split; launch with num_warps=4 (warpgroup 0)."""
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     pl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16)
     p0 = gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl)
-    if TILE:
-        # the tile path: each consumer warpgroup's fp16 tile [8 chunks, 64 rows, 64 dims]; nvfp4: three 22 KB
-        # stages, fp8: two 36 KB ones
-        if FP4:
-            raw = gl.allocate_shared_memory(gl.uint8, [3, 64, 256], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
-            scl = gl.allocate_shared_memory(gl.uint8, [3, 64, 32], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-            rope = gl.allocate_shared_memory(gl.uint8, [3, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
-        else:
-            raw = gl.allocate_shared_memory(gl.uint8, [2, 64, 512], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
-            scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-            rope = gl.allocate_shared_memory(gl.uint8, [2, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
+    if FP4:
+        # nvfp4: three 22 KB stages (nibbles, scale bytes, e4m3 rope); each consumer warpgroup's fp16 tile
+        # [8 chunks, 64 rows, 64 dims] (kt, 2 x 64 KB); q in 64-dim chunks; one P
+        raw = gl.allocate_shared_memory(gl.uint8, [3, 64, 256], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
+        scl = gl.allocate_shared_memory(gl.uint8, [3, 64, 32], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        rope = gl.allocate_shared_memory(gl.uint8, [3, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
         qr = gl.allocate_shared_memory(gl.float16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
         qn = gl.allocate_shared_memory(gl.float16, [8, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
         pb = (p0, p0, p0, p0)
-        mrg = gl.allocate_shared_memory(gl.float16, [16, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16))
-    elif FP4:
-        # nvfp4: 22 KB stages (nibbles, scale bytes, e4m3 rope), eight of them; q in 64-dim chunks; one P
-        raw = gl.allocate_shared_memory(gl.uint8, [2 * NS, 64, 256], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
-        scl = gl.allocate_shared_memory(gl.uint8, [2 * NS, 64, 32], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        rope = gl.allocate_shared_memory(gl.uint8, [2 * NS, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
-        qr = gl.allocate_shared_memory(gl.float16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
-        qn = gl.allocate_shared_memory(gl.float16, [8, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
-        pb = (p0, p0, p0, p0)
-        # warpgroup 1's accumulators for the final merge go over stages 0-1, once both warpgroups are done
-        mrg = raw._reinterpret(gl.float32, [4, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # the first 32 KB
+        kt = gl.allocate_shared_memory(gl.float16, [16, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16))
     else:
         raw = gl.allocate_shared_memory(gl.uint8, [NS, 64, 512], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
         qn = gl.allocate_shared_memory(gl.float16, [4, 16, 128], gl.NVMMASharedLayout.get_default_for([16, 128], gl.float16))
         # warpgroup 1's accumulators for the final merge go over stage 1's bytes (only warpgroup 1 reads stage 1)
-        mrg = raw.index(1)._reinterpret(gl.float32, [4, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        kt = raw.index(1)._reinterpret(gl.float32, [4, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     if DS:
         scl = gl.allocate_shared_memory(gl.float32, [NS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         rope = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16))
         qr = gl.allocate_shared_memory(gl.bfloat16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.bfloat16))
-    elif not FP4 and not TILE:
-        scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
-        qr = gl.allocate_shared_memory(gl.float16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
-    if DS:
         # P (times each group's scale ratio) per group, [warpgroup, 64 rows, 16 heads]: one allocation per
         # group so that the four stores need no barrier between them (the barrier analysis works per allocation)
         pb = (p0, gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl), gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl),
               gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl))
-    elif not FP4 and not TILE:
+    elif not FP4:
+        scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
+        qr = gl.allocate_shared_memory(gl.float16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
         pb = (p0, p0, p0, p0)  # fp8: one P for the four groups
     vec = gl.allocate_shared_memory(gl.float32, [2, 16], plain)
     bl: gl.constexpr = mbarrier.MBarrierLayout()
@@ -1037,32 +846,21 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
     ready = gl.allocate_shared_memory(gl.int64, [n_st, 1], bl)
     free = gl.allocate_shared_memory(gl.int64, [n_st, 1], bl)
     done_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
-    all_done = gl.allocate_shared_memory(gl.int64, [1], bl)
     mbarrier.init(q_bar, count=1)
     mbarrier.init(done_bar, count=1)
-    mbarrier.init(all_done, count=1)  # nvfp4: warpgroup 0 is done with every stage
     for i in gl.static_range(n_st):
         mbarrier.init(ready.index(i), count=128)  # one cp.async arrival per producer thread
         mbarrier.init(free.index(i), count=1)     # the consuming warpgroup
-    smem = (raw, scl, rope, qn, qr, pb, mrg, vec)
-    bars = (q_bar, ready, free, done_bar, all_done)
+    # kt: nvfp4's fp16 tiles; fp8 / fp8_ds_mla: warpgroup 1's accumulators for the final merge
+    smem = (raw, scl, rope, qn, qr, pb, kt, vec)
+    bars = (q_bar, ready, free, done_bar)
     # Constexpr arguments do not survive warp_specialize (they arrive as tensors, and an `if` on them then
     # traces both branches), so each warpgroup of each format variant has its own partition function.
     ca = ((q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
            lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
            smem, bars, NG, HAS_VC), )
     pa = ((kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC), )
-    if TILE and FP4:
-        if ROPE:
-            gl.warp_specialize([(_c0_fp4t, ca), (_c1_fp4t, ca), (_p_fp4, pa)], [4, 4], [232, 40])
-        else:
-            gl.warp_specialize([(_c0_fp4t_nope, ca), (_c1_fp4t_nope, ca), (_p_fp4_nope, pa)], [4, 4], [232, 40])
-    elif TILE:
-        if ROPE:
-            gl.warp_specialize([(_c0_fp8t, ca), (_c1_fp8t, ca), (_p_fp8, pa)], [4, 4], [232, 40])
-        else:
-            gl.warp_specialize([(_c0_fp8t_nope, ca), (_c1_fp8t_nope, ca), (_p_fp8_nope, pa)], [4, 4], [232, 40])
-    elif FP4:
+    if FP4:
         if ROPE:
             gl.warp_specialize([(_c0_fp4, ca), (_c1_fp4, ca), (_p_fp4, pa)], [4, 4], [232, 40])
         else:

@@ -18,14 +18,10 @@ def _run(c, sm_scale, k_scale, ws_kernel, splits=None):
     return launch_case(c, sm_scale, ws_kernel, splits, k_scale)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8", "fp8-nope", "nvfp4_ds_mla", "nvfp4_ds_mla-nope",
-                                 "fp8:regs", "nvfp4_ds_mla:regs"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8", "fp8-nope", "nvfp4_ds_mla", "nvfp4_ds_mla-nope"])
 @pytest.mark.parametrize("heads,topk,splits", [(16, 2048, 1), (16, 2048, None), (1, 64, 1), (20, 2051, 3),
                                                (32, 192, None), (5, 2048, 2)])
-def test_ws_few_matches_reference(fmt, heads, topk, splits, monkeypatch):
-    fmt, _, path = fmt.partition(":")
-    if path == "regs":  # the register-operand variant of a kind that defaults to the shared-memory tile
-        monkeypatch.setitem(ws.FEW_TILE, fmt, False)
+def test_ws_few_matches_reference(fmt, heads, topk, splits):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialized kernel is sm_90 only")
     k_scale = 0.5 if fmt.startswith("fp8-") or fmt == "fp8" else 1.0
