@@ -720,8 +720,9 @@ _WIDE = (64, 64, 8, 2)
 # that helped bf16 (D-h128 309 -> 295 us, P-2k 257 -> 271 TFLOP/s; D-h64 198 -> 202) and NVFP4 (2-3 %) but
 # slowed fp8_ds_mla by 7 % (two repetitions, sweep plan `stages`, third session).
 _WIDE_STAGES = {"bf16": 3, "nvfp4_ds_mla": 3}
-# Fewest heads that take the wide kernel.  NVFP4 switches at 17: its few-heads kernel at 32 heads (348 us at
-# D-h32) was slower than the wide kernel at 64 (271 us, the same work as at 17-64 heads; H200, third session).
+# Fewest heads that take the wide kernel.  NVFP4 switches at 17: its Triton few-heads kernel at 32 heads (348 us
+# at D-h32) was slower than the wide kernel at 64 (271 us, the same work as at 17-64 heads; H200, third
+# session).  On sm_90 the warp-specialized few-heads kernel takes 17-32 heads first (133 us; _launch).
 WIDE_MIN_HEADS = {"nvfp4_ds_mla": 17}
 
 
