@@ -23,12 +23,12 @@ register tensor (no data movement); ``tests/ws_compile_probe.py`` pins the SASS 
 spills).
 
 Numbers: e4m3 is exact in fp16, so the MMAs run in fp16 with q brought into fp16 range by a per-token
-power of two (as the Triton kernels do).  fp8_ds_mla's per-row, per-128-dim-group fp32 scales: for QK each
-row's values of group g are multiplied on the A registers by ``scale_g / (the row's largest scale)`` (a
-ratio <= 1, exact for the power-of-two scales the writer makes) and S^T by the row's largest scale after,
-so QK is one chain of MMAs; for PV, P is multiplied by ``scale_g / u_g`` per group (u_g = the block's
-largest scale of group g, again <= 1) and each group's accumulator is held in units of u_g.  The rope part
-of fp8_ds_mla is bf16 and multiplies in bf16 (A from shared memory, its own accumulator); plain fp8 rows
+power of two (as the Triton kernels do).  fp8_ds_mla's per-row, per-128-dim-group fp32 scales: QK runs one
+accumulator per group (A = the raw values) and S^T = sum_g scale_g x S_g^T after (seventh session; the
+sixth scaled the A registers by scale_g / the row's largest scale instead: 154 more instructions a block);
+for PV, P is multiplied by ``scale_g / u_g`` per group (u_g = the block's largest scale of group g, so the
+factor is <= 1) and each group's accumulator is held in units of u_g.  The rope part of fp8_ds_mla is bf16
+and multiplies in bf16 (A from shared memory, its own accumulator); plain fp8 rows
 are e4m3 throughout with the per-tensor ``k_scale`` applied to the scores and the output.
 
 nvfp4_ds_mla rows take a different route (``_consumer_fp4``): converting e2m1 costs about four
@@ -170,18 +170,6 @@ def _qk_operand(raw, G: gl.constexpr):
     """Group G's e4m3 bytes of the stage -> the fp16 A operand [64 rows, 128 k] (k permuted, _relabel128)."""
     a = raw.slice(128 * G, 128, dim=1).load(L_QK).to(gl.float8e4nv, bitcast=True).to(gl.float16)
     return gl.convert_layout(_relabel128(a), A_OP)
-
-
-@gluon.jit
-def _qk_a(raw, G: gl.constexpr, sv, rinv, DS: gl.constexpr):
-    """Group G's QK A operand; fp8_ds_mla: times each row's scale of group G over its largest scale (fp16,
-    <= 1; ``sv`` the [64, 4] scales, ``rinv`` 1 / the row's largest)."""
-    a = _qk_operand(raw, G)
-    if DS:
-        c = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
-        r = gl.sum(gl.where(c[None, :] == G, sv, 0.0), 1) * rinv
-        a = a * gl.convert_layout(r.to(gl.float16), gl.SliceLayout(1, A_OP))[:, None]
-    return a
 
 
 @gluon.jit
@@ -363,10 +351,30 @@ def _relabel64(x):
 
 
 @gluon.jit
-def _col(x, G: gl.constexpr):
-    """Column G of a [64, 4] tensor in SC_L, as a per-row vector of S^T."""
-    c = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
-    return gl.convert_layout(gl.sum(gl.where(c[None, :] == G, x, 0.0), 1), ROW)
+def _cols(x):
+    """The four columns of a [64, 4] tensor in SC_L, each as a per-row vector of S^T (a register relabelling)."""
+    a, b = x.reshape([64, 2, 2]).split()  # columns 0, 2 and 1, 3
+    c0, c2 = a.split()
+    c1, c3 = b.split()
+    return (gl.convert_layout(c0, ROW), gl.convert_layout(c1, ROW), gl.convert_layout(c2, ROW),
+            gl.convert_layout(c3, ROW))
+
+
+@gluon.jit
+def _qk_groups(rs, qn, z, s_zero):
+    """fp8_ds_mla: S^T per 128-dim group, four accumulators (A = the raw e4m3 values, B = q^T), issued
+    asynchronously; the caller weighs them with the rows' group scales."""
+    a0 = _qk_operand(rs, 0)
+    g0 = warpgroup_mma(a0, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    a1 = _qk_operand(rs, 1)
+    g1 = warpgroup_mma(a1, qn.index(1 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    warpgroup_mma_wait(1, deps=(a0, ))
+    a2 = _qk_operand(rs, 2)
+    g2 = warpgroup_mma(a2, qn.index(2 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    warpgroup_mma_wait(1, deps=(a1, ))
+    a3 = _qk_operand(rs, 3)
+    g3 = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    return g0, g1, g2, g3
 
 
 @gluon.jit
@@ -397,21 +405,20 @@ def _pv_issue(v0, v1, v2, v3, pb, P0, ks: gl.constexpr, a0, a1, a2, a3, DS: gl.c
 
 
 @gluon.jit
-def _qk_chain(rs, sv, rinv, qn, z, s_zero, DS: gl.constexpr):
-    """Issue S^T = K q^T over the four 128-dim groups as one chain of MMAs (A = the converted bytes, B = q^T);
-    returns the pending accumulator (and the third group's operand, for a wait that names it).  fp8_ds_mla: each row's group values are multiplied by scale / (the
-    row's largest scale) on the A registers (a ratio <= 1, in fp16; S^T is multiplied by the row's largest
-    scale after).  One wait per group keeps two groups' A registers alive at most; it names no accumulator
-    (waiting on the chain's pending accumulator would make ptxas serialize the MMAs)."""
-    a0 = _qk_a(rs, 0, sv, rinv, DS)
+def _qk_chain(rs, qn, z, s_zero):
+    """Plain fp8: issue S^T = K q^T over the four 128-dim groups as one chain of MMAs (A = the converted bytes,
+    B = q^T); returns the pending accumulator (and the third group's operand, for a wait that names it).  One
+    wait per group keeps two groups' A registers alive at most; it names no accumulator (waiting on the
+    chain's pending accumulator would make ptxas serialize the MMAs)."""
+    a0 = _qk_operand(rs, 0)
     acc = warpgroup_mma(a0, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    a1 = _qk_a(rs, 1, sv, rinv, DS)
+    a1 = _qk_operand(rs, 1)
     acc = warpgroup_mma(a1, qn.index(1 + z).permute((1, 0)), acc, is_async=True)
     warpgroup_mma_wait(1, deps=(a0, ))
-    a2 = _qk_a(rs, 2, sv, rinv, DS)
+    a2 = _qk_operand(rs, 2)
     acc = warpgroup_mma(a2, qn.index(2 + z).permute((1, 0)), acc, is_async=True)
     warpgroup_mma_wait(1, deps=(a1, ))
-    a3 = _qk_a(rs, 3, sv, rinv, DS)
+    a3 = _qk_operand(rs, 3)
     acc = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), acc, is_async=True)
     return acc, a2
 
@@ -601,24 +608,22 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
         rs = raw.index(st)
         if DS:
             sv = scl.index(st).load(SC_L)  # 0 for a -1 row or one past the end (cp.async zero-fills them)
-        # S^T = K q^T as one chain of MMAs (A = the converted bytes, B = q^T).  fp8_ds_mla: each row's
-        # group values are multiplied by scale / (the row's largest scale) on the A registers (a ratio
-        # <= 1, in fp16), and S^T by the row's largest scale after.  One wait per group keeps two
-        # groups' A registers alive at most; it names no accumulator (waiting on the chain's pending
-        # accumulator would make ptxas serialize the MMAs).
+        # S^T = K q^T (A = the converted bytes, B = q^T): plain fp8 as one chain of MMAs; fp8_ds_mla as one
+        # accumulator per 128-dim group, weighed with the rows' group scales after (32 multiply-adds a
+        # block instead of 128 fp16 multiplies of the A registers)
         if DS:
-            smax = gl.max(sv, 1)
-            rinv = gl.where(smax > 0, 1.0 / gl.where(smax > 0, smax, 1.0), 0.0)
-            x, _ = _qk_chain(rs, sv, rinv, qn, z, s_zero, True)
+            g0, g1, g2, g3 = _qk_groups(rs, qn, z, s_zero)
+            c0, c1, c2, c3 = _cols(sv)
             if ROPE:  # bf16 rope (A from shared memory), not scaled: its own accumulator
                 tr = warpgroup_mma(rope.index(st), qr.index(z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                x, tr = warpgroup_mma_wait(0, deps=(x, tr))
-                x = x * gl.convert_layout(smax, ROW)[:, None] + tr
+                g0, g1, g2, g3, tr = warpgroup_mma_wait(0, deps=(g0, g1, g2, g3, tr))
+                x = tr + g0 * c0[:, None]
             else:
-                x = warpgroup_mma_wait(0, deps=(x, ))
-                x = x * gl.convert_layout(smax, ROW)[:, None]
+                g0, g1, g2, g3 = warpgroup_mma_wait(0, deps=(g0, g1, g2, g3))
+                x = g0 * c0[:, None]
+            x = x + g1 * c1[:, None] + g2 * c2[:, None] + g3 * c3[:, None]
         else:
-            x, a2 = _qk_chain(rs, 0.0, 0.0, qn, z, s_zero, False)
+            x, a2 = _qk_chain(rs, qn, z, s_zero)
             if ROPE:  # e4m3 rope, in the same chain
                 warpgroup_mma_wait(1, deps=(a2, ))
                 x = warpgroup_mma(_rope_operand(rope.index(st)), qr.index(z).permute((1, 0)), x, is_async=True)
@@ -637,10 +642,10 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
             u_new = gl.where(mx > 0, mx, u)
             f = u / u_new
             inv = 1.0 / u_new
-            pb[0].index(WG).store((p * (_col(sv, 0) * _pick(inv, 0))[:, None]).to(gl.float16))
-            pb[1].index(WG).store((p * (_col(sv, 1) * _pick(inv, 1))[:, None]).to(gl.float16))
-            pb[2].index(WG).store((p * (_col(sv, 2) * _pick(inv, 2))[:, None]).to(gl.float16))
-            pb[3].index(WG).store((p * (_col(sv, 3) * _pick(inv, 3))[:, None]).to(gl.float16))
+            pb[0].index(WG).store((p * (c0 * _pick(inv, 0))[:, None]).to(gl.float16))
+            pb[1].index(WG).store((p * (c1 * _pick(inv, 1))[:, None]).to(gl.float16))
+            pb[2].index(WG).store((p * (c2 * _pick(inv, 2))[:, None]).to(gl.float16))
+            pb[3].index(WG).store((p * (c3 * _pick(inv, 3))[:, None]).to(gl.float16))
             o0 = o0 * (alpha * _pick(f, 0))[None, :]
             o1 = o1 * (alpha * _pick(f, 1))[None, :]
             o2 = o2 * (alpha * _pick(f, 2))[None, :]
