@@ -84,6 +84,21 @@ L_V = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0]],
     lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]], warp_bases=[[0, 32], [0, 64]], block_bases=[],
     shape=[16, 128]))
+# Two rows' four e4m3 bytes ($4: row r, $5: row r + 1; dims d0..d3) -> fp16 pairs (d0 r, d0 r+1), (d1 r,
+# d1 r+1), (d2 ..), (d3 ..) in $0..$3: the byte pairing is two prmt before the converts instead of four
+# after them
+_E4M3_ROWS_ASM = gl.constexpr("""{
+.reg .b32 p0, p1;
+.reg .b16 h0, h1, h2, h3;
+prmt.b32 p0, $4, $5, 0x5140;
+prmt.b32 p1, $4, $5, 0x7362;
+mov.b32 {h0, h1}, p0;
+mov.b32 {h2, h3}, p1;
+cvt.rn.f16x2.e4m3x2 $0, h0;
+cvt.rn.f16x2.e4m3x2 $1, h1;
+cvt.rn.f16x2.e4m3x2 $2, h2;
+cvt.rn.f16x2.e4m3x2 $3, h3;
+}""")
 # fp8_ds_mla tile scales [64 rows, 4 groups] with the rows of S^T (all four in each thread's registers)
 SC_L = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
@@ -183,7 +198,11 @@ def _rope_operand(rope):
 def _pv_operand(raw, ks: gl.constexpr, G: gl.constexpr):
     """Rows 16 ks .. 16 ks + 15, group G -> the fp16 A operand V^T [128 dims (permuted, _dims), 16 rows]."""
     v = raw.slice(16 * ks, 16, dim=0).slice(128 * G, 128, dim=1).load(L_V)
-    v = v.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    # e4m3 -> fp16 with the values of rows 2t and 2t + 1 paired (what the A fragment holds in one register):
+    # _E4M3_ROWS_ASM writes element (d, r) of each 4 dims x 2 rows to the place of (d >> 1 + 2 r, d & 1); the
+    # permute below puts the labels back (register bits only: no data movement)
+    t = gl.inline_asm_elementwise(_E4M3_ROWS_ASM, "=r,=r,=r,=r,r,r", [v], gl.float16, True, 8)
+    v = t.reshape([2, 2, 2, 2, 32, 2, 2]).permute(0, 1, 2, 6, 4, 3, 5).reshape([16, 128])
     v = v.permute(1, 0).reshape([4, 8, 2, 2, 16]).permute(2, 0, 3, 1, 4).reshape([128, 16])
     return gl.convert_layout(v, A_OP)
 
