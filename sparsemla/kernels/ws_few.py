@@ -40,9 +40,9 @@ x 2^6 gives the exact dequantized value in fp16 (``_FP4N_ASM``).  Two 64 KB tile
 22 KB stages; fp8 rows, at 36 KB a stage, would get two, and measured slower that way (fp8 D-h16 77 us
 against 61 us for the register operands).
 
-Measured on the H200 (BENCHMARKS.md sections 7 and 8): D-h16 (b 128, top-k 2048) fp8 55-62 us,
-fp8_ds_mla 80 us (68-91 us across the sweeps), nvfp4_ds_mla 83 us, against 101 / 119 / 208 us for the
-Triton kernels; D-h32 1.8-2.4x faster than them.
+Measured on the H200 (BENCHMARKS.md sections 7 and 8): D-h16 (b 128, top-k 2048) fp8 53.5 us, fp8_ds_mla
+73.8 us, nvfp4_ds_mla 69.7 us, against 101 / 119 / 208 us for the Triton kernels; D-h32 1.9-2.6x faster
+than them.
 
 Same arguments and output contract as ``sparse_attention._fwd_fp8_kernel`` (split partials, normalized
 output, natural-log lse).  Gluon does not run under the Triton interpreter: CPU CI compiles it for sm_90
