@@ -17,9 +17,8 @@ Operand layout trick: a thread of the wgmma A fragment holds k (columns) 2t, 2t+
 16-wide step.  A dot product does not care about the order of k, so the kernel permutes k: a thread loads
 16 contiguous bytes of a row (one 128-bit shared load) and those bytes *are* its fragment, in the order
 the fragment wants them; q is written to shared memory once with the same permutation of its columns.
-For PV the output dims are permuted the same way (each thread loads 16 contiguous bytes of 4 rows per
-16-row step, 4 bytes for each group's accumulator; fp8_ds_mla, whose groups are its scale groups, 4 bytes
-of 4 rows per group) and un-permuted when the output is stored.  The relabelling is a reshape / permute of the
+For PV the output dims are permuted the same way (each thread loads 4 contiguous bytes of 4 rows per
+128-dim group) and un-permuted when the output is stored.  The relabelling is a reshape / permute of the
 register tensor (no data movement); ``tests/ws_compile_probe.py`` pins the SASS (128-bit shared loads, no
 spills).
 
@@ -78,7 +77,7 @@ L_QK64 = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
     lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
     shape=[64, 64]))
-# fp8_ds_mla, PV: raw e4m3 bytes [16 rows, 128 dims] (one k-step of one group): thread (w, 4g + t) holds rows
+# Raw e4m3 bytes for PV, [16 rows, 128 dims] (one k-step of one group): thread (w, 4g + t) holds rows
 # 2t, 2t + 1, 2t + 8, 2t + 9 and dims 32w + 4g .. 32w + 4g + 3 (32-bit loads).  Dim 32 w + 4 g + 2 i + h is
 # the fragment's M row 64 i + 16 w + 8 h + g (see _pv_operand and _dims).
 L_V = gl.constexpr(gl.DistributedLinearLayout(
@@ -100,17 +99,6 @@ cvt.rn.f16x2.e4m3x2 $1, h1;
 cvt.rn.f16x2.e4m3x2 $2, h2;
 cvt.rn.f16x2.e4m3x2 $3, h3;
 }""")
-# Plain fp8, PV: [16 rows, 512 bytes] at once: thread (w, 4g + t) holds rows 2t, 2t + 1, 2t + 8, 2t + 9 and
-# bytes 16s .. 16s + 15, s = 8w + g (128-bit loads); 4 of those bytes go to each group: dim 16 s + 4 G + 2 i + h
-# is group G's M row 64 i + 16 w + 8 h + g (see _dims_fp8).  fp8_ds_mla cannot: its groups are its scale groups.
-L_V16 = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0]],
-    lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases=[[0, 128], [0, 256]], block_bases=[],
-    shape=[16, 512]))
-L_V16P = gl.constexpr(gl.DistributedLinearLayout(  # the same, rows r and r + 1 of a 4-byte word adjacent
-    reg_bases=[[0, 1], [0, 2], [1, 0], [0, 4], [0, 8], [8, 0]],
-    lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases=[[0, 128], [0, 256]], block_bases=[],
-    shape=[16, 512]))
 # fp8_ds_mla tile scales [64 rows, 4 groups] with the rows of S^T (all four in each thread's registers)
 SC_L = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
@@ -187,12 +175,6 @@ def _fp4_chunk(raw, scl, C: gl.constexpr):
 
 
 @gluon.jit
-def _dims_fp8(m, G: gl.constexpr):
-    """Plain fp8: accumulator row m (0..127) of group G -> the output dim (see L_V16)."""
-    return 128 * ((m >> 4) & 3) + 16 * (m & 7) + 4 * G + 2 * (m >> 6) + ((m >> 3) & 1)
-
-
-@gluon.jit
 def _dims(m):
     """Accumulator row m (0..127) of a group -> the output dim within the group (see L_V)."""
     return 32 * ((m >> 4) & 3) + 4 * (m & 7) + 2 * (m >> 6) + ((m >> 3) & 1)
@@ -223,28 +205,6 @@ def _pv_operand(raw, ks: gl.constexpr, G: gl.constexpr):
     v = t.reshape([2, 2, 2, 2, 32, 2, 2]).permute(0, 1, 2, 6, 4, 3, 5).reshape([16, 128])
     v = v.permute(1, 0).reshape([4, 8, 2, 2, 16]).permute(2, 0, 3, 1, 4).reshape([128, 16])
     return gl.convert_layout(v, A_OP)
-
-
-@gluon.jit
-def _pv_operands_fp8(raw, ks: gl.constexpr):
-    """Plain fp8: rows 16 ks .. 16 ks + 15 of the stage -> the four groups' V^T A operands (see L_V16)."""
-    v = gl.convert_layout(raw.slice(16 * ks, 16, dim=0).load(L_V16), L_V16P)
-    t = gl.inline_asm_elementwise(_E4M3_ROWS_ASM, "=r,=r,=r,=r,r,r", [v], gl.float16, True, 8)
-    v = t.reshape([2, 2, 2, 2, 128, 2, 2]).permute(0, 1, 2, 6, 4, 3, 5).reshape([16, 512])  # as in _pv_operand
-    # [row, w, g, G // 2, G % 2, i, h] -> [i, w, h, g, row, G // 2, G % 2]
-    v = v.reshape([16, 4, 8, 2, 2, 2, 2]).permute(5, 1, 6, 2, 0, 3, 4).reshape([128, 16, 2, 2])
-    ve, vo = v.split()
-    v0, v2 = ve.split()
-    v1, v3 = vo.split()
-    return (gl.convert_layout(v0, A_OP), gl.convert_layout(v1, A_OP), gl.convert_layout(v2, A_OP),
-            gl.convert_layout(v3, A_OP))
-
-
-@gluon.jit
-def _pv_ops(raw, ks: gl.constexpr, DS: gl.constexpr):
-    if DS:
-        return _pv_operands(raw, ks)
-    return _pv_operands_fp8(raw, ks)
 
 
 @gluon.jit
@@ -721,15 +681,15 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
         # PV, one 16-row step at a time: the next step's operands are converted while this step's MMAs
         # run; each wait retires all four (waiting on an accumulator still in flight makes ptxas
         # serialize every wgmma: it then reads those registers)
-        v0, v1, v2, v3 = _pv_ops(rs, 0, DS)
+        v0, v1, v2, v3 = _pv_operands(rs, 0)
         o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 0, o0, o1, o2, o3, DS)
-        v0, v1, v2, v3 = _pv_ops(rs, 1, DS)
+        v0, v1, v2, v3 = _pv_operands(rs, 1)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 1, o0, o1, o2, o3, DS)
-        v0, v1, v2, v3 = _pv_ops(rs, 2, DS)
+        v0, v1, v2, v3 = _pv_operands(rs, 2)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 2, o0, o1, o2, o3, DS)
-        v0, v1, v2, v3 = _pv_ops(rs, 3, DS)
+        v0, v1, v2, v3 = _pv_operands(rs, 3)
         gl.thread_barrier()  # all of this warpgroup's reads of the stage are done (the MMAs read registers)
         mbarrier.arrive(free.index(st), count=1)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
@@ -761,17 +721,10 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
         heads = g * 16 + gl.arange(0, 16, layout=HEAD)
         hm = (heads < H)[None, :]
         obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh
-        mm = gl.arange(0, 128, layout=ROW)
-        if DS:
-            d0 = _dims(mm)[:, None]
-            d1 = d0 + 128
-            d2 = d0 + 256
-            d3 = d0 + 384
-        else:
-            d0 = _dims_fp8(mm, 0)[:, None]
-            d1 = _dims_fp8(mm, 1)[:, None]
-            d2 = _dims_fp8(mm, 2)[:, None]
-            d3 = _dims_fp8(mm, 3)[:, None]
+        d0 = _dims(gl.arange(0, 128, layout=ROW))[:, None]
+        d1 = d0 + 128
+        d2 = d0 + 256
+        d3 = d0 + 384
         ty = o_ptr.dtype.element_ty
         gl.store(obase + d0, (o0 * a0 + mrg.index(0).load(S_L) * a1).to(ty), mask=hm)
         gl.store(obase + d1, (o1 * a0 + mrg.index(1).load(S_L) * a1).to(ty), mask=hm)
