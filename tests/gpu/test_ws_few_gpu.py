@@ -1,6 +1,6 @@
-"""The warp-specialized few-heads kernel for fp8 / fp8_ds_mla rows (sparsemla/kernels/ws_few.py) on the
-H200: against the float64 reference, against the Triton few-heads kernel, k_scale, -1 padding, valid
-counts with garbage past them, empty rows, odd head counts, splits.  Run with `pytest -m gpu`."""
+"""The warp-specialized few-heads kernel for fp8 / fp8_ds_mla / nvfp4_ds_mla rows (sparsemla/kernels/ws_few.py)
+on the H200: against the float64 reference, against the Triton kernels, k_scale, -1 padding, valid counts
+with garbage past them, empty rows, odd head counts, splits.  Run with `pytest -m gpu`."""
 import pytest
 import torch
 
