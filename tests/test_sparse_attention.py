@@ -89,8 +89,12 @@ def test_k_scale_is_applied_once(fmt, device):
     o5, l5 = _run_native(c5, 0.1, k_scale=0.5, num_splits=1)
     _check(o1, l1, c1, 0.1, 1.0)
     _check(o5, l5, c5, 0.1, 0.5)
-    # Same source data: the two caches decode to (nearly, for fp8 rounding) the same tokens.
-    assert rel_err(o5, o1) < 0.1
+    # Same source data: the two caches decode to (nearly, for fp8 rounding) the same tokens -- unless a value
+    # saturated at 448 * k_scale in the k_scale-0.5 cache (the heavy-tailed outlier channel can reach it;
+    # each result was checked against its own float64 reference above)
+    saturated = fmt == "fp8" and bool((c1["fmt"].decode(c1["cache"].rows, 1.0).abs() >= 232).any())
+    if not saturated:
+        assert rel_err(o5, o1) < 0.1, SEED
     if fmt != "fp8":
         # The cache bytes do not depend on k_scale, and neither may the result.
         assert torch.equal(c1["cache"].rows, c5["cache"].rows)
