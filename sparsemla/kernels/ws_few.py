@@ -443,6 +443,17 @@ def _qk_chain(rs, qn, z, s_zero):
 
 
 @gluon.jit
+def _softmax_step(x, valid, m_i, l_acc):
+    """Online softmax over one block's scaled scores x [64 rows, 16 heads] (log2 units), -inf for rows without
+    a token: returns P, the factor alpha of the earlier blocks, the new running max and per-element sums."""
+    x = gl.where(valid[:, None], x, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(x, 0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(x - m_new[None, :])
+    return p, alpha, m_new, l_acc * alpha[None, :] + p
+
+
+@gluon.jit
 def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
     """nvfp4 consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...  Each block is dequantized once, into this
     warpgroup's fp16 tile in shared memory [8 chunks, 64 rows, 64 dims], and both MMAs read it from there:
@@ -476,8 +487,7 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
         z = j // (n_mine + 1)  # == 0 (see _consumer)
         st = b % n_st
         p0 = k_begin + b * 64
-        offs = p0 + gl.arange(0, 64, layout=ROW)
-        valid = gl.load(idx_row + offs, mask=offs < k_end, other=-1) >= 0
+        valid = _idx(idx_row, p0, k_end, ROW) >= 0
         mbarrier.wait(ready.index(st), (b // n_st) & 1)
         kw = 8 * (WG + z)  # this warpgroup's tile: chunks kw .. kw + 7 of kt
         rs = raw.index(st)
@@ -495,12 +505,7 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
         if ROPE:
             x = warpgroup_mma(ra, qr.index(z).permute((1, 0)), x, is_async=True)
         x = warpgroup_mma_wait(0, deps=(x, ))
-        x = gl.where(valid[:, None], x * score_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(x, 0))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(x - m_new[None, :])
-        l_acc = l_acc * alpha[None, :] + p
-        m_i = m_new
+        p, alpha, m_i, l_acc = _softmax_step(x * score_scale, valid, m_i, l_acc)
         pb[0].index(WG).store(p.to(gl.float16))
         o0 = o0 * alpha[None, :]
         o1 = o1 * alpha[None, :]
@@ -620,8 +625,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
         z = j // (n_mine + 1)
         st = b % n_st
         p0 = k_begin + b * 64
-        offs = p0 + gl.arange(0, 64, layout=ROW)
-        valid = gl.load(idx_row + offs, mask=offs < k_end, other=-1) >= 0
+        valid = _idx(idx_row, p0, k_end, ROW) >= 0
         mbarrier.wait(ready.index(st), (b // n_st) & 1)
         fence_async_shared()  # cp.async data -> the wgmma (async proxy) reads of the rope part
         rs = raw.index(st)
@@ -648,13 +652,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
                 x = warpgroup_mma(_rope_operand(rope.index(st)), qr.index(z).permute((1, 0)), x, is_async=True)
             x = warpgroup_mma_wait(0, deps=(x, ))
             x = x * k_scale
-        x = x * score_scale
-        x = gl.where(valid[:, None], x, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(x, 0))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(x - m_new[None, :])
-        l_acc = l_acc * alpha[None, :] + p
-        m_i = m_new
+        p, alpha, m_i, l_acc = _softmax_step(x * score_scale, valid, m_i, l_acc)
         if DS:
             # group units: the block's largest scale (a group without a positive scale keeps its unit)
             mx = gl.max(sv, 0)
