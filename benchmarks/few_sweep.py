@@ -1,5 +1,5 @@
-"""Time the warp-specialized few-heads kernel (sparsemla/kernels/ws_few.py) against the Triton kernels
-in one process, on the peers' decode cache (benchmarks/decode_sweep.build: 32K-token contexts in
+"""Time the warp-specialized kernels for quantized rows (sparsemla/kernels/ws_few.py at <= 32 heads,
+ws_wide.py above; bf16 rows: ws_pair.py above 32 heads) against the Triton kernels in one process, on the peers' decode cache (benchmarks/decode_sweep.build: 32K-token contexts in
 shuffled 64-row blocks, heavy-tailed values), b 128 and small batches, top-k 2048; bf16 rows alongside
 (the format a quantized cache has to beat).  Median of --reps calls, L2 flushed; % of memory
 speed-of-light with the copy ceiling measured in the same run.
@@ -67,7 +67,9 @@ def main(argv=None):
                     return lambda: _launch(fmt.name, q, rows, fmt, idx, sm, None, 1.0, out, lse,
                                            splits, None, None, None, None, ws_kernel=ws_kernel)
                 variants = [] if a.no_triton and fmt.name != "bf16" else [("triton", False, None)]
-                if fmt.name in ws_attention.FEW_KINDS:
+                ws_kind = (fmt.name in ws_attention.FEW_KINDS if h <= ws_attention.FEW_MAX_HEADS
+                           else fmt.name in ws_attention.WIDE_Q_KINDS + ("bf16",))
+                if ws_kind:
                     variants += [(f"ws-s{s}" if s else "ws", None, s or None) for s in map(int, a.splits.split(","))]
                 ref = None
                 for tag, wk, sp in variants:

@@ -27,7 +27,7 @@ def compiled():
 
 @pytest.mark.parametrize("name", ["pair-64", "pair-0", "tile-64", "tile-0",
                                   "few-ds-64", "few-ds-0", "few-fp8-64", "few-fp8-0",
-                                  "few-fp4-64", "few-fp4-0"])
+                                  "few-fp4-64", "few-fp4-0", "wide-ds-64", "wide-ds-0", "wide-fp8-64", "wide-fp8-0"])
 def test_compiles_for_sm90_within_limits(compiled, name):
     r = compiled[name]
     assert r["smem"] <= HOPPER_SMEM, r
@@ -48,8 +48,12 @@ def test_not_chosen_off_hopper_or_for_other_formats():
     kv16 = torch.zeros(4, 656, dtype=torch.uint8)
     assert not ws.few_supported(q16, kv16, "fp8_ds_mla", 16)  # CPU tensors
     assert not sa._few_ok(q16, kv16, "fp8_ds_mla", 16, None)
-    # the split plan only changes for the few-heads kernel's kinds on an sm_90 device
+    q64 = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
+    assert not ws.wide_q_supported(q64, kv16, "fp8_ds_mla", 64)  # CPU tensors
+    assert not sa._wide_q_ok(q64, kv16, "fp8_ds_mla", 64, None)
+    # the split plan only changes for the quantized kernels' kinds on an sm_90 device
     assert sa.plan_splits(128, 16, 2048, kind="fp8_ds_mla") == sa.plan_splits(128, 16, 2048)
+    assert sa.plan_splits(2, 128, 2048, kind="fp8_ds_mla") == sa.plan_splits(2, 128, 2048)
 
 
 def test_unknown_config_is_an_error():

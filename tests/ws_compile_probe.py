@@ -1,5 +1,5 @@
 """Compile the warp-specialized Gluon kernels for sm_90 (no GPU needed) and print, as JSON, per kernel and
-rope width (and the few-heads FP8 kernel per format variant): shared memory bytes, stack bytes (spills),
+rope width (and the few-heads and wide kernels for quantized rows per format variant): shared memory bytes, stack bytes (spills),
 whether the PTX is warp-specialized and whether ptxas serialized the wgmma pipeline.  Run in a
 process without TRITON_INTERPRET (under the interpreter the kernels are not compiled);
 tests/test_ws_attention.py calls it."""
@@ -72,6 +72,18 @@ def main():
                                   setmaxnreg="setmaxnreg" in ptx,
                                   mbarrier_cp_async="cp.async.mbarrier.arrive.noinc" in ptx,
                                   serialized=_serialized(ptx))
+    from sparsemla.kernels.ws_wide import ws_wide_kernel
+    for name, ds, rope, bpt in [("ds-64", True, 64, 656), ("ds-0", True, 0, 528), ("fp8-64", False, 64, 576),
+                                ("fp8-0", False, 0, 512)]:
+        cons = dict(BPT=bpt, DS=ds, ROPE=rope, NG=2, HAS_VC=True)
+        sig = dict(few_sig, **{k: "constexpr" for k in cons})
+        k = triton.compile(GluonASTSource(fn=ws_wide_kernel, signature=sig, constexprs=cons),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
+        ptx = k.asm["ptx"]
+        out[f"wide-{name}"] = dict(smem=k.metadata.shared, stack=_stack_bytes(k.asm["cubin"]),
+                                   setmaxnreg="setmaxnreg" in ptx,
+                                   mbarrier_cp_async="cp.async.mbarrier.arrive.noinc" in ptx,
+                                   serialized=_serialized(ptx))
     print(json.dumps(out))
 
 

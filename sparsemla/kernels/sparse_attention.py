@@ -747,11 +747,12 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, device=None, block_n
     fp8 20 -> 29 us; h 128: 31-35 -> 43-45), the combine step then merging 2-4x more partials (fourth
     session, ``benchmarks/small_sweep.py``)."""
     sms = _num_sms(torch.device(device)) if device is not None else 132
-    if kind is not None and device is not None and _few_planned(kind, num_heads, torch.device(device)):
-        # the warp-specialized few-heads kernel holds a whole SM (200 KB of shared memory): at most one
-        # program per SM, each split at least two 64-row blocks (one per consumer warpgroup).  On the H200
-        # at b 128, h 16 one split ran fp8_ds_mla in 70 us, two splits (two waves) in 113-147 us.
-        programs = max(1, num_tokens * -(-num_heads // 16))
+    per_program = _ws_planned(kind, num_heads, torch.device(device)) if kind is not None and device is not None else 0
+    if per_program:
+        # the warp-specialized kernels for quantized rows hold a whole SM (190-220 KB of shared memory): at
+        # most one program per SM, each split at least two 64-row blocks (one per consumer warpgroup).  On
+        # the H200 at b 128, h 16 one split ran fp8_ds_mla in 70 us, two splits (two waves) in 113-147 us.
+        programs = max(1, num_tokens * -(-num_heads // per_program))
         return max(1, min(sms // programs, max(1, topk // 128), 64))
     hb = head_block_size or head_block(num_heads)
     groups = -(-num_heads // hb)
@@ -803,18 +804,29 @@ def _ws_ok(q, kv, kind, num_heads, ws_kernel) -> bool:
     return not _gluon_off(ws_kernel) and _ws.supported(q, kv, kind, num_heads)
 
 
-def _few_planned(kind, num_heads, device) -> bool:
-    """Whether a call of this kind and head count on ``device`` goes to the warp-specialized few-heads
-    kernel by default (the split plan depends on it; q and cache alignment are checked at launch)."""
-    if _gluon_off() or device.type != "cuda":
-        return False
-    return kind in _ws.FEW_KINDS and num_heads <= _ws.FEW_MAX_HEADS and _ws._capability(device) == (9, 0)
+def _ws_planned(kind, num_heads, device) -> int:
+    """Heads per program of the warp-specialized kernel for quantized rows that a call of this kind and head
+    count on ``device`` goes to by default (16: ws_few, 64: ws_wide), or 0 (the split plan depends on it; q
+    and cache alignment are checked at launch)."""
+    if _gluon_off() or device.type != "cuda" or _ws._capability(device) != (9, 0):
+        return 0
+    if kind in _ws.FEW_KINDS and num_heads <= _ws.FEW_MAX_HEADS:
+        return 16
+    if kind in _ws.WIDE_Q_KINDS and num_heads > _ws.FEW_MAX_HEADS:
+        return 64
+    return 0
 
 
 def _few_ok(q, kv, kind, num_heads, ws_kernel) -> bool:
     """Whether the warp-specialized few-heads kernel takes this call (fp8 / fp8_ds_mla / nvfp4 rows, <= 32 heads,
     sm_90; same switches as ``_ws_ok``)."""
     return not _gluon_off(ws_kernel) and _ws.few_supported(q, kv, kind, num_heads)
+
+
+def _wide_q_ok(q, kv, kind, num_heads, ws_kernel) -> bool:
+    """Whether the warp-specialized wide kernel for quantized rows takes this call (fp8 / fp8_ds_mla rows, > 32
+    heads, sm_90; same switches as ``_ws_ok``)."""
+    return not _gluon_off(ws_kernel) and _ws.wide_q_supported(q, kv, kind, num_heads)
 
 
 def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_scale, out, lse, num_splits,
@@ -834,11 +846,17 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     # fp8 / fp8_ds_mla / nvfp4_ds_mla at <= 32 heads on sm_90: the warp-specialized kernel (ws_few.py), 16
     # heads per program, 64-row blocks (it also takes NVFP4's 17-32 heads from the Triton wide kernel); not
     # when a Triton tiling -- head block, BLOCK_N, warps, stages -- is asked for: that is a tuning run
-    few = (kernel is None and head_block_size is None and block_n is None and num_warps is None
-           and num_stages is None and ws_kernel is not False and _few_ok(q, kv, kind, h, ws_kernel))
-    wide = wide and not few and kernel is None and (head_block_size or cfg_hb) >= 64
+    # fp8 / fp8_ds_mla at more than 32 heads on sm_90: the warp-specialized wide kernel (ws_wide.py), 64 heads
+    # per program, 64-row blocks
+    tuning = not (kernel is None and head_block_size is None and block_n is None and num_warps is None
+                  and num_stages is None and ws_kernel is not False)
+    few = not tuning and _few_ok(q, kv, kind, h, ws_kernel)
+    wide_q = not tuning and not few and _wide_q_ok(q, kv, kind, h, ws_kernel)
+    wide = wide and not few and not wide_q and kernel is None and (head_block_size or cfg_hb) >= 64
     if few:
         head_block_size, block_n = 16, 64
+    if wide_q:
+        head_block_size, block_n = 64, 64
     hb = head_block_size or cfg_hb
     ng = -(-h // hb)
     if block_n is None:
@@ -848,7 +866,7 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     if num_stages is None:
         num_stages = cfg_st
     if num_splits is None:
-        num_splits = plan_splits(t, h, k, dev, block_n, hb, kind=kind if few else None)
+        num_splits = plan_splits(t, h, k, dev, block_n, hb, kind=kind if few or wide_q else None)
     num_splits = max(1, min(int(num_splits), max(1, -(-k // block_n))))
     rows_per_split = -(-(-(-k // num_splits)) // block_n) * block_n
     num_splits = max(1, -(-k // rows_per_split)) if k else 1
@@ -883,6 +901,9 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
                      DS=kind == "fp8_ds_mla", STAGED=False, ROPE=rope, **common)
     elif kernel is not None:
         kernel[grid](*args, h, k, rows_per_split, num_splits, BPT=fmt.bytes_per_token, ROPE=rope, **common)
+    elif wide_q:
+        _ws.launch_wide_q(grid, args + (float(k_scale), h, k, rows_per_split, num_splits), fmt.bytes_per_token,
+                          kind, rope, ng, valid_counts is not None)
     elif few:
         _ws.launch_few(grid, args + (float(k_scale), h, k, rows_per_split, num_splits), fmt.bytes_per_token,
                        kind, rope, ng, valid_counts is not None)

@@ -82,6 +82,26 @@ def few_supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) 
     return _capability(q.device) == (9, 0) and kv.data_ptr() % 16 == 0
 
 
+# kinds the wide quantized kernel (ws_wide.py) reads at more than FEW_MAX_HEADS heads, 64 heads per program
+WIDE_Q_KINDS = ("fp8", "fp8_ds_mla")
+
+
+def wide_q_supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) -> bool:
+    """Whether the warp-specialized wide kernel for quantized rows can take this call: fp8 / fp8_ds_mla rows
+    (rope or NoPE), more than ``FEW_MAX_HEADS`` heads, an sm_90 GPU, a 16-byte aligned cache, bf16 q."""
+    if kind not in WIDE_Q_KINDS or num_heads <= FEW_MAX_HEADS or q.device.type != "cuda" or q.dtype != torch.bfloat16:
+        return False
+    return _capability(q.device) == (9, 0) and kv.data_ptr() % 16 == 0
+
+
+def launch_wide_q(grid, args, bytes_per_token: int, kind: str, rope: int, num_groups: int, has_vc: bool):
+    """Launch ``ws_wide_kernel`` with ``_fwd_fp8_kernel``'s positional arguments (k_scale included); 12 warps
+    as ``launch_few``."""
+    from .ws_wide import ws_wide_kernel
+    ws_wide_kernel[grid](*args, BPT=bytes_per_token, DS=kind == "fp8_ds_mla", ROPE=rope, NG=num_groups,
+                         HAS_VC=has_vc, num_warps=4, maxnreg=168)
+
+
 def launch_few(grid, args, bytes_per_token: int, kind: str, rope: int, num_groups: int, has_vc: bool):
     """Launch ``ws_few_kernel`` with ``_fwd_fp8_kernel``'s positional arguments (k_scale included).  12 warps
     (two consumer warpgroups, one producer); 12 x 32 x 168 registers at launch, then setmaxnreg."""

@@ -197,14 +197,20 @@ def _rope_operand(rope):
 @gluon.jit
 def _pv_operand(raw, ks: gl.constexpr, G: gl.constexpr):
     """Rows 16 ks .. 16 ks + 15, group G -> the fp16 A operand V^T [128 dims (permuted, _dims), 16 rows]."""
+    return gl.convert_layout(_pv_values(raw, ks, G), A_OP)
+
+
+@gluon.jit
+def _pv_values(raw, ks: gl.constexpr, G: gl.constexpr):
+    """_pv_operand before its (free) conversion to the operand layout: shared with ws_wide.py, whose
+    operand layout has another N."""
     v = raw.slice(16 * ks, 16, dim=0).slice(128 * G, 128, dim=1).load(L_V)
     # e4m3 -> fp16 with the values of rows 2t and 2t + 1 paired (what the A fragment holds in one register):
     # _E4M3_ROWS_ASM puts the value of (dim d, row r) of each 4 dims x 2 rows where the tensor has (dim
     # 2 (d & 1) + r, row d >> 1); the permute below puts the labels back (register bits only: no data movement)
     t = gl.inline_asm_elementwise(_E4M3_ROWS_ASM, "=r,=r,=r,=r,r,r", [v], gl.float16, True, 8)
     v = t.reshape([2, 2, 2, 2, 32, 2, 2]).permute(0, 1, 2, 6, 4, 3, 5).reshape([16, 128])
-    v = v.permute(1, 0).reshape([4, 8, 2, 2, 16]).permute(2, 0, 3, 1, 4).reshape([128, 16])
-    return gl.convert_layout(v, A_OP)
+    return v.permute(1, 0).reshape([4, 8, 2, 2, 16]).permute(2, 0, 3, 1, 4).reshape([128, 16])
 
 
 @gluon.jit
