@@ -172,6 +172,32 @@ def _pv(rs, pbuf, rbuf, rb0, oa, ob, WG: gl.constexpr, DS: gl.constexpr):
 
 
 @gluon.jit
+def _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG: gl.constexpr, DS: gl.constexpr):
+    """PV over this warpgroup's own block of the pair (its P^T is in pb[WG]); then releases the stage."""
+    oa, ob = _pv(raw.index(st), pb.index(WG + z), rbuf, 4 * (WG + z), oa, ob, WG, DS)
+    oa, ob = warpgroup_mma_wait(0, deps=(oa, ob))
+    gl.thread_barrier()  # all of this warpgroup's reads of the stage are done
+    mbarrier.arrive(free.index(st), count=1)
+    return oa, ob
+
+
+@gluon.jit
+def _pv_other(raw, pb, rbuf, z, so, b_oth, ready, free, p_ready, p_free, ph, oa, ob, WG: gl.constexpr,
+              DS: gl.constexpr):
+    """PV over the other warpgroup's block of the pair, once its P^T is published; then releases that P^T
+    (and its ratios) and the stage."""
+    n_st: gl.constexpr = raw.shape[0]
+    mbarrier.wait(p_ready.index(1 - WG), ph)
+    mbarrier.wait(ready.index(so), (b_oth // n_st) & 1)  # passed already: makes the bytes visible here
+    oa, ob = _pv(raw.index(so), pb.index(1 - WG + z), rbuf, 4 * (1 - WG + z), oa, ob, WG, DS)
+    oa, ob = warpgroup_mma_wait(0, deps=(oa, ob))
+    gl.thread_barrier()
+    mbarrier.arrive(p_free.index(1 - WG), count=1)
+    mbarrier.arrive(free.index(so), count=1)
+    return oa, ob
+
+
+@gluon.jit
 def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr):
     """q x c into shared memory as the QK B operand, once per program, in 64-dim chunks with columns
     permuted like the A chunks (_relabel64); c: the power of two that brings this program's q into fp16
@@ -234,6 +260,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
     l_acc = gl.sum(gl.zeros([64, 64], gl.float32, S_L).reshape([4, 2, 8, 64]), 1)
     # the running max lives in shared memory between pairs (row 5 + WG of vec): 16 registers fewer
     vec.index(5 + WG).store(gl.full([64], _NEG_BIG, gl.float32, HEAD))
+    gl.thread_barrier()
     n_pairs = gl.cdiv(n_blocks, 2)
     for i in range(n_pairs):
         ph = i & 1
@@ -259,36 +286,42 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
             w = gl.full([64], 1.0, gl.float32, ROW)
         # the pair's max: publish this block's, read the other's
         m_i = vec.index(5 + WG).load(HEAD)
-        m_own = gl.maximum(m_i, gl.max(y, 0))
-        vec.index(WG).store(m_own)
+        m_blk = gl.max(y, 0)
+        vec.index(WG).store(m_blk)
         gl.thread_barrier()
         mbarrier.arrive(m_bar.index(WG), count=1)
         mbarrier.wait(m_bar.index(1 - WG), ph)
-        m_new = gl.maximum(m_own, vec.index(1 - WG).load(HEAD))
-        alpha = gl.exp2(m_i - m_new)
-        vec.index(5 + WG).store(m_new)
-        oa = oa * alpha[None, :]
-        ob = ob * alpha[None, :]
-        p = gl.exp2(y - m_new[None, :])
-        a3 = gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(0, l_acc.type.layout)))
-        l_acc = l_acc * gl.expand_dims(gl.expand_dims(a3, 0), 0) + gl.sum((p * w[:, None]).reshape([4, 2, 8, 64]), 1)
+        m_blk = gl.maximum(m_blk, vec.index(1 - WG).load(HEAD))
+        # lazy rescaling: a head's reference max moves only when its scores pass it by more than 8 (log2
+        # units; P <= 256 then, well inside fp16), and the accumulators are rescaled only in a pair where
+        # some head's moved.  Both warpgroups decide alike: they hold the same maxima.
+        upd = m_blk > m_i + 8.0
+        if gl.max(upd.to(gl.int32), 0) > 0:
+            m_new = gl.where(upd, m_blk, m_i)
+            alpha = gl.exp2(m_i - m_new)
+            oa = oa * alpha[None, :]
+            ob = ob * alpha[None, :]
+            a3 = gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(0, l_acc.type.layout)))
+            l_acc = l_acc * gl.expand_dims(gl.expand_dims(a3, 0), 0)
+            vec.index(5 + WG).store(m_new)
+            m_i = m_new
+        p = gl.exp2(y - m_i[None, :])
+        l_acc = l_acc + gl.sum((p * w[:, None]).reshape([4, 2, 8, 64]), 1)
         if own:
             pb.index(WG + z).store(p.to(gl.float16))
             fence_async_shared()
             gl.thread_barrier()  # every warp's part of P^T (and of the ratios) is in shared memory
             mbarrier.arrive(p_ready.index(WG), count=1)
-            oa, ob = _pv(raw.index(st), pb.index(WG + z), rbuf, 4 * (WG + z), oa, ob, WG, DS)
-            oa, ob = warpgroup_mma_wait(0, deps=(oa, ob))
-            gl.thread_barrier()  # all of this warpgroup's reads of the stage are done
-            mbarrier.arrive(free.index(st), count=1)
-        if oth:
-            mbarrier.wait(p_ready.index(1 - WG), ph)
-            mbarrier.wait(ready.index(so), (b_oth // n_st) & 1)  # passed already: makes the bytes visible here
-            oa, ob = _pv(raw.index(so), pb.index(1 - WG + z), rbuf, 4 * (1 - WG + z), oa, ob, WG, DS)
-            oa, ob = warpgroup_mma_wait(0, deps=(oa, ob))
-            gl.thread_barrier()
-            mbarrier.arrive(p_free.index(1 - WG), count=1)
-            mbarrier.arrive(free.index(so), count=1)
+        # both warpgroups multiply block 2i first, so that its stage is free for block 2i + 3 (which
+        # warpgroup 1 needs first thing in the next pair) while block 2i + 1 is multiplied
+        if WG == 0:
+            oa, ob = _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG, DS)
+            if oth:
+                oa, ob = _pv_other(raw, pb, rbuf, z, so, b_oth, ready, free, p_ready, p_free, ph, oa, ob, WG, DS)
+        else:
+            oa, ob = _pv_other(raw, pb, rbuf, z, so, b_oth, ready, free, p_ready, p_free, ph, oa, ob, WG, DS)
+            if own:
+                oa, ob = _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG, DS)
     if not DS:
         oa = oa * k_scale
         ob = ob * k_scale
