@@ -155,19 +155,22 @@ def _v_operand(rs, ks: gl.constexpr, G: gl.constexpr, rbuf, rb0, DS: gl.constexp
 @gluon.jit
 def _pv(rs, pbuf, rbuf, rb0, oa, ob, WG: gl.constexpr, DS: gl.constexpr):
     """O^T of this warpgroup's groups 2 WG and 2 WG + 1 += V^T P^T over one block (P^T: ``pbuf``, [64 rows,
-    64 heads] fp16); the next 16-row step's operands are converted while a step's MMAs run.  Returns the
-    pending accumulators."""
+    64 heads] fp16), 16 rows a step: a step's MMAs are issued, the previous step's retired (their operand
+    registers are free again; the wait names no accumulator, or ptxas would serialize the chain), then the
+    next step's operands are converted while the MMAs run.  Returns the pending accumulators."""
     va = _v_operand(rs, 0, 2 * WG, rbuf, rb0, DS)
     vb = _v_operand(rs, 0, 2 * WG + 1, rbuf, rb0, DS)
     for ks in gl.static_range(4):
         b = pbuf.slice(16 * ks, 16, dim=0)
         oa = warpgroup_mma(va, b, oa, is_async=True)
         ob = warpgroup_mma(vb, b, ob, is_async=True)
+        if ks > 0:
+            warpgroup_mma_wait(2, deps=(pa, pb_))
+        pa = va
+        pb_ = vb
         if ks < 3:
             va = _v_operand(rs, ks + 1, 2 * WG, rbuf, rb0, DS)
             vb = _v_operand(rs, ks + 1, 2 * WG + 1, rbuf, rb0, DS)
-            # one wait retires both (waiting on an accumulator still in flight would serialize them)
-            oa, ob = warpgroup_mma_wait(0, deps=(oa, ob))
     return oa, ob
 
 
