@@ -32,7 +32,9 @@ def test_compiles_for_sm90_within_limits(compiled, name):
     r = compiled[name]
     assert r["smem"] <= HOPPER_SMEM, r
     assert r["setmaxnreg"] and r["mbarrier_cp_async"], r  # warp-specialized, mbarrier-fed
-    assert r["stack"] <= 64, r
+    # the wide kernel for quantized rows keeps part of its normaliser's partial sums (7-16 words) in local
+    # memory: measured with it (BENCHMARKS section 9); more than that would be a new spill
+    assert r["stack"] <= (96 if name.startswith("wide") else 64), r
     # the few-heads kernel once had every wgmma serialized by ptxas (a wait that named accumulators
     # still in flight): 2x slower, and only visible in ptxas' info output
     assert not r.get("serialized", False), r
