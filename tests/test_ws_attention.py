@@ -50,6 +50,9 @@ def test_not_chosen_off_hopper_or_for_other_formats():
     kv16 = torch.zeros(4, 656, dtype=torch.uint8)
     assert not ws.few_supported(q16, kv16, "fp8_ds_mla", 16)  # CPU tensors
     assert not sa._few_ok(q16, kv16, "fp8_ds_mla", 16, None)
+    # the wide kernel for quantized rows only from WIDE_Q_MIN_PROGRAMS programs (tokens x 64-head groups)
+    assert not ws.wide_q_planned(1, 128) and not ws.wide_q_planned(31, 128) and ws.wide_q_planned(32, 128)
+    assert ws.wide_q_planned(64, 64) and not ws.wide_q_planned(128, 32)
     q64 = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
     assert not ws.wide_q_supported(q64, kv16, "fp8_ds_mla", 64)  # CPU tensors
     assert not sa._wide_q_ok(q64, kv16, "fp8_ds_mla", 64, None)

@@ -747,7 +747,8 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, device=None, block_n
     fp8 20 -> 29 us; h 128: 31-35 -> 43-45), the combine step then merging 2-4x more partials (fourth
     session, ``benchmarks/small_sweep.py``)."""
     sms = _num_sms(torch.device(device)) if device is not None else 132
-    per_program = _ws_planned(kind, num_heads, torch.device(device)) if kind is not None and device is not None else 0
+    per_program = (_ws_planned(kind, num_tokens, num_heads, torch.device(device))
+                   if kind is not None and device is not None else 0)
     if per_program:
         # the warp-specialized kernels for quantized rows hold a whole SM (190-220 KB of shared memory): at
         # most one program per SM, each split at least two 64-row blocks (one per consumer warpgroup).  On
@@ -804,7 +805,7 @@ def _ws_ok(q, kv, kind, num_heads, ws_kernel) -> bool:
     return not _gluon_off(ws_kernel) and _ws.supported(q, kv, kind, num_heads)
 
 
-def _ws_planned(kind, num_heads, device) -> int:
+def _ws_planned(kind, num_tokens, num_heads, device) -> int:
     """Heads per program of the warp-specialized kernel for quantized rows that a call of this kind and head
     count on ``device`` goes to by default (16: ws_few, 64: ws_wide), or 0 (the split plan depends on it; q
     and cache alignment are checked at launch)."""
@@ -812,7 +813,7 @@ def _ws_planned(kind, num_heads, device) -> int:
         return 0
     if kind in _ws.FEW_KINDS and num_heads <= _ws.FEW_MAX_HEADS:
         return 16
-    if kind in _ws.WIDE_Q_KINDS and num_heads > _ws.FEW_MAX_HEADS:
+    if kind in _ws.WIDE_Q_KINDS and _ws.wide_q_planned(num_tokens, num_heads):
         return 64
     return 0
 

@@ -84,12 +84,23 @@ def few_supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) 
 
 # kinds the wide quantized kernel (ws_wide.py) reads at more than FEW_MAX_HEADS heads, 64 heads per program
 WIDE_Q_KINDS = ("fp8", "fp8_ds_mla")
+# Fewest programs (tokens x 64-head groups) for which it is chosen: below, the Triton wide kernel is faster
+# (H200, fp8_ds_mla at 128 heads, eighth session: b 16 Triton 150 vs 167-208 us, b 64 265 vs 173 us; b 1
+# 21 us on Triton against 47-63 us here)
+WIDE_Q_MIN_PROGRAMS = 64
+
+
+def wide_q_planned(num_tokens: int, num_heads: int) -> bool:
+    """Whether a call this size is big enough for the wide kernel for quantized rows (see WIDE_Q_MIN_PROGRAMS)."""
+    return num_heads > FEW_MAX_HEADS and num_tokens * -(-num_heads // 64) >= WIDE_Q_MIN_PROGRAMS
 
 
 def wide_q_supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) -> bool:
-    """Whether the warp-specialized wide kernel for quantized rows can take this call: fp8 / fp8_ds_mla rows
-    (rope or NoPE), more than ``FEW_MAX_HEADS`` heads, an sm_90 GPU, a 16-byte aligned cache, bf16 q."""
-    if kind not in WIDE_Q_KINDS or num_heads <= FEW_MAX_HEADS or q.device.type != "cuda" or q.dtype != torch.bfloat16:
+    """Whether the warp-specialized wide kernel for quantized rows takes this call: fp8 / fp8_ds_mla rows (rope
+    or NoPE), more than ``FEW_MAX_HEADS`` heads and at least ``WIDE_Q_MIN_PROGRAMS`` programs, an sm_90 GPU, a
+    16-byte aligned cache, bf16 q."""
+    if (kind not in WIDE_Q_KINDS or not wide_q_planned(q.shape[0], num_heads) or q.device.type != "cuda"
+            or q.dtype != torch.bfloat16):
         return False
     return _capability(q.device) == (9, 0) and kv.data_ptr() % 16 == 0
 

@@ -15,6 +15,12 @@ from attn_cases import SEED, launch_case, lse_err, make_case, rel_err  # noqa: E
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def _any_size(monkeypatch):
+    """The test cases are small (3-5 tokens): take the wide kernel where the dispatch would pick Triton."""
+    monkeypatch.setattr(ws, "WIDE_Q_MIN_PROGRAMS", 1)
+
+
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8", "fp8-nope"])
 @pytest.mark.parametrize("heads,topk,splits", [(64, 2048, 1), (128, 2048, None), (33, 64, 1), (100, 2051, 3),
                                                (64, 192, None), (128, 320, 2)])
