@@ -21,7 +21,9 @@ Two kernel shapes, chosen by head count (``kernel_config``):
 - more than 32 heads (compute-bound): ``_fwd_wide_kernel`` for every format, 64 heads per program on wgmma,
   each K tile converted once to bf16 in natural dim order and read from shared memory by both dots --
   except bf16 rows on sm_90, which go to the warp-specialized Gluon kernels of ``ws_attention`` (a
-  producer warpgroup gathering rows with cp.async, two consumer warpgroups; 1.5-2x faster on the H200).
+  producer warpgroup gathering rows with cp.async, two consumer warpgroups; 1.5-2x faster on the H200), and
+  fp8 / fp8_ds_mla rows on sm_90 when the call has at least 64 programs' worth of work, which go to
+  ``ws_wide`` (the few-heads kernel's register operands with the bf16 kernel's pair schedule; 1.3-1.8x).
 
 Number formats on the tensor cores (few-heads kernels), and why:
 - e4m3 -> fp16 is exact and is one packed ``cvt.rn.f16x2.e4m3x2`` per two values (e4m3 -> bf16 costs two more

@@ -35,6 +35,8 @@ def write_into_last_rows(fid: str, strided: bool = False):
 
 
 def main():
+    from sparsemla.kernels import ws_attention
+    ws_attention.WIDE_Q_MIN_PROGRAMS = 1  # the small cases below then run the wide kernel for quantized rows
     for fmt in ["bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "fp8_ds_mla-nope", "nvfp4_ds_mla-nope", "fp8-nope"]:
         for heads, splits in [(20, 2), (70, 1), (16, 1)]:
             c = make_case(fmt, 3, heads, 128, ctx=256, block_size=64, device="cuda")
