@@ -20,9 +20,16 @@ per-program power of two, k_scale applied to the scores and the output.  fp8_ds_
 scale per 128-dim group: with u_r = the row's largest scale, the A operands hold e4m3 x (scale / u_r)
 (<= 448 in magnitude: fp16 is safe whatever the scales), so the MMAs give S / u_r and V / u_r.  The
 scores are multiplied back by u_r (folded into the log2 scaling), and instead of P the kernel stores
-``P' = P x u_r``, computed as ``exp2(s + log2 u_r - m)`` where m is the running max of ``s + log2 u_r``:
-P' <= 1 (fp16 again), ``P' (V / u_r) = P V``, and the normaliser adds ``P' / u_r``.  The bf16 rope part
-multiplies in bf16 first (A from shared memory) and is divided by u_r before the fp16 chain joins it.
+``P' = P x u_r``, computed as ``exp2(s + log2 u_r - m)`` where m is the reference max of ``s + log2 u_r``,
+``P' (V / u_r) = P V``, and the normaliser adds ``P' / u_r``.  The reference max is lazy: a head's moves only
+when its scores pass it by more than 8 (log2 units), so P' <= 256 (fp16 again) and the accumulators are
+rescaled only in the pairs where some head's moved.  The bf16 rope part multiplies in bf16 first (A from
+shared memory) and is divided by u_r before the fp16 chain joins it.
+
+Measured on the H200 (BENCHMARKS.md section 9; b 128, top-k 2048): fp8 127.6 / 232.9 us at 64 / 128 heads
+(was 236 / 386 on the Triton wide kernel), fp8_ds_mla 161.6 / 294.2 us (was 228 / 370).  With fewer than
+64 programs (tokens x 64-head groups) it is slower than the Triton kernel, and the dispatch keeps those
+calls there (``ws_attention.WIDE_Q_MIN_PROGRAMS``).
 
 Same arguments and output contract as ``ws_few.ws_few_kernel`` (split partials, normalized output,
 natural-log lse).  Gluon does not run under the Triton interpreter: CPU CI compiles it for sm_90
@@ -36,7 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from .ws_attention import _NEG_BIG, _coords
-from .ws_few import L_QK64, SC_L, _absmax, _dims, _idx, _p_ds, _p_ds_nope, _p_fp8, _p_fp8_nope, _pv_values, _q_group, _relabel64
+from .ws_few import (L_QK64, SC_L, _absmax, _dims, _idx, _p_ds, _p_ds_nope, _p_fp8, _p_fp8_nope, _pv_values, _q_group,
+                     _relabel64)
 
 NS = gl.constexpr(3)  # ring stages of 64 rows
 
@@ -77,7 +85,8 @@ def _chunk(raw, C: gl.constexpr, r):
 def _scores(rs, sc_st, rope_st, qn, qr, z, valid, ss, rbuf, rb0, DS: gl.constexpr, ROPE: gl.constexpr):
     """One block's scores in log2 units, [64 rows, 64 heads] (-inf for rows without a token), and the
     normaliser weight of each row (1 / u_r; fp8: 1).  fp8_ds_mla: also stores the rows' scale / u_r (fp16)
-    in rows rb0 .. rb0 + 3 of ``rbuf`` [8, 64] (one per group) for the PV operands.  ``ss``: log2(e) sm_scale / c (fp8: x k_scale)."""
+    in rows rb0 .. rb0 + 3 of ``rbuf`` [8, 64] (one per group) for the PV operands.  ``ss``: log2(e) sm_scale
+    / c (fp8: x k_scale)."""
     s_zero = gl.zeros([64, 64], gl.float32, S_L)
     if DS:
         sv = sc_st.load(SC_L)  # 0 for a -1 row (cp.async zero-fills it)
@@ -410,8 +419,9 @@ def ws_wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_p
     rbuf = gl.allocate_shared_memory(gl.float16, [8, 64], plain)
     if DS:
         scl = gl.allocate_shared_memory(gl.float32, [NS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        rope = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16))
-        qr = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16))
+        bf16_64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+        rope = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], bf16_64)
+        qr = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], bf16_64)
     else:
         scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
@@ -438,8 +448,8 @@ def ws_wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_p
            lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
            (raw, scl, rope, qn, qr, pb, rbuf, vec), (q_bar, ready, free, m_bar, p_ready, p_free, l_bar), NG, HAS_VC), )
     # ws_few's producer: it reads (raw, scl, rope) of its smem tuple and (ready, free) of its barriers
-    pa = ((kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, (raw, scl, rope, qn, qr, pb, rbuf, vec),
-           (q_bar, ready, free, l_bar), NG, HAS_VC), )
+    pa = ((kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits,
+           (raw, scl, rope, qn, qr, pb, rbuf, vec), (q_bar, ready, free, l_bar), NG, HAS_VC), )
     if DS:
         if ROPE:
             gl.warp_specialize([(_c0_ds, ca), (_c1_ds, ca), (_p_ds, pa)], [4, 4], [232, 40])
