@@ -1,13 +1,17 @@
-"""A/B of ws_wide kernel versions in one process (eighth session): each module's ws_wide_kernel is launched
+"""A/B of ws_wide kernel versions in one process (eighth session): each version's ws_wide_kernel is launched
 through sparse_attention._launch (dispatch, split plan and combine unchanged) on the peers' decode cache.
+A version is a module name or ``git:REV`` (sparsemla/kernels/ws_wide.py as committed at REV, written to a
+temporary module: the first version is 52f8a4c, the second 1275410).
 
-    python tools/exp/wide_ab.py --mods sparsemla.kernels.ws_wide,tools.exp.ws_wide_v1 --heads 64,128
+    python tools/exp/wide_ab.py --mods sparsemla.kernels.ws_wide,git:1275410 --heads 64,128
 """
 import argparse
 import importlib
 import json
 import os
+import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -21,8 +25,25 @@ from sparsemla.kernels import ws_attention  # noqa: E402
 from sparsemla.kernels.sparse_attention import _launch  # noqa: E402
 
 
+def _module(spec):
+    """A module name, or git:REV -> ws_wide.py at REV as an importable module (relative imports made absolute)."""
+    if not spec.startswith("git:"):
+        return importlib.import_module(spec)
+    rev = spec[4:]
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    src = subprocess.run(["git", "show", f"{rev}:sparsemla/kernels/ws_wide.py"], cwd=root, check=True,
+                         capture_output=True, text=True).stdout
+    src = src.replace("from .ws_", "from sparsemla.kernels.ws_")
+    d = tempfile.mkdtemp(prefix="ws_wide_")
+    name = f"ws_wide_{rev}"
+    with open(os.path.join(d, name + ".py"), "w") as f:
+        f.write(src)
+    sys.path.insert(0, d)
+    return importlib.import_module(name)
+
+
 def patched(mod):
-    kern = importlib.import_module(mod).ws_wide_kernel
+    kern = _module(mod).ws_wide_kernel
 
     def launch(grid, args, bpt, kind, rope, ng, has_vc):
         kern[grid](*args, BPT=bpt, DS=kind == "fp8_ds_mla", ROPE=rope, NG=ng, HAS_VC=has_vc, num_warps=4, maxnreg=168)
