@@ -47,6 +47,16 @@ def _coords(H, K, vc_ptr, rows_per_split, num_splits, NG: gl.constexpr, HAS_VC: 
     return t, s, g, k_begin, k_end
 
 
+@gluon.jit
+def _normalizer(m, l):
+    """From a head's running max ``m`` (log2 units) and sum ``l``: 1 / l and the natural-log lse; 0 and -inf for
+    a head without a valid row (l == 0)."""
+    has = l > 0
+    inv_l = gl.where(has, 1.0 / gl.where(has, l, 1.0), 0.0)
+    lse = gl.where(has, (m + gl.log2(gl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
+    return inv_l, lse
+
+
 _CAPABILITY: dict = {}
 
 

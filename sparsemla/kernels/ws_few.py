@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .ws_attention import _NEG_BIG, _coords
+from .ws_attention import _NEG_BIG, _coords, _normalizer
 
 NS = gl.constexpr(4)  # ring stages of 64 rows (fp8 / fp8_ds_mla rows; nvfp4 rows have 3, see the kernel)
 
@@ -551,7 +551,7 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
         mbarrier.arrive(done_bar, count=1)
     else:
         mbarrier.wait(done_bar, 0)
-        a0, a1, has, lse = _merge_weights(m_i, l_i, vec)
+        a0, a1, lse = _merge_weights(m_i, l_i, vec)
         heads = g * 16 + gl.arange(0, 16, layout=HEAD)
         hm = (heads < H)[None, :]
         obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh
@@ -587,18 +587,16 @@ def _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.co
 
 @gluon.jit
 def _merge_weights(m_i, l_i, vec):
-    """Warpgroup 0's and 1's weights (each [1, 16]) in the merged, normalized output, whether a head has any
-    row, and the natural-log lse, from warpgroup 0's (m_i, l_i) and warpgroup 1's (in ``vec``)."""
+    """Warpgroup 0's and 1's weights (each [1, 16]) in the merged, normalized output and the natural-log lse,
+    from warpgroup 0's (m_i, l_i) and warpgroup 1's (in ``vec``)."""
     m1 = vec.index(0).load(HEAD)
     l1 = vec.index(1).load(HEAD)
     m = gl.maximum(m_i, m1)
     w0 = gl.exp2(m_i - m)
     w1 = gl.exp2(m1 - m)
     l_t = l_i * w0 + l1 * w1
-    has = l_t > 0
-    inv_l = gl.where(has, 1.0 / gl.where(has, l_t, 1.0), 0.0)
-    lse = gl.where(has, (m + gl.log2(gl.where(has, l_t, 1.0))) * 0.6931471805599453, float("-inf"))
-    return (w0 * inv_l)[None, :], (w1 * inv_l)[None, :], has, lse
+    inv_l, lse = _normalizer(m, l_t)
+    return (w0 * inv_l)[None, :], (w1 * inv_l)[None, :], lse
 
 
 @gluon.jit
@@ -721,7 +719,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
         mbarrier.arrive(done_bar, count=1)
     else:
         mbarrier.wait(done_bar, 0)
-        a0, a1, has, lse = _merge_weights(m_i, l_i, vec)
+        a0, a1, lse = _merge_weights(m_i, l_i, vec)
         heads = g * 16 + gl.arange(0, 16, layout=HEAD)
         hm = (heads < H)[None, :]
         obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh

@@ -22,7 +22,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .ws_attention import _NEG_BIG, _coords
+from .ws_attention import _NEG_BIG, _coords, _normalizer
 
 PRODUCER_REGS = gl.constexpr(56)
 
@@ -140,9 +140,7 @@ def _consumer(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride
         mbarrier.arrive(empty.index(b), count=1)
 
     l_i = gl.sum(l_acc, 1)
-    has = l_i > 0
-    inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
-    lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    inv_l, lse = _normalizer(m_i, l_i)
     heads = g * 64 + gl.arange(0, 64, layout=orow_l)
     cols = gl.arange(0, 512, layout=gl.SliceLayout(0, o_layout))
     o = acc * gl.convert_layout(inv_l, orow_l)[:, None]
