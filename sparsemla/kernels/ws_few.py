@@ -545,16 +545,10 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
         mrg.index(21).store(o5)
         mrg.index(22).store(o6)
         mrg.index(23).store(o7)
-        vec.index(0).store(m_i)
-        vec.index(1).store(l_i)
-        gl.thread_barrier()
-        mbarrier.arrive(done_bar, count=1)
+        _publish(m_i, l_i, vec, done_bar)
     else:
-        mbarrier.wait(done_bar, 0)
-        a0, a1, lse = _merge_weights(m_i, l_i, vec)
-        heads = g * 16 + gl.arange(0, 16, layout=HEAD)
-        hm = (heads < H)[None, :]
-        obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh
+        a0, a1, lse, heads, hm, obase = _merge_start(m_i, l_i, vec, done_bar, o_ptr, stride_ot, stride_os, stride_oh,
+                                                     t, s, g, H)
         d = gl.arange(0, 64, layout=ROW)[:, None]
         ty = o_ptr.dtype.element_ty
         gl.store(obase + d, (o0 * a0 + mrg.index(16).load(S_L) * a1).to(ty), mask=hm)
@@ -586,17 +580,29 @@ def _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.co
 
 
 @gluon.jit
-def _merge_weights(m_i, l_i, vec):
-    """Warpgroup 0's and 1's weights (each [1, 16]) in the merged, normalized output and the natural-log lse,
-    from warpgroup 0's (m_i, l_i) and warpgroup 1's (in ``vec``)."""
+def _publish(m_i, l_i, vec, done_bar):
+    """Warpgroup 1, its accumulators stored for the merge: its running max and sum to warpgroup 0."""
+    vec.index(0).store(m_i)
+    vec.index(1).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(done_bar, count=1)
+
+
+@gluon.jit
+def _merge_start(m_i, l_i, vec, done_bar, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H):
+    """Warpgroup 0, once warpgroup 1 has published: the two warpgroups' weights (each [1, 16]) in the merged,
+    normalized output, the natural-log lse, and the program's heads, head mask and output row pointers."""
+    mbarrier.wait(done_bar, 0)
     m1 = vec.index(0).load(HEAD)
     l1 = vec.index(1).load(HEAD)
     m = gl.maximum(m_i, m1)
     w0 = gl.exp2(m_i - m)
     w1 = gl.exp2(m1 - m)
-    l_t = l_i * w0 + l1 * w1
-    inv_l, lse = _normalizer(m, l_t)
-    return (w0 * inv_l)[None, :], (w1 * inv_l)[None, :], lse
+    inv_l, lse = _normalizer(m, l_i * w0 + l1 * w1)
+    heads = g * 16 + gl.arange(0, 16, layout=HEAD)
+    hm = (heads < H)[None, :]
+    obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh
+    return (w0 * inv_l)[None, :], (w1 * inv_l)[None, :], lse, heads, hm, obase
 
 
 @gluon.jit
@@ -713,16 +719,10 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
         mrg.index(1).store(o1)
         mrg.index(2).store(o2)
         mrg.index(3).store(o3)
-        vec.index(0).store(m_i)
-        vec.index(1).store(l_i)
-        gl.thread_barrier()
-        mbarrier.arrive(done_bar, count=1)
+        _publish(m_i, l_i, vec, done_bar)
     else:
-        mbarrier.wait(done_bar, 0)
-        a0, a1, lse = _merge_weights(m_i, l_i, vec)
-        heads = g * 16 + gl.arange(0, 16, layout=HEAD)
-        hm = (heads < H)[None, :]
-        obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh
+        a0, a1, lse, heads, hm, obase = _merge_start(m_i, l_i, vec, done_bar, o_ptr, stride_ot, stride_os, stride_oh,
+                                                     t, s, g, H)
         d0 = _dims(gl.arange(0, 128, layout=ROW))[:, None]
         d1 = d0 + 128
         d2 = d0 + 256
