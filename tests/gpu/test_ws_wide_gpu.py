@@ -10,7 +10,7 @@ from sparsemla.reference import sparse_mla
 
 import sys, os  # noqa: E401
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from attn_cases import SEED, launch_case, lse_err, make_case, rel_err  # noqa: E402
+from attn_cases import SEED, check_ws_case, launch_case, lse_err, make_case, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -31,19 +31,8 @@ def test_ws_wide_matches_reference(fmt, heads, topk, splits):
     c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda",
                   k_scale=k_scale)
     assert ws.wide_q_supported(c["q"], c["cache"].rows, c["fmt"].name, heads)
-    sm_scale = c["fmt"].head_dim ** -0.5
-    out, lse = launch_case(c, sm_scale, None, splits, k_scale)
-    ref_o, ref_l = sparse_mla(c["q"].double(), c["cache"], c["indices"], sm_scale, c["valid_counts"], k_scale)
-    assert torch.isfinite(out.float()).all(), f"seed {SEED}"
-    assert rel_err(out, ref_o) <= 1e-2, (rel_err(out, ref_o), SEED)
-    assert lse_err(lse, ref_l) <= 1e-2, (lse_err(lse, ref_l), SEED)
-    empty = c["valid_counts"] == 0
-    assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
-    # the Triton wide kernel on the same rows (bf16 operands there, fp16 here: compared at the fp8 tolerance)
-    o2, l2 = launch_case(c, sm_scale, False, splits, k_scale)
-    fin = torch.isfinite(ref_l)
-    lse_tol = 2e-3 * max(1.0, ref_l[fin].abs().max().item() / 100) if fin.any() else 2e-3
-    assert rel_err(out, o2) <= 1e-2 and lse_err(lse, l2) <= lse_tol, (rel_err(out, o2), lse_err(lse, l2), SEED)
+    # the Triton wide kernel on the same rows: bf16 operands there, fp16 here, compared at the fp8 tolerance
+    check_ws_case(c, c["fmt"].head_dim ** -0.5, k_scale, splits, 1e-2, 2e-3)
 
 
 def test_ws_wide_k_scale_applied_once():
