@@ -32,9 +32,10 @@ def test_compiles_for_sm90_within_limits(compiled, name):
     r = compiled[name]
     assert r["smem"] <= HOPPER_SMEM, r
     assert r["setmaxnreg"] and r["mbarrier_cp_async"], r  # warp-specialized, mbarrier-fed
-    # the wide kernel for quantized rows keeps part of its normaliser's partial sums (7-16 words) in local
-    # memory: measured with it (BENCHMARKS section 9); more than that would be a new spill
-    assert r["stack"] <= (96 if name.startswith("wide") else 64), r
+    # the wide kernel for quantized rows keeps part of its loop state (the normaliser's partial sums, 7-26
+    # words) in local memory: measured with it (BENCHMARKS sections 9-10; 80-104 bytes in this probe, which
+    # compiles without the launcher's divisibility specializations); more than that would be a new spill
+    assert r["stack"] <= (112 if name.startswith("wide") else 64), r
     # the few-heads kernel once had every wgmma serialized by ptxas (a wait that named accumulators
     # still in flight): 2x slower, and only visible in ptxas' info output
     assert not r.get("serialized", False), r

@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .ws_attention import _NEG_BIG, _coords, _normalizer
+from .ws_attention import _NEG_BIG, _coords, _normalizer, _rcp
 
 NS = gl.constexpr(4)  # ring stages of 64 rows (fp8 / fp8_ds_mla rows; nvfp4 rows have 3, see the kernel)
 
@@ -667,8 +667,8 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
             # group units: the block's largest scale (a group without a positive scale keeps its unit)
             mx = gl.max(sv, 0)
             u_new = gl.where(mx > 0, mx, u)
-            f = u / u_new
-            inv = 1.0 / u_new
+            inv = _rcp(u_new)
+            f = u * inv
             pb[0].index(WG).store((p * (c0 * _pick(inv, 0))[:, None]).to(gl.float16))
             pb[1].index(WG).store((p * (c1 * _pick(inv, 1))[:, None]).to(gl.float16))
             pb[2].index(WG).store((p * (c2 * _pick(inv, 2))[:, None]).to(gl.float16))

@@ -106,11 +106,12 @@ def _scores(rs, sc_st, rope_st, qn, qr, z, valid, ss, rbuf, rb0, DS: gl.constexp
         r2 = gl.convert_layout(r2, QROW)
         r3 = gl.convert_layout(r3, QROW)
         ur = gl.convert_layout(u1, ROW)
+        inv_ur = 1.0 / ur
         if ROPE:  # bf16 rope first (A from shared memory), then brought to units of u_r
             x = warpgroup_mma(rope_st, qr.index(z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             a = _chunk(rs, 0, r0)
             x = warpgroup_mma_wait(0, deps=(x, ))
-            x = x * (1.0 / ur)[:, None]
+            x = x * inv_ur[:, None]
             x = warpgroup_mma(a, qn.index(0 + z).permute((1, 0)), x, is_async=True)
         else:
             a = _chunk(rs, 0, r0)
@@ -131,7 +132,7 @@ def _scores(rs, sc_st, rope_st, qn, qr, z, valid, ss, rbuf, rb0, DS: gl.constexp
             prev = a
         x = warpgroup_mma_wait(0, deps=(x, ))
         bias = gl.where(valid, gl.log2(ur), float("-inf"))
-        return x * (ur * ss)[:, None] + bias[:, None], 1.0 / ur
+        return x * (ur * ss)[:, None] + bias[:, None], inv_ur
     else:
         a = _chunk(rs, 0, None)
         x = warpgroup_mma(a, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -210,34 +211,74 @@ def _pv_other(raw, pb, rbuf, z, so, b_oth, ready, free, p_ready, p_free, ph, oa,
 
 
 @gluon.jit
-def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr):
-    """q x c into shared memory as the QK B operand, once per program, in 64-dim chunks with columns
-    permuted like the A chunks (_relabel64); c: the power of two that brings this program's q into fp16
-    range (amax x c in [2^13, 2^15); the rope dims count for plain fp8, whose rope is chunk 8).  fp8_ds_mla:
-    the rope part bf16 in natural order.  Two passes over q (the second from L1/L2) keep the registers low."""
+def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
+             ROPE: gl.constexpr):
+    """q x c into shared memory as the QK B operand, once per program, half by each consumer warpgroup
+    (WG w: latent groups 2w, 2w + 1; warpgroup 1 also the rope), in 64-dim chunks with columns permuted like
+    the A chunks (_relabel64); c: the power of two that brings this program's q into fp16 range (amax x c in
+    [2^13, 2^15); the rope dims count for plain fp8, whose rope is chunk 8).  fp8_ds_mla: the rope part bf16
+    in natural order.  The two halves' maxima meet through ``vec`` rows 7 / 8; ``q_bar[w]``: warpgroup w's
+    maximum is published, ``q_bar[2 + w]``: its chunks are stored (two barriers, not two phases of one: a
+    warpgroup could otherwise complete both phases before the other waits for the first).  Returns c."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     heads = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
     hm = (heads < H)[:, None]
     q_row = q_ptr + t.to(gl.int64) * stride_qt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_qh
-    amax = gl.maximum(gl.maximum(_absmax(_q_group(q_row, hm, 0, lay)), _absmax(_q_group(q_row, hm, 128, lay))),
-                      gl.maximum(_absmax(_q_group(q_row, hm, 256, lay)), _absmax(_q_group(q_row, hm, 384, lay))))
-    if ROPE:
+    amax = gl.maximum(_absmax(_q_group(q_row, hm, 256 * WG, lay)), _absmax(_q_group(q_row, hm, 256 * WG + 128, lay)))
+    if ROPE and WG == 1:
         k64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
         xr = gl.load(q_row + 512 + k64[None, :], mask=hm, other=0.0).to(gl.float32)
         if not DS:
             amax = gl.maximum(amax, _absmax(xr))
+    vec.index(7 + WG).store(gl.full([64], 1.0, gl.float32, HEAD) * amax)
+    gl.thread_barrier()
+    mbarrier.arrive(q_bar.index(WG), count=1)
+    mbarrier.wait(q_bar.index(1 - WG), 0)
+    amax = gl.maximum(amax, gl.max(vec.index(8 - WG).load(HEAD), 0))
     e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
     c = gl.where(amax > 0, gl.exp2(13.0 - e), 1.0)
-    for G in gl.static_range(4):
-        lo, hi = (_q_group(q_row, hm, 128 * G, lay) * c).reshape([64, 2, 64]).permute(0, 2, 1).split()
-        qn.index(2 * G).store(_relabel64(lo).to(gl.float16))
-        qn.index(2 * G + 1).store(_relabel64(hi).to(gl.float16))
-    if ROPE:
+    for G in gl.static_range(2):  # loaded again (from L1 / L2): q is not held across the wait
+        x = _q_group(q_row, hm, 256 * WG + 128 * G, lay)
+        lo, hi = (x * c).reshape([64, 2, 64]).permute(0, 2, 1).split()
+        qn.index(4 * WG + 2 * G).store(_relabel64(lo).to(gl.float16))
+        qn.index(4 * WG + 2 * G + 1).store(_relabel64(hi).to(gl.float16))
+    if ROPE and WG == 1:
         if DS:
             qr.index(0).store((xr * c).to(gl.bfloat16))
         else:
             qn.index(8).store(_relabel64(xr * c).to(gl.float16))
+    fence_async_shared()  # generic stores -> the wgmma (async proxy) reads of q
+    gl.thread_barrier()
+    mbarrier.arrive(q_bar.index(2 + WG), count=1)
+    mbarrier.wait(q_bar.index(3 - WG), 0)
     return c
+
+
+@gluon.jit
+def _unpermute(o):
+    """O^T [128 accumulator rows m, 64 heads] -> O [64 heads, 128 dims], row m being dim ws_few._dims(m)
+    (dim bits 6..0 = m bits 5, 4, 2, 1, 0, 6, 3): a register relabelling, no data movement."""
+    x = o.reshape([2, 2, 2, 2, 2, 2, 2, 64]).permute(1, 2, 4, 5, 6, 0, 3, 7).reshape([128, 64])
+    return x.permute(1, 0)
+
+
+@gluon.jit
+def _store_group(o, scale, buf, o_tok, g, H, stride_oh, col0):
+    """One 128-dim group of the output: O^T [128 accumulator rows, 64 heads] x scale (per head) -> columns
+    col0 .. col0 + 127 of heads 64 g .. 64 g + 63 at ``o_tok`` (row stride ``stride_oh``), through shared
+    memory (``buf``: [64, 128] of the output type).  In the accumulator layout each thread holds 4
+    consecutive dims of 32 heads, which written directly are 128 scattered 2-byte stores a thread (~1600
+    instructions a warpgroup, once per program); read back row-wise they are 16-byte stores of whole rows."""
+    ty: gl.constexpr = buf.dtype
+    vec_n: gl.constexpr = 128 // ty.primitive_bitwidth
+    out_l: gl.constexpr = gl.BlockedLayout([1, vec_n], [32 * vec_n // 128, 128 // vec_n], [4, 1], [1, 0])
+    buf.store(_unpermute((o * scale[None, :]).to(ty)))
+    gl.thread_barrier()
+    heads = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
+    d = col0 + gl.arange(0, 128, layout=gl.SliceLayout(0, out_l))
+    gl.store(o_tok + heads.to(gl.int64)[:, None] * stride_oh + d[None, :], buf.load(out_l),
+             mask=(heads < H)[:, None])
+    gl.thread_barrier()  # every warp has read buf before it is written again
 
 
 @gluon.jit
@@ -253,15 +294,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    if WG == 0:
-        c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE)
-        vec.index(4).store(gl.full([64], 1.0, gl.float32, HEAD) * c)  # c for warpgroup 1
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(q_bar, count=1)
-    else:
-        mbarrier.wait(q_bar, 0)
-        c = gl.max(vec.index(4).load(HEAD), 0)
+    c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE)
     ss = sm_scale_log2 / c
     if not DS:
         ss = ss * k_scale
@@ -334,28 +367,31 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
             oa, ob = _pv_other(raw, pb, rbuf, z, so, b_oth, ready, free, p_ready, p_free, ph, oa, ob, WG, DS)
             if own:
                 oa, ob = _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG, DS)
-    if not DS:
-        oa = oa * k_scale
-        ob = ob * k_scale
     # the normaliser: this warpgroup's blocks plus the other's (both use the same running max)
     l_own = gl.convert_layout(gl.sum(gl.sum(l_acc, 1), 0), HEAD)  # lanes first: a small cross-warp scratch
     vec.index(2 + WG).store(l_own)
     gl.thread_barrier()
     mbarrier.arrive(l_bar.index(WG), count=1)
-    mbarrier.wait(l_bar.index(1 - WG), 0)
+    mbarrier.wait(l_bar.index(1 - WG), 0)  # also: the other warpgroup has read every stage for the last time
     l_i = l_own + vec.index(3 - WG).load(HEAD)
     m_i = vec.index(5 + WG).load(HEAD)
+    # IEEE 1 / l and libdevice log2, written out here: through ws_attention._normalizer (approximate, inline
+    # asm) ptxas allocated the loop's registers differently and fp8_ds_mla ran ~9 % slower per pair (H200
+    # A/B, ninth session), as it did with approximate reciprocals in _scores
     has = l_i > 0
     inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
-    heads = g * 64 + gl.arange(0, 64, layout=HEAD)
-    hm = (heads < H)[None, :]
-    obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh
-    d = _dims(gl.arange(0, 128, layout=ROW))[:, None] + 256 * WG
-    ty = o_ptr.dtype.element_ty
-    gl.store(obase + d, (oa * inv_l[None, :]).to(ty), mask=hm)
-    gl.store(obase + 128 + d, (ob * inv_l[None, :]).to(ty), mask=hm)
+    lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    if not DS:
+        inv_l = inv_l * k_scale
+    # the output through stage WG of the ring (free now: every block has been multiplied by both warpgroups)
+    o_tok = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os
+    ty: gl.constexpr = o_ptr.dtype.element_ty
+    buf = raw.index(WG)._reinterpret(ty, [64, 128], gl.SwizzledSharedLayout(128 // ty.primitive_bitwidth, 1, 8,
+                                                                            [1, 0]))
+    _store_group(oa, inv_l, buf, o_tok, g, H, stride_oh, 256 * WG)
+    _store_group(ob, inv_l, buf, o_tok, g, H, stride_oh, 256 * WG + 128)
     if WG == 1:
-        lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        heads = g * 64 + gl.arange(0, 64, layout=HEAD)
         gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
 
 
@@ -426,20 +462,22 @@ def ws_wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_p
         scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
         qr = qn
-    vec = gl.allocate_shared_memory(gl.float32, [7, 64], plain)  # maxima 0-1, sums 2-3, c, running maxima 5-6
+    # the pair's maxima 0-1, sums 2-3, (4 unused), running maxima 5-6, q's two halves' abs maxima 7-8
+    vec = gl.allocate_shared_memory(gl.float32, [9, 64], plain)
     bl: gl.constexpr = mbarrier.MBarrierLayout()
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
+    q_bar = gl.allocate_shared_memory(gl.int64, [4, 1], bl)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], bl)
     free = gl.allocate_shared_memory(gl.int64, [NS, 1], bl)
     m_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
     p_free = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
     l_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
-    mbarrier.init(q_bar, count=1)
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=128)  # one cp.async arrival per producer thread
         mbarrier.init(free.index(i), count=2)     # both consumer warpgroups read every block
     for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(q_bar.index(2 + i), count=1)
         mbarrier.init(m_bar.index(i), count=1)
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(p_free.index(i), count=1)

@@ -25,17 +25,18 @@ from sparsemla.kernels import ws_attention  # noqa: E402
 from sparsemla.kernels.sparse_attention import _launch  # noqa: E402
 
 
-def _module(spec):
-    """A module name, or git:REV -> ws_wide.py at REV as an importable module (relative imports made absolute)."""
+def _module(spec, stem="ws_wide"):
+    """A module name, or git:REV -> sparsemla/kernels/<stem>.py at REV as an importable module (relative
+    imports made absolute)."""
     if not spec.startswith("git:"):
         return importlib.import_module(spec)
     rev = spec[4:]
     root = os.path.join(os.path.dirname(__file__), "..", "..")
-    src = subprocess.run(["git", "show", f"{rev}:sparsemla/kernels/ws_wide.py"], cwd=root, check=True,
+    src = subprocess.run(["git", "show", f"{rev}:sparsemla/kernels/{stem}.py"], cwd=root, check=True,
                          capture_output=True, text=True).stdout
     src = src.replace("from .ws_", "from sparsemla.kernels.ws_")
-    d = tempfile.mkdtemp(prefix="ws_wide_")
-    name = f"ws_wide_{rev}"
+    d = tempfile.mkdtemp(prefix=stem + "_")
+    name = f"{stem}_{rev}"
     with open(os.path.join(d, name + ".py"), "w") as f:
         f.write(src)
     sys.path.insert(0, d)
