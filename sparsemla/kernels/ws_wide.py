@@ -26,10 +26,15 @@ when its scores pass it by more than 8 (log2 units), so P' <= 256 (fp16 again) a
 rescaled only in the pairs where some head's moved.  The bf16 rope part multiplies in bf16 first (A from
 shared memory) and is divided by u_r before the fp16 chain joins it.
 
-Measured on the H200 (BENCHMARKS.md section 9; b 128, top-k 2048): fp8 127.6 / 232.9 us at 64 / 128 heads
-(was 236 / 386 on the Triton wide kernel), fp8_ds_mla 161.6 / 294.2 us (was 228 / 370).  With fewer than
-64 programs (tokens x 64-head groups) it is slower than the Triton kernel, and the dispatch keeps those
-calls there (``ws_attention.WIDE_Q_MIN_PROGRAMS``).
+Once per program: both consumer warpgroups stage half of q each, and the output leaves through shared memory
+(a ring stage, free at the end) as 16-byte row stores; written directly from the accumulator layout it was
+128 scattered 2-byte stores a thread, and q staged by one warpgroup while the other waited (ninth session:
+one program of one pair 49 -> 39 us, of 16 pairs 163 -> 150 us).
+
+Measured on the H200 (BENCHMARKS.md sections 9-10; b 128, top-k 2048): fp8 117.9 / 211.5 us at 64 / 128
+heads (236 / 386 on the Triton wide kernel), fp8_ds_mla 147.4 / 273.0 us (228 / 370).  With fewer than 64
+programs (tokens x 64-head groups) the Triton kernel was faster (eighth session), and the dispatch keeps
+those calls there (``ws_attention.WIDE_Q_MIN_PROGRAMS``).
 
 Same arguments and output contract as ``ws_few.ws_few_kernel`` (split partials, normalized output,
 natural-log lse).  Gluon does not run under the Triton interpreter: CPU CI compiles it for sm_90
