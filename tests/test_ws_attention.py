@@ -65,3 +65,25 @@ def test_not_chosen_off_hopper_or_for_other_formats():
 def test_unknown_config_is_an_error():
     with pytest.raises(ValueError, match="config"):
         ws.launch((1,), (), 1152, 64, 1, False, config="nope")
+
+
+def test_wide_output_relabelling_matches_the_accumulator_dims():
+    """ws_wide writes its output through shared memory after relabelling O^T's accumulator rows as output
+    dims (``_unpermute``: a reshape into bits, a permute, a reshape back).  That permutation must be the
+    inverse of ``ws_few._dims`` (accumulator row -> dim, which the PV operands follow): both are read from
+    the kernels' source and compared on every row, so neither can change alone."""
+    import inspect
+    import re
+
+    import numpy as np
+
+    from sparsemla.kernels import ws_few, ws_wide
+    dims_expr = re.search(r"return (.+)", inspect.getsource(ws_few._dims.fn)).group(1)
+    m = np.arange(128)
+    dim_of_row = eval(dims_expr, {"m": m})  # noqa: S307 (the kernel's own expression, integer ops only)
+    assert sorted(dim_of_row) == list(range(128))
+    src = inspect.getsource(ws_wide._unpermute.fn)
+    order = [int(v) for v in re.search(r"\.permute\(([\d, ]+)\)\.reshape\(\[128, 64\]\)", src).group(1).split(",")]
+    assert order[-1] == 7  # the head axis stays last
+    row_at_dim = m.reshape([2] * 7).transpose(order[:-1]).reshape(128)  # position d holds accumulator row m
+    assert (dim_of_row[row_at_dim] == np.arange(128)).all()
