@@ -63,8 +63,9 @@ def _lg2(x):
 
 @gluon.jit
 def _normalizer(m, l):
-    """From a head's running max ``m`` (log2 units) and sum ``l``: 1 / l and the natural-log lse; 0 and -inf for
-    a head without a valid row (l == 0)."""
+    """From a head's running max ``m`` (log2 units) and sum ``l``: 1 / l and the natural-log lse (approximate
+    reciprocal and log2, ~1e-7 relative); 0 and -inf for a head without a valid row (l == 0).  Used by ws_few
+    and ws_tile; ws_wide and ws_pair write the IEEE forms out (see the comment in ws_wide's epilogue)."""
     has = l > 0
     l1 = gl.where(has, l, 1.0)
     inv_l = gl.where(has, _rcp(l1), 0.0)
