@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from decode_sweep import build, ceilings, heavy, time_fn, unique_bytes  # noqa: E402
 
+from sparsemla.bench.timing import graph_replay  # noqa: E402
 from sparsemla.formats import get_format  # noqa: E402
 from sparsemla.kernels.sparse_attention import sparse_mla_fwd  # noqa: E402
 
@@ -33,15 +34,8 @@ def ours(fmt, cache, idx, h):
 
 
 def ours_graph(fmt, cache, idx, h):
-    """``ours`` captured in a CUDA graph: the replay time is the GPU time without Python launch overhead
-    (what an engine that captures its decode step sees)."""
-    fn = ours(fmt, cache, idx, h)
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+    """``ours`` replayed from a CUDA graph (``graph_replay``)."""
+    return graph_replay(ours(fmt, cache, idx, h))
 
 
 def flashinfer_call(fmt, cache, idx, h):

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from decode_sweep import build, heavy, time_fn  # noqa: E402
 
+from sparsemla.bench.timing import graph_replay  # noqa: E402
 from sparsemla.formats import get_format  # noqa: E402
 from sparsemla.kernels import sparse_attention as sa  # noqa: E402
 from sparsemla.reference import sparse_mla  # noqa: E402
@@ -45,12 +46,7 @@ def graph_call(fmt, cache, idx, h, shape):
         def fn():
             sa._launch(fmt.name, q, cache.rows, fmt, idx, SM, None, 1.0, out, lse, sp, None, bn, w, st,
                        head_block_size=hb)
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay, q, out
+    return graph_replay(fn), q, out
 
 
 def main():

@@ -71,6 +71,18 @@ def flush_buffer(device) -> torch.Tensor:
     return buf
 
 
+def graph_replay(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` (a CUDA call with no arguments, the same work every time) run once, captured in a CUDA graph,
+    and returned as the graph's replay: timed, it is the GPU time without Python launch overhead (what an
+    engine that captures its decode step sees)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def time_fn(fn: Callable[[], object], *, device=None, reps: int = 50, warmup: int = 5,
             flush_l2: bool = True) -> Timing:
     """Time ``fn()`` (no arguments; its result is ignored).

@@ -17,18 +17,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from decode_sweep import build, heavy, time_fn  # noqa: E402
 from wide_ab import _module, patched  # noqa: E402
 
+from sparsemla.bench.timing import graph_replay  # noqa: E402
 from sparsemla.formats import get_format  # noqa: E402
 from sparsemla.kernels import ws_attention  # noqa: E402
 from sparsemla.kernels.sparse_attention import sparse_mla_fwd  # noqa: E402
-
-
-def graphed(fn):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def few_patched(spec):
@@ -61,7 +53,7 @@ def main():
             for rnd in range(a.rounds):
                 for m in filter(None, a.wide.split(",")):
                     ws_attention.launch_wide_q = patched(m)
-                    fn = graphed(lambda: sparse_mla_fwd(q, cache.rows, fmt, idx, 0.04, out=out, lse=lse, num_splits=1))
+                    fn = graph_replay(lambda: sparse_mla_fwd(q, cache.rows, fmt, idx, 0.04, out=out, lse=lse, num_splits=1))
                     r = dict(kernel="wide", fmt=name, b=132, h=64, topk=topk, mod=m, round=rnd,
                              us=round(time_fn(fn, reps=40), 2))
                     rows.append(r)
@@ -76,7 +68,7 @@ def main():
         for rnd in range(a.rounds):
             for m in filter(None, a.few.split(",")):
                 ws_attention.launch_few = few_patched(m)
-                fn = graphed(lambda: sparse_mla_fwd(q, cache.rows, fmt, idx, 0.04, out=out, lse=lse))
+                fn = graph_replay(lambda: sparse_mla_fwd(q, cache.rows, fmt, idx, 0.04, out=out, lse=lse))
                 r = dict(kernel="few", fmt=name, b=128, h=16, topk=2048, mod=m, round=rnd,
                          us=round(time_fn(fn, reps=40), 2))
                 rows.append(r)

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 from decode_sweep import build, heavy, time_fn  # noqa: E402
 
+from sparsemla.bench.timing import graph_replay  # noqa: E402
 from sparsemla.formats import get_format  # noqa: E402
 from sparsemla.kernels import ws_attention  # noqa: E402
 from sparsemla.kernels.sparse_attention import sparse_mla_fwd  # noqa: E402
@@ -41,13 +42,8 @@ def run(topk, b):
 if a.time:
     for b in (1, 132):
         for topk in (128, 256, 512, 1024, 2048):
-            fn = run(topk, b)
-            fn()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            print(json.dumps(dict(fmt=a.fmt, b=b, h=a.heads, topk=topk, us=round(time_fn(g.replay, reps=50), 2))),
+            replay = graph_replay(run(topk, b))
+            print(json.dumps(dict(fmt=a.fmt, b=b, h=a.heads, topk=topk, us=round(time_fn(replay, reps=50), 2))),
                   flush=True)
 else:
     fn = run(a.topk, a.batch)

@@ -14,18 +14,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 from decode_sweep import build, heavy, time_fn  # noqa: E402
 
+from sparsemla.bench.timing import graph_replay  # noqa: E402
 from sparsemla.formats import get_format  # noqa: E402
 from sparsemla.kernels import ws_attention  # noqa: E402
 from sparsemla.kernels.sparse_attention import sparse_mla_fwd  # noqa: E402
-
-
-def graphed(fn):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def main():
@@ -39,7 +31,7 @@ def main():
             for forced in (False, True):
                 ws_attention.WIDE_Q_MIN_PROGRAMS = 1 if forced else 64
                 for splits in (None, 1, 2, 4, 16):
-                    fn = graphed(lambda s=splits: sparse_mla_fwd(q, cache.rows, fmt, idx, 0.04, out=out, lse=lse,
+                    fn = graph_replay(lambda s=splits: sparse_mla_fwd(q, cache.rows, fmt, idx, 0.04, out=out, lse=lse,
                                                                  num_splits=s))
                     us = time_fn(fn, reps=30)
                     print(json.dumps(dict(b=b, h=h, kernel="ws_wide" if forced else "default", splits=splits,
