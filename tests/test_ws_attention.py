@@ -51,9 +51,16 @@ def test_not_chosen_off_hopper_or_for_other_formats():
     kv16 = torch.zeros(4, 656, dtype=torch.uint8)
     assert not ws.few_supported(q16, kv16, "fp8_ds_mla", 16)  # CPU tensors
     assert not sa._few_ok(q16, kv16, "fp8_ds_mla", 16, None)
-    # the wide kernel for quantized rows only from WIDE_Q_MIN_PROGRAMS programs (tokens x 64-head groups)
-    assert not ws.wide_q_planned(1, 128) and not ws.wide_q_planned(31, 128) and ws.wide_q_planned(32, 128)
-    assert ws.wide_q_planned(64, 64) and not ws.wide_q_planned(128, 32)
+    # above 32 heads: the few-heads kernel while tokens x ceil(H / 16) programs fit in FEW_WAVES waves (132 SMs),
+    # then the wide kernel for fp8 / fp8_ds_mla (nvfp4: the Triton wide kernel)
+    for kind in ("fp8", "fp8_ds_mla"):
+        assert ws.few_planned(kind, 16, 128) and not ws.wide_q_planned(kind, 16, 128)
+        assert not ws.few_planned(kind, 17, 128) and ws.wide_q_planned(kind, 17, 128)
+        assert ws.few_planned(kind, 33, 64) and ws.wide_q_planned(kind, 34, 64)
+        assert ws.few_planned(kind, 1000, 32) and not ws.wide_q_planned(kind, 1000, 32)
+        assert ws.few_planned(kind, 8, 128, num_sms=64) and not ws.few_planned(kind, 9, 128, num_sms=64)
+    assert ws.few_planned("nvfp4_ds_mla", 66, 128) and not ws.few_planned("nvfp4_ds_mla", 67, 128)
+    assert not ws.wide_q_planned("nvfp4_ds_mla", 67, 128) and not ws.few_planned("bf16", 1, 16)
     q64 = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
     assert not ws.wide_q_supported(q64, kv16, "fp8_ds_mla", 64)  # CPU tensors
     assert not sa._wide_q_ok(q64, kv16, "fp8_ds_mla", 64, None)

@@ -15,15 +15,16 @@ fill all SMs; their normalized partial outputs and lse are merged by ``_combine_
 Two kernel shapes, chosen by head count (``kernel_config``):
 - up to 32 heads (memory-bound decode): one kernel per format family (``_fwd_bf16_kernel``,
   ``_fwd_fp8_kernel``, ``_fwd_nvfp4_kernel``), 16-32 heads per program on mma.sync, FP8/FP4 rows read as int16
-  lanes and converted on the operand registers (below) -- except fp8 and fp8_ds_mla rows on sm_90, which go
-  to the warp-specialized Gluon kernel of ``ws_few`` (rows as the wgmma's M, K / V converted from raw bytes
-  in registers; 1.5-2.4x faster on the H200, with its own split plan: one program per SM);
+  lanes and converted on the operand registers (below) -- except fp8, fp8_ds_mla and nvfp4_ds_mla rows on
+  sm_90, which go to the warp-specialized Gluon kernel of ``ws_few`` (rows as the wgmma's M, K / V converted
+  from raw bytes in registers; 1.5-2.4x faster on the H200, with its own split plan: one program per SM);
 - more than 32 heads (compute-bound): ``_fwd_wide_kernel`` for every format, 64 heads per program on wgmma,
   each K tile converted once to bf16 in natural dim order and read from shared memory by both dots --
   except bf16 rows on sm_90, which go to the warp-specialized Gluon kernels of ``ws_attention`` (a
   producer warpgroup gathering rows with cp.async, two consumer warpgroups; 1.5-2x faster on the H200), and
-  fp8 / fp8_ds_mla rows on sm_90 when the call has at least 64 programs' worth of work, which go to
-  ``ws_wide`` (the few-heads kernel's register operands with the bf16 kernel's pair schedule; 1.3-1.8x).
+  quantized rows on sm_90: ``ws_few`` in 16-head groups while its programs fit in one wave (four for nvfp4;
+  ``ws_attention.FEW_WAVES``: small batches), else fp8 / fp8_ds_mla go to ``ws_wide`` (the few-heads
+  kernel's register operands with the bf16 kernel's pair schedule; 1.3-1.8x).
 
 Number formats on the tensor cores (few-heads kernels), and why:
 - e4m3 -> fp16 is exact and is one packed ``cvt.rn.f16x2.e4m3x2`` per two values (e4m3 -> bf16 costs two more
@@ -813,16 +814,16 @@ def _ws_planned(kind, num_tokens, num_heads, device) -> int:
     and cache alignment are checked at launch)."""
     if _gluon_off() or device.type != "cuda" or _ws._capability(device) != (9, 0):
         return 0
-    if kind in _ws.FEW_KINDS and num_heads <= _ws.FEW_MAX_HEADS:
+    if _ws.few_planned(kind, num_tokens, num_heads, _num_sms(device)):
         return 16
-    if kind in _ws.WIDE_Q_KINDS and _ws.wide_q_planned(num_tokens, num_heads):
+    if _ws.wide_q_planned(kind, num_tokens, num_heads, _num_sms(device)):
         return 64
     return 0
 
 
 def _few_ok(q, kv, kind, num_heads, ws_kernel) -> bool:
-    """Whether the warp-specialized few-heads kernel takes this call (fp8 / fp8_ds_mla / nvfp4 rows, <= 32 heads,
-    sm_90; same switches as ``_ws_ok``)."""
+    """Whether the warp-specialized few-heads kernel takes this call (fp8 / fp8_ds_mla / nvfp4 rows, <= 32 heads
+    or a small batch, sm_90; same switches as ``_ws_ok``)."""
     return not _gluon_off(ws_kernel) and _ws.few_supported(q, kv, kind, num_heads)
 
 
@@ -846,11 +847,12 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
         return out, lse
     interp = interpreting()
     cfg_hb, cfg_bn, cfg_w, cfg_st, wide = kernel_config(kind, h)
-    # fp8 / fp8_ds_mla / nvfp4_ds_mla at <= 32 heads on sm_90: the warp-specialized kernel (ws_few.py), 16
-    # heads per program, 64-row blocks (it also takes NVFP4's 17-32 heads from the Triton wide kernel); not
-    # when a Triton tiling -- head block, BLOCK_N, warps, stages -- is asked for: that is a tuning run
-    # fp8 / fp8_ds_mla at more than 32 heads on sm_90: the warp-specialized wide kernel (ws_wide.py), 64 heads
-    # per program, 64-row blocks
+    # fp8 / fp8_ds_mla / nvfp4_ds_mla on sm_90 at <= 32 heads, and above while a batch is small
+    # (ws_attention.few_planned): the warp-specialized kernel (ws_few.py), 16 heads per program, 64-row blocks
+    # (it also takes NVFP4's 17-32 heads from the Triton wide kernel); not when a Triton tiling -- head block,
+    # BLOCK_N, warps, stages -- is asked for: that is a tuning run
+    # fp8 / fp8_ds_mla at more than 32 heads on sm_90 otherwise: the warp-specialized wide kernel (ws_wide.py),
+    # 64 heads per program, 64-row blocks
     tuning = not (kernel is None and head_block_size is None and block_n is None and num_warps is None
                   and num_stages is None and ws_kernel is not False)
     few = not tuning and _few_ok(q, kv, kind, h, ws_kernel)

@@ -95,40 +95,66 @@ def supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) -> b
             and (q.stride(1) * 2) % 16 == 0)
 
 
-# kinds the few-heads kernel (ws_few.py) reads, and the most heads it takes (16 per program)
+# kinds the few-heads kernel (ws_few.py) reads (16 heads per program), and the most heads it always takes
 FEW_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")
 FEW_MAX_HEADS = 32
+# Above FEW_MAX_HEADS it runs ceil(H / 16) programs per token, each reading the token's rows (from L2 after the
+# first).  It takes such a call while tokens x ceil(H / 16) programs fit in FEW_WAVES[kind] waves of one program
+# per SM; fp8 / fp8_ds_mla then go to ws_wide (64 heads per program, each row converted once for all of them),
+# nvfp4 (no wide warp-specialized kernel) to the Triton wide kernel.  H200, tenth session (tools/exp/s10_small.py,
+# CUDA-graph replay): at 64-128 heads and 1-16 tokens ws_few took 16-66 us where the Triton wide kernel took
+# 19-79 and ws_wide 35-69; with two waves (b 32 x 128 heads) ws_wide led (fp8_ds_mla 104 vs 127 us); nvfp4's
+# ws_few still led the Triton kernel at four waves (b 64 x 128 heads: 256 vs 263 us, b 64 x 64: 133 vs 145).
+FEW_WAVES = {"fp8": 1, "fp8_ds_mla": 1, "nvfp4_ds_mla": 4}
+# kinds the wide quantized kernel (ws_wide.py) reads at more than FEW_MAX_HEADS heads, 64 heads per program
+WIDE_Q_KINDS = ("fp8", "fp8_ds_mla")
+
+_SMS: dict = {}
+
+
+def _sms(device: torch.device) -> int:
+    """The device's SM count, cached (132 for a CPU tensor: the plan of an H200)."""
+    if device.type != "cuda":
+        return 132
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SMS[key]
+
+
+def few_planned(kind: str, num_tokens: int, num_heads: int, num_sms: int = 132) -> bool:
+    """Whether a call of this kind and size goes to the few-heads kernel (see FEW_WAVES)."""
+    if kind not in FEW_KINDS:
+        return False
+    return num_heads <= FEW_MAX_HEADS or num_tokens * -(-num_heads // 16) <= FEW_WAVES[kind] * num_sms
+
+
+def wide_q_planned(kind: str, num_tokens: int, num_heads: int, num_sms: int = 132) -> bool:
+    """Whether a call of this kind and size goes to the wide kernel for quantized rows: fp8 / fp8_ds_mla above
+    FEW_MAX_HEADS heads when the few-heads kernel does not take it."""
+    return (kind in WIDE_Q_KINDS and num_heads > FEW_MAX_HEADS
+            and not few_planned(kind, num_tokens, num_heads, num_sms))
+
+
+def _quantized_ok(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """An sm_90 GPU, bf16 q, a 16-byte aligned cache (the warp-specialized kernels for quantized rows)."""
+    if q.device.type != "cuda" or q.dtype != torch.bfloat16:
+        return False
+    return _capability(q.device) == (9, 0) and kv.data_ptr() % 16 == 0
 
 
 def few_supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) -> bool:
-    """Whether the warp-specialized few-heads kernel can take this call: fp8 / fp8_ds_mla / nvfp4_ds_mla rows
-    (rope or NoPE), at most ``FEW_MAX_HEADS`` heads, an sm_90 GPU, a 16-byte aligned cache, bf16 q."""
-    if kind not in FEW_KINDS or num_heads > FEW_MAX_HEADS or q.device.type != "cuda" or q.dtype != torch.bfloat16:
-        return False
-    return _capability(q.device) == (9, 0) and kv.data_ptr() % 16 == 0
-
-
-# kinds the wide quantized kernel (ws_wide.py) reads at more than FEW_MAX_HEADS heads, 64 heads per program
-WIDE_Q_KINDS = ("fp8", "fp8_ds_mla")
-# Fewest programs (tokens x 64-head groups) for which it is chosen: below, the Triton wide kernel is faster
-# (H200, fp8_ds_mla at 128 heads, eighth session: b 16 Triton 150 vs 167-208 us, b 64 265 vs 173 us; b 1
-# 21 us on Triton against 47-63 us here)
-WIDE_Q_MIN_PROGRAMS = 64
-
-
-def wide_q_planned(num_tokens: int, num_heads: int) -> bool:
-    """Whether a call this size is big enough for the wide kernel for quantized rows (see WIDE_Q_MIN_PROGRAMS)."""
-    return num_heads > FEW_MAX_HEADS and num_tokens * -(-num_heads // 64) >= WIDE_Q_MIN_PROGRAMS
+    """Whether the warp-specialized few-heads kernel takes this call: fp8 / fp8_ds_mla / nvfp4_ds_mla rows (rope
+    or NoPE), ``few_planned`` for q's tokens and heads, an sm_90 GPU, a 16-byte aligned cache, bf16 q."""
+    return (few_planned(kind, q.shape[0], num_heads, _sms(q.device)) and q.device.type == "cuda"
+            and _quantized_ok(q, kv))
 
 
 def wide_q_supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) -> bool:
-    """Whether the warp-specialized wide kernel for quantized rows takes this call: fp8 / fp8_ds_mla rows (rope
-    or NoPE), more than ``FEW_MAX_HEADS`` heads and at least ``WIDE_Q_MIN_PROGRAMS`` programs, an sm_90 GPU, a
-    16-byte aligned cache, bf16 q."""
-    if (kind not in WIDE_Q_KINDS or not wide_q_planned(q.shape[0], num_heads) or q.device.type != "cuda"
-            or q.dtype != torch.bfloat16):
-        return False
-    return _capability(q.device) == (9, 0) and kv.data_ptr() % 16 == 0
+    """Whether the warp-specialized wide kernel for quantized rows takes this call: ``wide_q_planned`` for q's
+    tokens and heads, an sm_90 GPU, a 16-byte aligned cache, bf16 q."""
+    return (wide_q_planned(kind, q.shape[0], num_heads, _sms(q.device)) and q.device.type == "cuda"
+            and _quantized_ok(q, kv))
 
 
 def launch_wide_q(grid, args, bytes_per_token: int, kind: str, rope: int, num_groups: int, has_vc: bool):

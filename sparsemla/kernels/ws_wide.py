@@ -32,9 +32,8 @@ Once per program: both consumer warpgroups stage half of q each, and the output 
 one program of one pair 49 -> 39 us, of 16 pairs 163 -> 150 us).
 
 Measured on the H200 (BENCHMARKS.md sections 9-10; b 128, top-k 2048): fp8 117.9 / 211.5 us at 64 / 128
-heads (236 / 386 on the Triton wide kernel), fp8_ds_mla 147.4 / 273.0 us (228 / 370).  With fewer than 64
-programs (tokens x 64-head groups) the Triton kernel was faster (eighth session), and the dispatch keeps
-those calls there (``ws_attention.WIDE_Q_MIN_PROGRAMS``).
+heads (236 / 386 on the Triton wide kernel), fp8_ds_mla 147.4 / 273.0 us (228 / 370).  Small batches (while
+ws_few's 16-head programs fit in one wave) go to ws_few instead (``ws_attention.FEW_WAVES``).
 
 Same arguments and output contract as ``ws_few.ws_few_kernel`` (split partials, normalized output,
 natural-log lse).  Gluon does not run under the Triton interpreter: CPU CI compiles it for sm_90

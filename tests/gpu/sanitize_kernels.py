@@ -36,7 +36,9 @@ def write_into_last_rows(fid: str, strided: bool = False):
 
 def main():
     from sparsemla.kernels import ws_attention
-    ws_attention.WIDE_Q_MIN_PROGRAMS = 1  # the small cases below then run the wide kernel for quantized rows
+    # the small cases below then run the wide kernel for quantized rows (not the few-heads kernel's head groups)
+    waves = ws_attention.FEW_WAVES
+    ws_attention.FEW_WAVES = dict.fromkeys(waves, 0)
     for fmt in ["bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "fp8_ds_mla-nope", "nvfp4_ds_mla-nope", "fp8-nope"]:
         for heads, splits in [(20, 2), (70, 1), (16, 1)]:
             c = make_case(fmt, 3, heads, 128, ctx=256, block_size=64, device="cuda")
@@ -53,6 +55,15 @@ def main():
         write_into_last_rows(fmt)
         torch.cuda.synchronize()
         print("ok", fmt, flush=True)
+    # the few-heads kernel's head groups above 32 heads (its small-batch dispatch)
+    ws_attention.FEW_WAVES = waves
+    for fmt in ["fp8", "fp8_ds_mla", "nvfp4_ds_mla", "fp8_ds_mla-nope"]:
+        for heads, splits in [(70, 1), (128, None)]:
+            c = make_case(fmt, 3, heads, 256, ctx=512, block_size=64, device="cuda")
+            sparse_mla_fwd(c["q"], c["cache"].rows, c["fmt"], c["indices"], 0.1, c["valid_counts"],
+                           num_splits=splits)
+        torch.cuda.synchronize()
+        print("ok few groups", fmt, flush=True)
 
 
 if __name__ == "__main__":

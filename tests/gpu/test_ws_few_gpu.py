@@ -9,7 +9,7 @@ from sparsemla.reference import sparse_mla
 
 import sys, os  # noqa: E401
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from attn_cases import check_ws_case, launch_case, make_case, rel_err  # noqa: E402
+from attn_cases import SEED, check_ws_case, launch_case, lse_err, make_case, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +20,7 @@ def _run(c, sm_scale, k_scale, ws_kernel, splits=None):
 
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8", "fp8-nope", "nvfp4_ds_mla", "nvfp4_ds_mla-nope"])
 @pytest.mark.parametrize("heads,topk,splits", [(16, 2048, 1), (16, 2048, None), (1, 64, 1), (20, 2051, 3),
-                                               (32, 192, None), (5, 2048, 2)])
+                                               (32, 192, None), (5, 2048, 2), (128, 2048, None), (70, 2051, 3)])
 def test_ws_few_matches_reference(fmt, heads, topk, splits):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialized kernel is sm_90 only")
@@ -30,6 +30,29 @@ def test_ws_few_matches_reference(fmt, heads, topk, splits):
     assert ws.few_supported(c["q"], c["cache"].rows, c["fmt"].name, heads)
     # the Triton few-heads kernel on the same rows (both multiply in fp16 with fp32 accumulation)
     check_ws_case(c, c["fmt"].head_dim ** -0.5, k_scale, splits, 5e-3, 1e-3)
+
+
+@pytest.mark.parametrize("heads,splits", [(16, 1), (16, None), (128, 1)])
+def test_ws_few_ds_scales_far_apart(heads, splits):
+    """fp8_ds_mla group scales 2^+-10 apart between rows and groups, and the first two blocks of every token
+    (one per consumer warpgroup) with scales 2^30 larger than the rest and zero values: each warpgroup's group
+    units must move up there and back down after (P x scale / unit in fp16 would otherwise flush the later
+    blocks' values to zero), and the lazy units must stay exact (the float64 reference)."""
+    c = make_case("fp8_ds_mla", 3, heads, 1024, ctx=2048, block_size=64, device="cuda")
+    rows = c["cache"].rows
+    scales = rows[:, 512:528].view(torch.float32)  # [rows, 4] fp32 scales
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    scales.mul_(torch.exp2(torch.randint(-10, 11, scales.shape, device="cuda", generator=g).float()))
+    first = c["indices"][:, :128].reshape(-1)
+    first = first[first >= 0].long()
+    rows[first, :512] = 0
+    scales[first] *= 2.0 ** 30
+    sm = 576 ** -0.5
+    out, lse = launch_case(c, sm, None, splits)
+    ref_o, ref_l = sparse_mla(c["q"].double(), c["cache"], c["indices"], sm, c["valid_counts"])
+    assert torch.isfinite(out.float()).all()
+    assert rel_err(out, ref_o) <= 1e-2, (rel_err(out, ref_o), SEED)
+    assert lse_err(lse, ref_l) <= 1e-2 * max(1.0, ref_l[torch.isfinite(ref_l)].abs().max().item() / 100)
 
 
 def test_ws_few_k_scale_applied_once():
@@ -51,4 +74,7 @@ def test_ws_few_dispatch():
     assert ws.few_supported(q, kv, "fp8_ds_mla", 16) == want
     assert ws.few_supported(q, kv, "nvfp4_ds_mla", 16) == want
     assert not ws.few_supported(q, kv, "bf16", 16)
-    assert not ws.few_supported(torch.zeros(1, 64, 576, dtype=torch.bfloat16, device="cuda"), kv, "fp8_ds_mla", 64)
+    # above 32 heads only while tokens x ceil(H / 16) programs fit in ws.FEW_WAVES waves (small batches)
+    q64 = torch.zeros(1, 64, 576, dtype=torch.bfloat16, device="cuda")
+    assert ws.few_supported(q64, kv, "fp8_ds_mla", 64) == want
+    assert not ws.few_supported(q64.expand(200, 64, 576), kv, "fp8_ds_mla", 64)

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _any_size(monkeypatch):
-    """The test cases are small (3-5 tokens): take the wide kernel where the dispatch would pick Triton."""
-    monkeypatch.setattr(ws, "WIDE_Q_MIN_PROGRAMS", 1)
+    """The test cases are small (3-5 tokens): take the wide kernel where the dispatch would pick ws_few."""
+    monkeypatch.setattr(ws, "FEW_WAVES", dict.fromkeys(ws.FEW_WAVES, 0))
 
 
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8", "fp8-nope"])

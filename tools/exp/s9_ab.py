@@ -42,7 +42,7 @@ def main():
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rows = []
-    ws_attention.WIDE_Q_MIN_PROGRAMS = 1
+    ws_attention.FEW_WAVES = dict.fromkeys(ws_attention.FEW_WAVES, 0)
     for name in a.wide_formats.split(","):
         fmt = get_format(name)
         for topk in (128, 2048):
@@ -65,11 +65,16 @@ def main():
         q = heavy(128, 16, fmt.head_dim).to(torch.bfloat16)
         out = torch.empty(128, 16, 512, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(128, 16, dtype=torch.float32, device="cuda")
+        ref = None
         for rnd in range(a.rounds):
             for m in filter(None, a.few.split(",")):
                 ws_attention.launch_few = few_patched(m)
+                out.fill_(float("nan"))
                 fn = graph_replay(lambda: sparse_mla_fwd(q, cache.rows, fmt, idx, 0.04, out=out, lse=lse))
-                r = dict(kernel="few", fmt=name, b=128, h=16, topk=2048, mod=m, round=rnd,
+                o = out.float()
+                err = None if ref is None else round(((o - ref).norm() / ref.norm()).item(), 6)
+                ref = o.clone() if ref is None else ref
+                r = dict(kernel="few", fmt=name, b=128, h=16, topk=2048, mod=m, round=rnd, rel_err_vs_first=err,
                          us=round(time_fn(fn, reps=40), 2))
                 rows.append(r)
                 print(json.dumps(r), flush=True)

@@ -27,7 +27,7 @@ ap.add_argument("--batch", type=int, default=1)
 ap.add_argument("--topk", type=int, default=128)
 ap.add_argument("--time", action="store_true")
 a = ap.parse_args()
-ws_attention.WIDE_Q_MIN_PROGRAMS = 1
+ws_attention.FEW_WAVES = dict.fromkeys(ws_attention.FEW_WAVES, 0)
 fmt = get_format(a.fmt)
 
 

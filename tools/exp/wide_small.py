@@ -1,5 +1,5 @@
 """Eighth session: where the time of ws_wide goes at one or a few pairs per program (b 1 / 4, 128 heads):
-CUDA-graph replay of sparse_mla_fwd for split counts 1-16, the wide kernel forced (WIDE_Q_MIN_PROGRAMS = 1)
+CUDA-graph replay of sparse_mla_fwd for split counts 1-16, the wide kernel forced (ws_attention.FEW_WAVES = 0)
 against the default dispatch (the Triton wide kernel there).
 
     python tools/exp/wide_small.py
@@ -29,7 +29,7 @@ def main():
             out = torch.empty(b, h, 512, dtype=torch.bfloat16, device="cuda")
             lse = torch.empty(b, h, dtype=torch.float32, device="cuda")
             for forced in (False, True):
-                ws_attention.WIDE_Q_MIN_PROGRAMS = 1 if forced else 64
+                ws_attention.FEW_WAVES = dict.fromkeys(ws_attention.FEW_WAVES, 0 if forced else 1)
                 for splits in (None, 1, 2, 4, 16):
                     fn = graph_replay(lambda s=splits: sparse_mla_fwd(q, cache.rows, fmt, idx, 0.04, out=out, lse=lse,
                                                                  num_splits=s))

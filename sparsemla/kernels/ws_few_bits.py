@@ -1,0 +1,941 @@
+"""Warp-specialized sparse MLA decode for quantized rows at few heads (Hopper, Gluon): ``fp8``, ``fp8_ds_mla``
+and ``nvfp4_ds_mla`` (rope or NoPE), 16 heads per program.
+
+Why a second kernel: the Triton few-heads kernels (``sparse_attention._fwd_fp8_kernel``) hold q as
+mma.sync fragments in every warp (~144 registers), so two programs (8 warps) fit an SM; each tile then
+runs load -> convert -> QK -> softmax -> PV in sequence and the kernel is latency-bound at 35 % of memory
+speed-of-light (kernel-notes.md).  Here the work is transposed and split between warps:
+
+- the cache rows are the MMA's M dimension: ``S^T = K q^T`` and ``O^T += V^T P^T`` on wgmma m64n16 with
+  the 16 heads as N, so q and P live in shared memory as the B operand and the K / V tiles are the A
+  operand **from registers**, converted there straight from the raw e4m3 bytes (never written back);
+- a producer warpgroup gathers the raw rows (e4m3 values, scales, rope) with cp.async into a ring of
+  four 64-row stages; two consumer warpgroups take every other 64-row block, each with its own online
+  softmax, and merge once at the end (through shared memory).
+
+Operand layout trick: a thread of the wgmma A fragment holds k (columns) 2t, 2t+1, 2t+8, 2t+9 of each
+16-wide step.  A dot product does not care about the order of k, so the kernel permutes k: a thread loads
+16 contiguous bytes of a row (one 128-bit shared load) and those bytes *are* its fragment, in the order
+the fragment wants them; q is written to shared memory once with the same permutation of its columns.
+For PV the output dims are permuted the same way (each thread loads 4 contiguous bytes of 4 rows per
+128-dim group) and un-permuted when the output is stored.  The relabelling is a reshape / permute of the
+register tensor (no data movement); ``tests/ws_compile_probe.py`` pins the SASS (128-bit shared loads, no
+spills).
+
+Numbers: e4m3 is exact in fp16, so the MMAs run in fp16 with q brought into fp16 range by a per-token
+power of two (as the Triton kernels do).  fp8_ds_mla's per-row, per-128-dim-group fp32 scales: QK runs one
+accumulator per group (A = the raw values) and S^T = sum_g scale_g x S_g^T after (seventh session; the
+sixth scaled the A registers by scale_g / the row's largest scale instead: 154 more instructions a block);
+for PV, P is multiplied by ``scale_g / u_g`` per group (u_g = the block's largest scale of group g, so the
+factor is <= 1) and each group's accumulator is held in units of u_g.  The rope part of fp8_ds_mla is bf16
+and multiplies in bf16 (A from shared memory, its own accumulator); plain fp8 rows
+are e4m3 throughout with the per-tensor ``k_scale`` applied to the scores and the output.
+
+nvfp4_ds_mla rows take a different route (``_consumer_fp4``): converting e2m1 costs about four
+instructions per pair of values (against one for e4m3), and the consumers are instruction-bound, so each
+block is dequantized **once**, into the consumer warpgroup's own fp16 tile in shared memory, and both MMAs
+read the tile (S^T: A = the tile; O^T: A = the tile transposed).  The nibbles become e4m3 codes worth
+value x 2^-6 by shifts and masks, cvt.f16x2.e4m3x2 converts them, one multiply by the block's e4m3 scale
+x 2^6 gives the exact dequantized value in fp16 (``_FP4N_ASM``).  Two 64 KB tiles leave room for only three
+22 KB stages; fp8 rows, at 36 KB a stage, would get two, and measured slower that way (fp8 D-h16 77 us
+against 61 us for the register operands).
+
+Measured on the H200 (BENCHMARKS.md sections 7 and 8): D-h16 (b 128, top-k 2048) fp8 53.5 us, fp8_ds_mla
+73.8 us, nvfp4_ds_mla 69.7 us, against 101 / 119 / 208 us for the Triton kernels; D-h32 1.9-2.6x faster
+than them.
+
+Same arguments and output contract as ``sparse_attention._fwd_fp8_kernel`` (split partials, normalized
+output, natural-log lse).  Gluon does not run under the Triton interpreter: CPU CI compiles it for sm_90
+(``tests/test_ws_attention.py``) and the GPU suite checks its numbers.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+from .ws_attention import _NEG_BIG, _coords, _normalizer, _rcp
+
+NS = gl.constexpr(4)  # ring stages of 64 rows (fp8 / fp8_ds_mla rows; nvfp4 rows have 3, see the kernel)
+
+# S^T [64 rows, 16 heads] and O^T [128 dims, 16 heads] (one per 128-dim group) on wgmma m64n16
+S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
+A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_L.value, k_width=2))
+ROW = gl.constexpr(gl.SliceLayout(1, S_L.value))   # one value per cache row (or output dim)
+HEAD = gl.constexpr(gl.SliceLayout(0, S_L.value))  # one value per head
+# Raw e4m3 bytes for QK, [64 rows, 128 bytes] (one 128-dim group): thread (warp w, lane 4g + t) holds rows
+# 16w + g and 16w + g + 8, bytes 32t .. 32t + 31.  Register order = byte order (128-bit loads).  Byte
+# 32t + 16 j + 4 s + 2 p + e is the fragment's k = 64 j + 16 s + 8 p + 2 t + e (see _qk_operand).
+L_QK = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
+    lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+    shape=[64, 128]))
+# The same for a 64-byte rope part: bytes 16t .. 16t + 15; byte 16 t + 4 s + 2 p + e is k = 16 s + 8 p + 2 t + e
+L_QK64 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+    lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+    shape=[64, 64]))
+# Raw e4m3 bytes for PV, [16 rows, 128 dims] (one k-step of one group): thread (w, 4g + t) holds rows
+# 2t, 2t + 1, 2t + 8, 2t + 9 and dims 32w + 4g .. 32w + 4g + 3 (32-bit loads).  Dim 32 w + 4 g + 2 i + h is
+# the fragment's M row 64 i + 16 w + 8 h + g (see _pv_operand and _dims).
+L_V = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0]],
+    lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]], warp_bases=[[0, 32], [0, 64]], block_bases=[],
+    shape=[16, 128]))
+# Two rows' four e4m3 bytes ($4: row r, $5: row r + 1; dims d0..d3) -> fp16 pairs (d0 r, d0 r+1), (d1 r,
+# d1 r+1), (d2 ..), (d3 ..) in $0..$3: the byte pairing is two prmt before the converts instead of four
+# after them
+_E4M3_ROWS_ASM = gl.constexpr("""{
+.reg .b32 p0, p1;
+.reg .b16 h0, h1, h2, h3;
+prmt.b32 p0, $4, $5, 0x5140;
+prmt.b32 p1, $4, $5, 0x7362;
+mov.b32 {h0, h1}, p0;
+mov.b32 {h2, h3}, p1;
+cvt.rn.f16x2.e4m3x2 $0, h0;
+cvt.rn.f16x2.e4m3x2 $1, h1;
+cvt.rn.f16x2.e4m3x2 $2, h2;
+cvt.rn.f16x2.e4m3x2 $3, h3;
+}""")
+# fp8_ds_mla tile scales [64 rows, 4 groups] with the rows of S^T (all four in each thread's registers)
+SC_L = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 4]))
+
+
+# nvfp4_ds_mla: one 64-dim chunk's packed nibbles [64 rows, 4 blocks, 8 bytes]: thread (w, 4g + t) holds rows
+# 16w + g and 16w + g + 8, block t of the chunk (bytes 8t .. 8t + 7 = dims 16t .. 16t + 15, one e4m3 scale,
+# two 128-bit stores of fp16 into the tile)
+L_Q4 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
+    lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[[16, 0, 0], [32, 0, 0]],
+    block_bases=[], shape=[64, 4, 8]))
+L_Q4B = gl.constexpr(gl.DistributedLinearLayout(  # the same bytes as a [64, 32] tensor (64-bit loads)
+    reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
+    lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+    shape=[64, 32]))
+L_Q4S = gl.constexpr(gl.DistributedLinearLayout(  # the chunk's scale bytes [64 rows, 4 blocks, 1]
+    reg_bases=[[8, 0, 0]],
+    lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[[16, 0, 0], [32, 0, 0]],
+    block_bases=[], shape=[64, 4, 1]))
+# e2m1 nibbles -> fp16, four bytes (eight values) at a time: each nibble becomes an e4m3 code worth its value
+# x 2^-6 (sign to bit 7, the three magnitude bits to bits 2-4: exact for the subnormal code 0.5 too), the
+# codes are paired in dim order (byte 0's low and high nibble = dims 0, 1, ...: what a 16-byte store of the
+# row wants), cvt.f16x2.e4m3x2 converts them and one multiply by the block scale x 2^6 (<= 448 x 64, exact)
+# gives the exact dequantized values (<= 6 x 448, >= 2^-10: normal fp16).  $0 $1 = dims 0-3, $2 $3 = dims
+# 4-7; $4: the four bytes; $5 $6: the block scale x 2^6 as f16x2 (all four halves equal).
+_FP4N_ASM = gl.constexpr("""{
+.reg .b32 e, o, t, u, p0, p1;
+.reg .b16 h0, h1, h2, h3;
+shl.b32 t, $4, 4;
+shl.b32 u, $4, 2;
+and.b32 t, t, 0x80808080;
+and.b32 u, u, 0x1C1C1C1C;
+or.b32 e, t, u;
+shr.b32 u, $4, 2;
+and.b32 t, $4, 0x80808080;
+and.b32 u, u, 0x1C1C1C1C;
+or.b32 o, t, u;
+prmt.b32 p0, e, o, 0x5140;
+prmt.b32 p1, e, o, 0x7362;
+mov.b32 {h0, h1}, p0;
+mov.b32 {h2, h3}, p1;
+cvt.rn.f16x2.e4m3x2 $0, h0;
+cvt.rn.f16x2.e4m3x2 $1, h1;
+cvt.rn.f16x2.e4m3x2 $2, h2;
+cvt.rn.f16x2.e4m3x2 $3, h3;
+mul.f16x2 $0, $0, $5;
+mul.f16x2 $1, $1, $5;
+mul.f16x2 $2, $2, $5;
+mul.f16x2 $3, $3, $5;
+}""")
+
+
+@gluon.jit
+def _fp4n(x, sc):
+    """Packed e2m1 bytes ``x`` [64 rows, 4 blocks, 8 bytes] and each block's e4m3 scale byte ``sc`` (broadcast to
+    x's shape) -> fp16 [64, 4, 16] in dim order."""
+    f = (sc.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 64.0).to(gl.float16)
+    a, b = gl.inline_asm_elementwise(_FP4N_ASM, "=r,=r,=r,=r,r,r,r", [x, f], (gl.float16, gl.float16), True, 4)
+    # a[4p + k] = dim 8p + k, b[4p + k] = dim 8p + 4 + k (p: which four bytes): a relabelling of registers
+    return gl.join(a, b).reshape([64, 4, 2, 4, 2]).permute(0, 1, 2, 4, 3).reshape([64, 4, 16])
+
+
+@gluon.jit
+def _fp4_chunk(raw, scl, C: gl.constexpr):
+    """nvfp4: 64-dim chunk C of the stage's rows -> fp16 [64 rows, 64 dims] in natural order (each thread: two
+    rows x one 16-dim block)."""
+    x = gl.convert_layout(raw.slice(32 * C, 32, dim=1).load(L_Q4B).reshape([64, 4, 8]), L_Q4)
+    # block 4C + t of a row: its scale is at byte 8 t + C
+    sc = scl.reshape([64, 4, 8]).slice(C, 1, dim=2).load(L_Q4S).reshape([64, 4])
+    sc = gl.convert_layout(sc, gl.SliceLayout(2, L_Q4))[:, :, None]
+    return _fp4n(x, gl.broadcast(sc, x)[0]).reshape([64, 64])
+
+
+@gluon.jit
+def _dims(m):
+    """Accumulator row m (0..127) of a group -> the output dim within the group (see L_V)."""
+    return 32 * ((m >> 4) & 3) + 4 * (m & 7) + 2 * (m >> 6) + ((m >> 3) & 1)
+
+
+@gluon.jit
+def _qk_operand(raw, G: gl.constexpr):
+    """Group G's e4m3 bytes of the stage -> the fp16 A operand [64 rows, 128 k] (k permuted, _relabel128)."""
+    a = raw.slice(128 * G, 128, dim=1).load(L_QK).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    return gl.convert_layout(_relabel128(a), A_OP)
+
+
+@gluon.jit
+def _rope_operand(rope):
+    """Plain fp8 rows: the 64 e4m3 rope bytes -> fp16 A operand [64 rows, 64 k] (k permuted like L_QK64)."""
+    a = rope.load(L_QK64).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    return gl.convert_layout(_relabel64(a), A_OP)
+
+
+@gluon.jit
+def _pv_operand(raw, ks: gl.constexpr, G: gl.constexpr):
+    """Rows 16 ks .. 16 ks + 15, group G -> the fp16 A operand V^T [128 dims (permuted, _dims), 16 rows]."""
+    return gl.convert_layout(_pv_values(raw, ks, G), A_OP)
+
+
+@gluon.jit
+def _pv_values(raw, ks: gl.constexpr, G: gl.constexpr):
+    """_pv_operand before its (free) conversion to the operand layout: shared with ws_wide.py, whose
+    operand layout has another N."""
+    v = raw.slice(16 * ks, 16, dim=0).slice(128 * G, 128, dim=1).load(L_V)
+    # e4m3 -> fp16 with the values of rows 2t and 2t + 1 paired (what the A fragment holds in one register):
+    # _E4M3_ROWS_ASM puts the value of (dim d, row r) of each 4 dims x 2 rows where the tensor has (dim
+    # 2 (d & 1) + r, row d >> 1); the permute below puts the labels back (register bits only: no data movement)
+    t = gl.inline_asm_elementwise(_E4M3_ROWS_ASM, "=r,=r,=r,=r,r,r", [v], gl.float16, True, 8)
+    v = t.reshape([2, 2, 2, 2, 32, 2, 2]).permute(0, 1, 2, 6, 4, 3, 5).reshape([16, 128])
+    return v.permute(1, 0).reshape([4, 8, 2, 2, 16]).permute(2, 0, 3, 1, 4).reshape([128, 16])
+
+
+@gluon.jit
+def _pv_operands(raw, ks: gl.constexpr):
+    """Rows 16 ks .. 16 ks + 15 of the stage -> the four groups' V^T A operands."""
+    return _pv_operand(raw, ks, 0), _pv_operand(raw, ks, 1), _pv_operand(raw, ks, 2), _pv_operand(raw, ks, 3)
+
+
+@gluon.jit
+def _idx(idx_row, p0, k_end, rows_l: gl.constexpr):
+    """The cache rows at positions p0 .. p0 + 63 (-1 past the split's end)."""
+    offs = p0 + gl.arange(0, 64, layout=rows_l)
+    return gl.load(idx_row + offs, mask=offs < k_end, other=-1)
+
+
+@gluon.jit
+def _copy(dst, kv_ptr, idx, BPT: gl.constexpr, off: gl.constexpr, cols, ty: gl.constexpr):
+    """cp.async of the columns ``cols`` (elements of ``ty``) at byte ``off`` of each row; -1 rows zero-filled."""
+    valid = idx >= 0
+    base = gl.multiple_of(kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * BPT, 16)
+    if off != 0:
+        base = gl.multiple_of(base + off, 16).to(gl.pointer_type(ty))
+    async_copy.async_copy_global_to_shared(dst, base[:, None] + cols[None, :], mask=valid[:, None])
+
+
+@gluon.jit
+def _producer(args, BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP4: gl.constexpr):
+    """Gathers each 64-row block's raw bytes into stage b % NS: e4m3 values, then (fp8_ds_mla) the four
+    scales and the bf16 rope, or (fp8) the e4m3 rope; nvfp4 rows: the packed nibbles, the e4m3 rope and the
+    32 scale bytes.  The next block's indices are loaded before waiting for a free stage, so their latency
+    is not on the producer's path."""
+    kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC = args
+    raw, scl, rope, qn, qr, pb, mrg, vec = smem
+    q_bar, ready, free, done_bar = bars
+    t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    n_blocks = gl.cdiv(k_end - k_begin, 64)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    n_st: gl.constexpr = raw.shape[0]
+    lv: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])   # [64, 512 or 256] u8, 16 B each
+    ls: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0])   # [64, 4] f32, 8 B each
+    lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])    # [64, 64] bf16, 16 B each
+    lq: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])  # [64, 64 or 32] u8, 16 B each
+    cv = gl.arange(0, raw.shape[2], layout=gl.SliceLayout(0, lv))
+    cs = gl.arange(0, 4, layout=gl.SliceLayout(0, ls))
+    cr = gl.arange(0, 64, layout=gl.SliceLayout(0, lr))
+    cq = gl.arange(0, 64, layout=gl.SliceLayout(0, lq))
+    c4 = gl.arange(0, 32, layout=gl.SliceLayout(0, lq))
+    iv = _idx(idx_row, k_begin, k_end, gl.SliceLayout(1, lv))
+    i_s = _idx(idx_row, k_begin, k_end, gl.SliceLayout(1, ls))
+    ir = _idx(idx_row, k_begin, k_end, gl.SliceLayout(1, lr))
+    iq = _idx(idx_row, k_begin, k_end, gl.SliceLayout(1, lq))
+    for b in range(n_blocks):
+        st = b % n_st
+        p1 = k_begin + (b + 1) * 64
+        nv = _idx(idx_row, p1, k_end, gl.SliceLayout(1, lv))
+        if DS:
+            ns = _idx(idx_row, p1, k_end, gl.SliceLayout(1, ls))
+            if ROPE:
+                nr = _idx(idx_row, p1, k_end, gl.SliceLayout(1, lr))
+            else:
+                nr = ir
+            nq = iq
+        else:
+            ns = i_s
+            nr = ir
+            if ROPE or FP4:
+                nq = _idx(idx_row, p1, k_end, gl.SliceLayout(1, lq))
+            else:
+                nq = iq
+        mbarrier.wait(free.index(st), ((b // n_st) & 1) ^ 1)  # fresh barriers pass phase 1 at once
+        _copy(raw.index(st), kv_ptr, iv, BPT, 0, cv, gl.uint8)
+        if DS:
+            _copy(scl.index(st), kv_ptr, i_s, BPT, 512, cs, gl.float32)
+            if ROPE:
+                _copy(rope.index(st), kv_ptr, ir, BPT, 528, cr, gl.bfloat16)
+        elif FP4:
+            if ROPE:
+                _copy(rope.index(st), kv_ptr, iq, BPT, 256, cq, gl.uint8)
+            _copy(scl.index(st), kv_ptr, iq, BPT, 256 + ROPE, c4, gl.uint8)
+        elif ROPE:
+            _copy(rope.index(st), kv_ptr, iq, BPT, 512, cq, gl.uint8)
+        async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+        iv = nv
+        i_s = ns
+        ir = nr
+        iq = nq
+
+
+@gluon.jit
+def _q_group(q_row, hm, off: gl.constexpr, lay: gl.constexpr):
+    """q[:, off : off + 128] as fp32 [16, 128] (contiguous 16-byte loads)."""
+    k = gl.arange(0, 128, layout=gl.SliceLayout(0, lay))
+    return gl.load(q_row + off + k[None, :], mask=hm, other=0.0).to(gl.float32)
+
+
+@gluon.jit
+def _absmax(x):
+    return gl.max(gl.max(gl.abs(x), 1), 0)
+
+
+@gluon.jit
+def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr, CHUNKS: gl.constexpr):
+    """q * c into shared memory as the QK B operand, once per program; returns c, the per-token power of two
+    that brings q into fp16 range (amax * c in [2^13, 2^15); over the latent dims, and the rope dims too
+    when they are fp16 operands (plain fp8)).  Groups are fp16 [4, 16, 128] with columns permuted like the
+    A fragments (the same register relabelling as _qk_operand, applied to q loaded in natural order); the
+    rope part is bf16 in natural order (fp8_ds_mla) or fp16 permuted (fp8, nvfp4).  nvfp4: eight 64-dim
+    chunks [8, 16, 64] in natural order (CHUNKS: the A operands are in shared memory), otherwise the four
+    128-dim groups permuted like _relabel128."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    heads = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
+    hm = (heads < H)[:, None]
+    q_row = q_ptr + t.to(gl.int64) * stride_qt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_qh
+    x0 = _q_group(q_row, hm, 0, lay)
+    x1 = _q_group(q_row, hm, 128, lay)
+    x2 = _q_group(q_row, hm, 256, lay)
+    x3 = _q_group(q_row, hm, 384, lay)
+    amax = gl.maximum(gl.maximum(_absmax(x0), _absmax(x1)), gl.maximum(_absmax(x2), _absmax(x3)))
+    if ROPE:
+        k64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
+        xr = gl.load(q_row + 512 + k64[None, :], mask=hm, other=0.0).to(gl.float32)
+        if not DS:
+            amax = gl.maximum(amax, _absmax(xr))
+    e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
+    c = gl.where(amax > 0, gl.exp2(13.0 - e), 1.0)
+    if CHUNKS:
+        _store_chunks(qn, 0, x0 * c)
+        _store_chunks(qn, 2, x1 * c)
+        _store_chunks(qn, 4, x2 * c)
+        _store_chunks(qn, 6, x3 * c)
+    else:
+        qn.index(0).store(_relabel128(x0 * c).to(gl.float16))
+        qn.index(1).store(_relabel128(x1 * c).to(gl.float16))
+        qn.index(2).store(_relabel128(x2 * c).to(gl.float16))
+        qn.index(3).store(_relabel128(x3 * c).to(gl.float16))
+    if ROPE:
+        if DS:
+            qr.index(0).store((xr * c).to(gl.bfloat16))
+        else:
+            qr.index(0).store(_relabel64(xr * c).to(gl.float16))
+    return c
+
+
+@gluon.jit
+def _store_chunks(qn, C: gl.constexpr, x):
+    """x [16, 128] -> 64-dim chunks C and C + 1 of qn (natural order: the A operands are in shared memory)."""
+    lo, hi = x.reshape([16, 2, 64]).permute(0, 2, 1).split()
+    qn.index(C).store(lo.to(gl.float16))
+    qn.index(C + 1).store(hi.to(gl.float16))
+
+
+@gluon.jit
+def _relabel128(x):
+    """[R, 128] indexed by byte -> indexed by fragment column (byte 32t + 16j + 4s + 2p + e is column
+    64j + 16s + 8p + 2t + e): a relabelling of the registers, no data movement."""
+    return x.reshape([x.shape[0], 4, 2, 4, 2, 2]).permute(0, 2, 3, 4, 1, 5).reshape([x.shape[0], 128])
+
+
+@gluon.jit
+def _relabel64(x):
+    """The same for [R, 64] (byte 16t + 4s + 2p + e is column 16s + 8p + 2t + e; see L_QK64)."""
+    return x.reshape([x.shape[0], 4, 4, 2, 2]).permute(0, 2, 3, 1, 4).reshape([x.shape[0], 64])
+
+
+@gluon.jit
+def _cols(x):
+    """The four columns of a [64, 4] tensor in SC_L, each as a per-row vector of S^T (a register relabelling)."""
+    a, b = x.reshape([64, 2, 2]).split()  # columns 0, 2 and 1, 3
+    c0, c2 = a.split()
+    c1, c3 = b.split()
+    return (gl.convert_layout(c0, ROW), gl.convert_layout(c1, ROW), gl.convert_layout(c2, ROW),
+            gl.convert_layout(c3, ROW))
+
+
+@gluon.jit
+def _qk_groups(rs, qn, z, s_zero):
+    """fp8_ds_mla: S^T per 128-dim group, four accumulators (A = the raw e4m3 values, B = q^T), issued
+    asynchronously; the caller weighs them with the rows' group scales."""
+    a0 = _qk_operand(rs, 0)
+    g0 = warpgroup_mma(a0, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    a1 = _qk_operand(rs, 1)
+    g1 = warpgroup_mma(a1, qn.index(1 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    warpgroup_mma_wait(1, deps=(a0, ))
+    a2 = _qk_operand(rs, 2)
+    g2 = warpgroup_mma(a2, qn.index(2 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    warpgroup_mma_wait(1, deps=(a1, ))
+    a3 = _qk_operand(rs, 3)
+    g3 = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    return g0, g1, g2, g3
+
+
+@gluon.jit
+def _pick(v, G: gl.constexpr):
+    """Element G of a [4] vector in SliceLayout(0, SC_L), as a scalar (held in every thread)."""
+    c = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
+    return gl.sum(gl.where(c == G, v, 0.0), 0)
+
+
+@gluon.jit
+def _pv_issue(v0, v1, v2, v3, pb, P0, ks: gl.constexpr, a0, a1, a2, a3, DS: gl.constexpr):
+    """Issue O^T_G += V^T_G P_G^T over rows 16 ks .. 16 ks + 15 for the four groups (asynchronous)."""
+    if DS:
+        b0 = pb[0].index(P0).slice(16 * ks, 16, dim=0)
+        b1 = pb[1].index(P0).slice(16 * ks, 16, dim=0)
+        b2 = pb[2].index(P0).slice(16 * ks, 16, dim=0)
+        b3 = pb[3].index(P0).slice(16 * ks, 16, dim=0)
+    else:
+        b0 = pb[0].index(P0).slice(16 * ks, 16, dim=0)
+        b1 = b0
+        b2 = b0
+        b3 = b0
+    a0 = warpgroup_mma(v0, b0, a0, is_async=True)
+    a1 = warpgroup_mma(v1, b1, a1, is_async=True)
+    a2 = warpgroup_mma(v2, b2, a2, is_async=True)
+    a3 = warpgroup_mma(v3, b3, a3, is_async=True)
+    return a0, a1, a2, a3
+
+
+@gluon.jit
+def _qk_chain(rs, qn, z, s_zero):
+    """Plain fp8: issue S^T = K q^T over the four 128-dim groups as one chain of MMAs (A = the converted bytes,
+    B = q^T); returns the pending accumulator (and the third group's operand, for a wait that names it).  One
+    wait per group keeps two groups' A registers alive at most; it names no accumulator (waiting on the
+    chain's pending accumulator would make ptxas serialize the MMAs)."""
+    a0 = _qk_operand(rs, 0)
+    acc = warpgroup_mma(a0, qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    a1 = _qk_operand(rs, 1)
+    acc = warpgroup_mma(a1, qn.index(1 + z).permute((1, 0)), acc, is_async=True)
+    warpgroup_mma_wait(1, deps=(a0, ))
+    a2 = _qk_operand(rs, 2)
+    acc = warpgroup_mma(a2, qn.index(2 + z).permute((1, 0)), acc, is_async=True)
+    warpgroup_mma_wait(1, deps=(a1, ))
+    a3 = _qk_operand(rs, 3)
+    acc = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), acc, is_async=True)
+    return acc, a2
+
+
+# The reference max of the online softmax is lazy: a head's moves only when a score passes it by more than
+# LAZY (log2 units), so P <= 2^LAZY; fp8_ds_mla's group units likewise move only when a group's largest scale
+# in a block leaves [u / 2^UNIT_BAND, u x 2^UNIT_BAND] (P x scale / u <= 2^15: fp16-safe).  Whether a block
+# moves anything is one OR across the warpgroup (_moves); the per-head and per-group maxima, the factors and
+# the rescaling of the accumulators are computed only in the blocks that do (the first, and rarely after).
+LAZY = gl.constexpr(8.0)
+UNIT_BAND = gl.constexpr(128.0)
+
+
+@gluon.jit
+def _moves(x, m_i, sv, u, DS: gl.constexpr):
+    """Variant: row flags as bits (0: scores, 1-4: scale above u x band, 5-8: scale reaches u / band), one OR."""
+    f = gl.max((x > (m_i + LAZY)[None, :]).to(gl.int32), 1)
+    if DS:
+        gb = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))[None, :]
+        uu = u[None, :]
+        b = ((sv > uu * UNIT_BAND).to(gl.int32) << (1 + gb)) | ((sv >= uu * (1.0 / UNIT_BAND)).to(gl.int32) << (5 + gb))
+        f = f | gl.convert_layout(gl.reduce_or(b, 1), ROW)
+        m = gl.reduce_or(f, 0)
+        return ((m & 31) != 0) | ((m >> 5) != 15)
+    else:
+        return gl.reduce_or(f, 0) != 0
+
+
+@gluon.jit
+def _new_max(x, m_i):
+    """The moved reference maxima (heads whose block max passes m_i by more than LAZY take it) and the factor
+    of the earlier blocks."""
+    m_blk = gl.max(x, 0)
+    m_new = gl.where(m_blk > m_i + LAZY, m_blk, m_i)
+    return m_new, gl.exp2(m_i - m_new)
+
+
+@gluon.jit
+def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
+    """nvfp4 consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...  Each block is dequantized once, into this
+    warpgroup's fp16 tile in shared memory [8 chunks, 64 rows, 64 dims], and both MMAs read it from there:
+    S^T = K q^T (A = the tile), O^T += V^T P^T (A = the tile transposed), eight 64-dim accumulators.  The
+    raw stage is released as soon as it is converted.  Warpgroup 0 then merges and stores."""
+    (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+     stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
+     HAS_VC) = args
+    raw, scl, rope, qn, qr, pb, kt, vec = smem  # kt: the two warpgroups' tiles, [2 x 8 chunks, 64, 64] fp16
+    q_bar, ready, free, done_bar = bars
+    n_st: gl.constexpr = raw.shape[0]
+    t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    n_blocks = gl.cdiv(k_end - k_begin, 64)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    c = _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, False, ROPE, True)
+    score_scale = sm_scale_log2 / c
+    s_zero = gl.zeros([64, 16], gl.float32, S_L)
+    o0 = s_zero
+    o1 = s_zero
+    o2 = s_zero
+    o3 = s_zero
+    o4 = s_zero
+    o5 = s_zero
+    o6 = s_zero
+    o7 = s_zero
+    l_acc = s_zero
+    m_i = gl.full([16], _NEG_BIG, gl.float32, HEAD)
+    n_mine = (n_blocks + 1 - WG) // 2
+    for j in range(n_mine):
+        b = 2 * j + WG
+        z = j // (n_mine + 1)  # == 0 (see _consumer)
+        st = b % n_st
+        p0 = k_begin + b * 64
+        valid = _idx(idx_row, p0, k_end, ROW) >= 0
+        mbarrier.wait(ready.index(st), (b // n_st) & 1)
+        kw = 8 * (WG + z)  # this warpgroup's tile: chunks kw .. kw + 7 of kt
+        rs = raw.index(st)
+        sc_st = scl.index(st)
+        for C in gl.static_range(8):
+            kt.index(kw + C).store(_fp4_chunk(rs, sc_st, C))
+        if ROPE:
+            ra = _rope_operand(rope.index(st))  # e4m3 rope: a register operand
+        fence_async_shared()  # the tile's stores -> the wgmma (async proxy) reads
+        gl.thread_barrier()   # every warp's part of the tile is written; the raw stage is read
+        mbarrier.arrive(free.index(st), count=1)
+        x = warpgroup_mma(kt.index(kw), qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        for C in gl.static_range(1, 8):
+            x = warpgroup_mma(kt.index(kw + C), qn.index(C + z).permute((1, 0)), x, is_async=True)
+        if ROPE:
+            x = warpgroup_mma(ra, qr.index(z).permute((1, 0)), x, is_async=True)
+        x = warpgroup_mma_wait(0, deps=(x, ))
+        x = gl.where(valid[:, None], x * score_scale, float("-inf"))
+        if _moves(x, m_i, x, m_i, False):
+            m_i, alpha = _new_max(x, m_i)
+            l_acc = l_acc * alpha[None, :]
+            o0 = o0 * alpha[None, :]
+            o1 = o1 * alpha[None, :]
+            o2 = o2 * alpha[None, :]
+            o3 = o3 * alpha[None, :]
+            o4 = o4 * alpha[None, :]
+            o5 = o5 * alpha[None, :]
+            o6 = o6 * alpha[None, :]
+            o7 = o7 * alpha[None, :]
+        p = gl.exp2(x - m_i[None, :])
+        l_acc = l_acc + p
+        pb[0].index(WG).store(p.to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's part of P is in shared memory before the MMAs read it
+        pv = pb[0].index(WG + z)
+        o0 = warpgroup_mma(kt.index(kw + 0).permute((1, 0)), pv, o0, is_async=True)
+        o1 = warpgroup_mma(kt.index(kw + 1).permute((1, 0)), pv, o1, is_async=True)
+        o2 = warpgroup_mma(kt.index(kw + 2).permute((1, 0)), pv, o2, is_async=True)
+        o3 = warpgroup_mma(kt.index(kw + 3).permute((1, 0)), pv, o3, is_async=True)
+        o4 = warpgroup_mma(kt.index(kw + 4).permute((1, 0)), pv, o4, is_async=True)
+        o5 = warpgroup_mma(kt.index(kw + 5).permute((1, 0)), pv, o5, is_async=True)
+        o6 = warpgroup_mma(kt.index(kw + 6).permute((1, 0)), pv, o6, is_async=True)
+        o7 = warpgroup_mma(kt.index(kw + 7).permute((1, 0)), pv, o7, is_async=True)
+        o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
+    l_i = gl.sum(l_acc, 0)
+    # warpgroup 1's accumulators go over its own tile (free once its last MMAs are done)
+    mrg = kt._reinterpret(gl.float32, [32, 64, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # 16 + i: tile 1
+    if WG == 1:
+        mrg.index(16).store(o0)
+        mrg.index(17).store(o1)
+        mrg.index(18).store(o2)
+        mrg.index(19).store(o3)
+        mrg.index(20).store(o4)
+        mrg.index(21).store(o5)
+        mrg.index(22).store(o6)
+        mrg.index(23).store(o7)
+        _publish(m_i, l_i, vec, done_bar)
+    else:
+        a0, a1, lse, heads, hm, obase = _merge_start(m_i, l_i, vec, done_bar, o_ptr, stride_ot, stride_os, stride_oh,
+                                                     t, s, g, H)
+        d = gl.arange(0, 64, layout=ROW)[:, None]
+        ty = o_ptr.dtype.element_ty
+        gl.store(obase + d, (o0 * a0 + mrg.index(16).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + 64 + d, (o1 * a0 + mrg.index(17).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + 128 + d, (o2 * a0 + mrg.index(18).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + 192 + d, (o3 * a0 + mrg.index(19).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + 256 + d, (o4 * a0 + mrg.index(20).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + 320 + d, (o5 * a0 + mrg.index(21).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + 384 + d, (o6 * a0 + mrg.index(22).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + 448 + d, (o7 * a0 + mrg.index(23).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
+
+
+@gluon.jit
+def _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
+             ROPE: gl.constexpr, CHUNKS: gl.constexpr):
+    """Warpgroup 0 stages q (_stage_q) and publishes c; warpgroup 1 waits for it.  Returns c."""
+    if WG == 0:
+        c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE, CHUNKS)
+        vec.index(0).store(gl.full([16], 1.0, gl.float32, HEAD) * c)  # c for warpgroup 1
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(q_bar, count=1)
+    else:
+        mbarrier.wait(q_bar, 0)
+        fence_async_shared()
+        c = gl.max(vec.index(0).load(HEAD), 0)
+    return c
+
+
+@gluon.jit
+def _publish(m_i, l_i, vec, done_bar):
+    """Warpgroup 1, its accumulators stored for the merge: its running max and sum to warpgroup 0."""
+    vec.index(0).store(m_i)
+    vec.index(1).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(done_bar, count=1)
+
+
+@gluon.jit
+def _merge_start(m_i, l_i, vec, done_bar, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H):
+    """Warpgroup 0, once warpgroup 1 has published: the two warpgroups' weights (each [1, 16]) in the merged,
+    normalized output, the natural-log lse, and the program's heads, head mask and output row pointers."""
+    mbarrier.wait(done_bar, 0)
+    m1 = vec.index(0).load(HEAD)
+    l1 = vec.index(1).load(HEAD)
+    m = gl.maximum(m_i, m1)
+    w0 = gl.exp2(m_i - m)
+    w1 = gl.exp2(m1 - m)
+    inv_l, lse = _normalizer(m, l_i * w0 + l1 * w1)
+    heads = g * 16 + gl.arange(0, 16, layout=HEAD)
+    hm = (heads < H)[None, :]
+    obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh
+    return (w0 * inv_l)[None, :], (w1 * inv_l)[None, :], lse, heads, hm, obase
+
+
+@gluon.jit
+def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
+    """Consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...; warpgroup 0 then merges and stores."""
+    (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+     stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
+     HAS_VC) = args
+    raw, scl, rope, qn, qr, pb, mrg, vec = smem
+    q_bar, ready, free, done_bar = bars
+    n_st: gl.constexpr = raw.shape[0]
+    t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    n_blocks = gl.cdiv(k_end - k_begin, 64)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    c = _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE, False)
+    score_scale = sm_scale_log2 / c
+    s_zero = gl.zeros([64, 16], gl.float32, S_L)
+    o0 = gl.zeros([128, 16], gl.float32, S_L)
+    o1 = o0
+    o2 = o0
+    o3 = o0
+    l_acc = s_zero
+    m_i = gl.full([16], _NEG_BIG, gl.float32, HEAD)
+    u = gl.full([4], 1.0, gl.float32, gl.SliceLayout(0, SC_L))  # fp8_ds_mla: each group's accumulator unit
+    n_mine = (n_blocks + 1 - WG) // 2
+    for j in range(n_mine):
+        b = 2 * j + WG
+        # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in the
+        # loop instead of their wgmma descriptors being hoisted out of it and spilled (as in ws_pair)
+        z = j // (n_mine + 1)
+        st = b % n_st
+        p0 = k_begin + b * 64
+        valid = _idx(idx_row, p0, k_end, ROW) >= 0
+        mbarrier.wait(ready.index(st), (b // n_st) & 1)
+        fence_async_shared()  # cp.async data -> the wgmma (async proxy) reads of the rope part
+        rs = raw.index(st)
+        if DS:
+            sv = scl.index(st).load(SC_L)  # 0 for a -1 row or one past the end (cp.async zero-fills them)
+        # S^T = K q^T (A = the converted bytes, B = q^T): plain fp8 as one chain of MMAs; fp8_ds_mla as one
+        # accumulator per 128-dim group, weighed with the rows' group scales after (32 multiply-adds a
+        # block instead of 128 fp16 multiplies of the A registers)
+        if DS:
+            g0, g1, g2, g3 = _qk_groups(rs, qn, z, s_zero)
+            c0, c1, c2, c3 = _cols(sv)
+            if ROPE:  # bf16 rope (A from shared memory), not scaled: its own accumulator
+                tr = warpgroup_mma(rope.index(st), qr.index(z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                g0, g1, g2, g3, tr = warpgroup_mma_wait(0, deps=(g0, g1, g2, g3, tr))
+                x = tr + g0 * c0[:, None]
+            else:
+                g0, g1, g2, g3 = warpgroup_mma_wait(0, deps=(g0, g1, g2, g3))
+                x = g0 * c0[:, None]
+            x = x + g1 * c1[:, None] + g2 * c2[:, None] + g3 * c3[:, None]
+        else:
+            x, a2 = _qk_chain(rs, qn, z, s_zero)
+            if ROPE:  # e4m3 rope, in the same chain
+                warpgroup_mma_wait(1, deps=(a2, ))
+                x = warpgroup_mma(_rope_operand(rope.index(st)), qr.index(z).permute((1, 0)), x, is_async=True)
+            x = warpgroup_mma_wait(0, deps=(x, ))
+            x = x * k_scale
+        x = gl.where(valid[:, None], x * score_scale, float("-inf"))
+        if not DS:
+            sv = u  # unused
+        if _moves(x, m_i, sv, u, DS):
+            m_i, alpha = _new_max(x, m_i)
+            l_acc = l_acc * alpha[None, :]
+            if DS:
+                # a group's unit moves to the block's largest scale when that left the band (a group
+                # without a positive scale keeps its unit)
+                mx = gl.max(sv, 0)
+                u_new = gl.where(((mx > u * UNIT_BAND) | (mx < u * (1.0 / UNIT_BAND))) & (mx > 0), mx, u)
+                f = u * _rcp(u_new)
+                o0 = o0 * (alpha * _pick(f, 0))[None, :]
+                o1 = o1 * (alpha * _pick(f, 1))[None, :]
+                o2 = o2 * (alpha * _pick(f, 2))[None, :]
+                o3 = o3 * (alpha * _pick(f, 3))[None, :]
+                u = u_new
+            else:
+                o0 = o0 * alpha[None, :]
+                o1 = o1 * alpha[None, :]
+                o2 = o2 * alpha[None, :]
+                o3 = o3 * alpha[None, :]
+        p = gl.exp2(x - m_i[None, :])
+        l_acc = l_acc + p
+        if DS:
+            inv = _rcp(u)
+            pb[0].index(WG).store((p * (c0 * _pick(inv, 0))[:, None]).to(gl.float16))
+            pb[1].index(WG).store((p * (c1 * _pick(inv, 1))[:, None]).to(gl.float16))
+            pb[2].index(WG).store((p * (c2 * _pick(inv, 2))[:, None]).to(gl.float16))
+            pb[3].index(WG).store((p * (c3 * _pick(inv, 3))[:, None]).to(gl.float16))
+        else:
+            pb[0].index(WG).store(p.to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's part of P is in shared memory before the MMAs read it
+        # PV, one 16-row step at a time: the next step's operands are converted while this step's MMAs
+        # run; each wait retires all four (waiting on an accumulator still in flight makes ptxas
+        # serialize every wgmma: it then reads those registers)
+        v0, v1, v2, v3 = _pv_operands(rs, 0)
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 0, o0, o1, o2, o3, DS)
+        v0, v1, v2, v3 = _pv_operands(rs, 1)
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 1, o0, o1, o2, o3, DS)
+        v0, v1, v2, v3 = _pv_operands(rs, 2)
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 2, o0, o1, o2, o3, DS)
+        v0, v1, v2, v3 = _pv_operands(rs, 3)
+        gl.thread_barrier()  # all of this warpgroup's reads of the stage are done (the MMAs read registers)
+        mbarrier.arrive(free.index(st), count=1)
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 3, o0, o1, o2, o3, DS)
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+    l_i = gl.sum(l_acc, 0)
+    if DS:
+        o0 = o0 * _pick(u, 0)
+        o1 = o1 * _pick(u, 1)
+        o2 = o2 * _pick(u, 2)
+        o3 = o3 * _pick(u, 3)
+    else:
+        o0 = o0 * k_scale
+        o1 = o1 * k_scale
+        o2 = o2 * k_scale
+        o3 = o3 * k_scale
+    if WG == 1:
+        mrg.index(0).store(o0)
+        mrg.index(1).store(o1)
+        mrg.index(2).store(o2)
+        mrg.index(3).store(o3)
+        _publish(m_i, l_i, vec, done_bar)
+    else:
+        a0, a1, lse, heads, hm, obase = _merge_start(m_i, l_i, vec, done_bar, o_ptr, stride_ot, stride_os, stride_oh,
+                                                     t, s, g, H)
+        d0 = _dims(gl.arange(0, 128, layout=ROW))[:, None]
+        d1 = d0 + 128
+        d2 = d0 + 256
+        d3 = d0 + 384
+        ty = o_ptr.dtype.element_ty
+        gl.store(obase + d0, (o0 * a0 + mrg.index(0).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + d1, (o1 * a0 + mrg.index(1).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + d2, (o2 * a0 + mrg.index(2).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + d3, (o3 * a0 + mrg.index(3).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
+
+
+# ---- the partitions of each format variant: (warpgroup, kind flags, rope width, bytes per token) as literals, the
+# kernel's values as one tuple (constexpr arguments do not survive warp_specialize: see the kernel) ----
+@gluon.jit
+def _c0_ds(args):
+    _consumer(args, 0, True, 64)
+
+
+@gluon.jit
+def _c1_ds(args):
+    _consumer(args, 1, True, 64)
+
+
+@gluon.jit
+def _p_ds(args):
+    _producer(args, 656, True, 64, False)
+
+
+@gluon.jit
+def _c0_ds_nope(args):
+    _consumer(args, 0, True, 0)
+
+
+@gluon.jit
+def _c1_ds_nope(args):
+    _consumer(args, 1, True, 0)
+
+
+@gluon.jit
+def _p_ds_nope(args):
+    _producer(args, 528, True, 0, False)
+
+
+@gluon.jit
+def _c0_fp8(args):
+    _consumer(args, 0, False, 64)
+
+
+@gluon.jit
+def _c1_fp8(args):
+    _consumer(args, 1, False, 64)
+
+
+@gluon.jit
+def _p_fp8(args):
+    _producer(args, 576, False, 64, False)
+
+
+@gluon.jit
+def _c0_fp8_nope(args):
+    _consumer(args, 0, False, 0)
+
+
+@gluon.jit
+def _c1_fp8_nope(args):
+    _consumer(args, 1, False, 0)
+
+
+@gluon.jit
+def _p_fp8_nope(args):
+    _producer(args, 512, False, 0, False)
+
+
+@gluon.jit
+def _p_fp4(args):
+    _producer(args, 352, False, 64, True)
+
+
+@gluon.jit
+def _c0_fp4(args):
+    _consumer_fp4(args, 0, 64)
+
+
+@gluon.jit
+def _c1_fp4(args):
+    _consumer_fp4(args, 1, 64)
+
+
+@gluon.jit
+def _c0_fp4_nope(args):
+    _consumer_fp4(args, 0, 0)
+
+
+@gluon.jit
+def _c1_fp4_nope(args):
+    _consumer_fp4(args, 1, 0)
+
+
+@gluon.jit
+def _p_fp4_nope(args):
+    _producer(args, 288, False, 0, True)
+
+
+@gluon.jit
+def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+                  o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
+                  sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+                  BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
+                  FP4: gl.constexpr = False):
+    """One program = one query token x 16 heads x one split; launch with num_warps=4 (warpgroup 0)."""
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    pl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16)
+    p0 = gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl)
+    if FP4:
+        # nvfp4: three 22 KB stages (nibbles, scale bytes, e4m3 rope); each consumer warpgroup's fp16 tile
+        # [8 chunks, 64 rows, 64 dims] (kt, 2 x 64 KB); q in 64-dim chunks; one P
+        raw = gl.allocate_shared_memory(gl.uint8, [3, 64, 256], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
+        scl = gl.allocate_shared_memory(gl.uint8, [3, 64, 32], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        rope = gl.allocate_shared_memory(gl.uint8, [3, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
+        qr = gl.allocate_shared_memory(gl.float16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
+        qn = gl.allocate_shared_memory(gl.float16, [8, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
+        pb = (p0, p0, p0, p0)
+        kt = gl.allocate_shared_memory(gl.float16, [16, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16))
+    else:
+        raw = gl.allocate_shared_memory(gl.uint8, [NS, 64, 512], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
+        qn = gl.allocate_shared_memory(gl.float16, [4, 16, 128], gl.NVMMASharedLayout.get_default_for([16, 128], gl.float16))
+        # warpgroup 1's accumulators for the final merge go over stage 1's bytes (only warpgroup 1 reads stage 1)
+        kt = raw.index(1)._reinterpret(gl.float32, [4, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    if DS:
+        scl = gl.allocate_shared_memory(gl.float32, [NS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        rope = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16))
+        qr = gl.allocate_shared_memory(gl.bfloat16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.bfloat16))
+        # P (times each group's scale ratio) per group, [warpgroup, 64 rows, 16 heads]: one allocation per
+        # group so that the four stores need no barrier between them (the barrier analysis works per allocation)
+        pb = (p0, gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl), gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl),
+              gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl))
+    elif not FP4:
+        scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
+        qr = gl.allocate_shared_memory(gl.float16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
+        pb = (p0, p0, p0, p0)  # fp8: one P for the four groups
+    vec = gl.allocate_shared_memory(gl.float32, [2, 16], plain)
+    bl: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
+    n_st: gl.constexpr = raw.shape[0]
+    ready = gl.allocate_shared_memory(gl.int64, [n_st, 1], bl)
+    free = gl.allocate_shared_memory(gl.int64, [n_st, 1], bl)
+    done_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(done_bar, count=1)
+    for i in gl.static_range(n_st):
+        mbarrier.init(ready.index(i), count=128)  # one cp.async arrival per producer thread
+        mbarrier.init(free.index(i), count=1)     # the consuming warpgroup
+    # kt: nvfp4's fp16 tiles; fp8 / fp8_ds_mla: warpgroup 1's accumulators for the final merge
+    smem = (raw, scl, rope, qn, qr, pb, kt, vec)
+    bars = (q_bar, ready, free, done_bar)
+    # Constexpr arguments do not survive warp_specialize (they arrive as tensors, and an `if` on them then
+    # traces both branches), so each warpgroup of each format variant has its own partition function.
+    ca = ((q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+           lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+           smem, bars, NG, HAS_VC), )
+    pa = ((kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC), )
+    if FP4:
+        if ROPE:
+            gl.warp_specialize([(_c0_fp4, ca), (_c1_fp4, ca), (_p_fp4, pa)], [4, 4], [232, 40])
+        else:
+            gl.warp_specialize([(_c0_fp4_nope, ca), (_c1_fp4_nope, ca), (_p_fp4_nope, pa)], [4, 4], [232, 40])
+    elif DS:
+        if ROPE:
+            gl.warp_specialize([(_c0_ds, ca), (_c1_ds, ca), (_p_ds, pa)], [4, 4], [232, 40])
+        else:
+            gl.warp_specialize([(_c0_ds_nope, ca), (_c1_ds_nope, ca), (_p_ds_nope, pa)], [4, 4], [232, 40])
+    else:
+        if ROPE:
+            gl.warp_specialize([(_c0_fp8, ca), (_c1_fp8, ca), (_p_fp8, pa)], [4, 4], [232, 40])
+        else:
+            gl.warp_specialize([(_c0_fp8_nope, ca), (_c1_fp8_nope, ca), (_p_fp8_nope, pa)], [4, 4], [232, 40])
+
