@@ -448,33 +448,15 @@ def _qk_chain(rs, qn, z, s_zero):
     return acc, a2
 
 
-# The reference max of the online softmax is lazy: a head's moves only when a score passes it by more than
-# LAZY (log2 units), so P <= 2^LAZY; fp8_ds_mla's group units likewise move only when a group's largest scale
-# in a block leaves [u / 2^UNIT_BAND, u x 2^UNIT_BAND] (P x scale / u <= 2^15: fp16-safe).  Whether a block
-# moves anything is one OR across the warpgroup (_moves); the per-head and per-group maxima, the factors and
-# the rescaling of the accumulators are computed only in the blocks that do (the first, and rarely after).
-LAZY = gl.constexpr(8.0)
-UNIT_BAND = gl.constexpr(128.0)
-
-
 @gluon.jit
-def _moves(x, m_i, mx, u, DS: gl.constexpr):
-    """Whether this block moves the reference state: some score of x [64 rows, 16 heads] passes its head's
-    m_i by more than LAZY (one OR across the warpgroup, without the per-head maxima), or (fp8_ds_mla) some
-    group's largest scale in the block ``mx`` left [u / UNIT_BAND, u x UNIT_BAND]."""
-    f = gl.reduce_or((x > (m_i + LAZY)[None, :]).to(gl.int32), None) != 0
-    if DS:
-        f = f | (gl.max(((mx > u * UNIT_BAND) | (mx < u * (1.0 / UNIT_BAND))).to(gl.int32), 0) != 0)
-    return f
-
-
-@gluon.jit
-def _new_max(x, m_i):
-    """The moved reference maxima (heads whose block max passes m_i by more than LAZY take it) and the factor
-    of the earlier blocks."""
-    m_blk = gl.max(x, 0)
-    m_new = gl.where(m_blk > m_i + LAZY, m_blk, m_i)
-    return m_new, gl.exp2(m_i - m_new)
+def _softmax_step(x, valid, m_i, l_acc):
+    """Online softmax over one block's scaled scores x [64 rows, 16 heads] (log2 units), -inf for rows without
+    a token: returns P, the factor alpha of the earlier blocks, the new running max and per-element sums."""
+    x = gl.where(valid[:, None], x, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(x, 0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(x - m_new[None, :])
+    return p, alpha, m_new, l_acc * alpha[None, :] + p
 
 
 @gluon.jit
@@ -529,21 +511,16 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
         if ROPE:
             x = warpgroup_mma(ra, qr.index(z).permute((1, 0)), x, is_async=True)
         x = warpgroup_mma_wait(0, deps=(x, ))
-        x = gl.where(valid[:, None], x * score_scale, float("-inf"))
-        if _moves(x, m_i, x, m_i, False):
-            m_i, alpha = _new_max(x, m_i)
-            l_acc = l_acc * alpha[None, :]
-            o0 = o0 * alpha[None, :]
-            o1 = o1 * alpha[None, :]
-            o2 = o2 * alpha[None, :]
-            o3 = o3 * alpha[None, :]
-            o4 = o4 * alpha[None, :]
-            o5 = o5 * alpha[None, :]
-            o6 = o6 * alpha[None, :]
-            o7 = o7 * alpha[None, :]
-        p = gl.exp2(x - m_i[None, :])
-        l_acc = l_acc + p
+        p, alpha, m_i, l_acc = _softmax_step(x * score_scale, valid, m_i, l_acc)
         pb[0].index(WG).store(p.to(gl.float16))
+        o0 = o0 * alpha[None, :]
+        o1 = o1 * alpha[None, :]
+        o2 = o2 * alpha[None, :]
+        o3 = o3 * alpha[None, :]
+        o4 = o4 * alpha[None, :]
+        o5 = o5 * alpha[None, :]
+        o6 = o6 * alpha[None, :]
+        o7 = o7 * alpha[None, :]
         fence_async_shared()
         gl.thread_barrier()  # every warp's part of P is in shared memory before the MMAs read it
         pv = pb[0].index(WG + z)
@@ -685,39 +662,28 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
                 x = warpgroup_mma(_rope_operand(rope.index(st)), qr.index(z).permute((1, 0)), x, is_async=True)
             x = warpgroup_mma_wait(0, deps=(x, ))
             x = x * k_scale
-        x = gl.where(valid[:, None], x * score_scale, float("-inf"))
+        p, alpha, m_i, l_acc = _softmax_step(x * score_scale, valid, m_i, l_acc)
         if DS:
+            # group units: the block's largest scale (a group without a positive scale keeps its unit)
             mx = gl.max(sv, 0)
-        else:
-            mx = u  # unused
-        if _moves(x, m_i, mx, u, DS):
-            m_i, alpha = _new_max(x, m_i)
-            l_acc = l_acc * alpha[None, :]
-            if DS:
-                # a group's unit moves to the block's largest scale when that left the band (a group
-                # without a positive scale keeps its unit)
-                u_new = gl.where(((mx > u * UNIT_BAND) | (mx < u * (1.0 / UNIT_BAND))) & (mx > 0), mx, u)
-                f = u * _rcp(u_new)
-                o0 = o0 * (alpha * _pick(f, 0))[None, :]
-                o1 = o1 * (alpha * _pick(f, 1))[None, :]
-                o2 = o2 * (alpha * _pick(f, 2))[None, :]
-                o3 = o3 * (alpha * _pick(f, 3))[None, :]
-                u = u_new
-            else:
-                o0 = o0 * alpha[None, :]
-                o1 = o1 * alpha[None, :]
-                o2 = o2 * alpha[None, :]
-                o3 = o3 * alpha[None, :]
-        p = gl.exp2(x - m_i[None, :])
-        l_acc = l_acc + p
-        if DS:
-            inv = _rcp(u)
+            u_new = gl.where(mx > 0, mx, u)
+            inv = _rcp(u_new)
+            f = u * inv
             pb[0].index(WG).store((p * (c0 * _pick(inv, 0))[:, None]).to(gl.float16))
             pb[1].index(WG).store((p * (c1 * _pick(inv, 1))[:, None]).to(gl.float16))
             pb[2].index(WG).store((p * (c2 * _pick(inv, 2))[:, None]).to(gl.float16))
             pb[3].index(WG).store((p * (c3 * _pick(inv, 3))[:, None]).to(gl.float16))
+            o0 = o0 * (alpha * _pick(f, 0))[None, :]
+            o1 = o1 * (alpha * _pick(f, 1))[None, :]
+            o2 = o2 * (alpha * _pick(f, 2))[None, :]
+            o3 = o3 * (alpha * _pick(f, 3))[None, :]
+            u = u_new
         else:
             pb[0].index(WG).store(p.to(gl.float16))
+            o0 = o0 * alpha[None, :]
+            o1 = o1 * alpha[None, :]
+            o2 = o2 * alpha[None, :]
+            o3 = o3 * alpha[None, :]
         fence_async_shared()
         gl.thread_barrier()  # every warp's part of P is in shared memory before the MMAs read it
         # PV, one 16-row step at a time: the next step's operands are converted while this step's MMAs

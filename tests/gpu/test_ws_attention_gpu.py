@@ -30,9 +30,13 @@ def test_ws_matches_reference(config, fmt, heads, topk, splits):
     assert lse_err(lse, ref_l) <= 1e-2, (lse_err(lse, ref_l), SEED)
     empty = c["valid_counts"] == 0
     assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
-    # the Triton wide kernel on the same rows: both are bf16 MMAs with fp32 accumulation
+    # the Triton wide kernel on the same rows: both are bf16 MMAs with fp32 accumulation; lse within 1e-3 times
+    # max(1, |lse| / 100), as in attn_cases.check_ws_case (heavy-tailed q gives lse ~1500, where one fp32 ulp is
+    # 1.2e-4: an absolute 1e-3 failed once at 1.1e-3, tenth session)
     o2, l2 = _run(c, sm_scale, False, splits)
-    assert rel_err(out, o2) <= 5e-3 and lse_err(lse, l2) <= 1e-3, (rel_err(out, o2), lse_err(lse, l2), SEED)
+    fin = torch.isfinite(ref_l)
+    tol = 1e-3 * max(1.0, ref_l[fin].abs().max().item() / 100) if fin.any() else 1e-3
+    assert rel_err(out, o2) <= 5e-3 and lse_err(lse, l2) <= tol, (rel_err(out, o2), lse_err(lse, l2), SEED)
 
 
 def test_ws_is_the_default_for_bf16_wide_calls():
