@@ -42,7 +42,9 @@ against 61 us for the register operands).
 
 Measured on the H200 (BENCHMARKS.md sections 7 and 8): D-h16 (b 128, top-k 2048) fp8 53.5 us, fp8_ds_mla
 73.8 us, nvfp4_ds_mla 69.7 us, against 101 / 119 / 208 us for the Triton kernels; D-h32 1.9-2.6x faster
-than them.
+than them.  Above 32 heads it runs ceil(H / 16) programs per token (head groups, each gathering the token's
+rows, from L2 after the first): the dispatch gives it small batches (``ws_attention.FEW_WAVES``), where it
+beat both wide kernels (section 11: b 1 x 128 heads 18-20 us, b 16 x 128 heads fp8 79 -> 50 us).
 
 Same arguments and output contract as ``sparse_attention._fwd_fp8_kernel`` (split partials, normalized
 output, natural-log lse).  Gluon does not run under the Triton interpreter: CPU CI compiles it for sm_90
