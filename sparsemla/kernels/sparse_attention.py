@@ -51,6 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_wait
+
 from ..formats import KVFormat, get_format
 from ._runtime import interpreting
 
@@ -654,13 +656,19 @@ def _fwd_wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc
 # --------------------------------------------------------------------------------------------------------
 @triton.jit
 def _combine_kernel(op_ptr, lp_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, H, num_splits,
-                    SP: tl.constexpr):
+                    SP: tl.constexpr, PDL: tl.constexpr):
     """out[t, h] = sum_s exp(lse_s - lse) o_s,  lse = log sum_s exp(lse_s).  Partials: o [T, S, H, 512] fp32
     (normalized), lse [T, S, H] fp32 natural log (-inf for an empty split).
 
     One program = one (token, head, 128-column chunk): all splits of the chunk are one [SP, 128] load, so
     a small batch (few tokens, up to 32 splits) is not a chain of per-split loads in a handful of programs
-    (that took ~130 us at b = 1 on the H200)."""
+    (that took ~130 us at b = 1 on the H200).
+
+    PDL: launched with programmatic dependent launch (sm_90+), so that its launch overlaps the attention
+    kernel's last programs; ``griddepcontrol.wait`` then holds it until that kernel has finished and its
+    partials are visible."""
+    if PDL:
+        gdc_wait()
     t = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -687,6 +695,20 @@ def _combine_kernel(op_ptr, lp_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride
 # launchers
 # --------------------------------------------------------------------------------------------------------
 _NUM_SMS: dict = {}
+_CAPS: dict = {}
+# The combine step waits for the attention kernel through programmatic dependent launch on sm_90+ (see
+# _combine_kernel); False launches it in plain stream order (the A/B of BENCHMARKS section 11).
+COMBINE_PDL = True
+
+
+def _capability(device: torch.device):
+    """(major, minor) of a CUDA device, cached; (0, 0) for a CPU tensor."""
+    if device.type != "cuda":
+        return (0, 0)
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _CAPS:
+        _CAPS[key] = torch.cuda.get_device_capability(key)
+    return _CAPS[key]
 
 
 def _num_sms(device: torch.device) -> int:
@@ -926,9 +948,10 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
         _fwd_fp8_kernel[grid](*args, float(k_scale), h, k, rows_per_split, num_splits, BPT=fmt.bytes_per_token,
                               DS=kind == "fp8_ds_mla", STAGED=kind == "staged", ROPE=rope, **common)
     if num_splits > 1:
+        pdl = COMBINE_PDL and not interp and _capability(dev) >= (9, 0)
         _combine_kernel[(t, h, V_DIM // 128)](o_part, l_part, out, out.stride(0), out.stride(1), lse, lse.stride(0),
                                               lse.stride(1), h, num_splits, SP=triton.next_power_of_2(num_splits),
-                                              num_warps=4 if num_splits > 8 else 2)
+                                              PDL=pdl, num_warps=4 if num_splits > 8 else 2, launch_pdl=pdl)
     return out, lse
 
 
