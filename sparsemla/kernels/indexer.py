@@ -18,7 +18,6 @@ it is exact too.
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -27,7 +26,7 @@ import triton.language as tl
 
 from .._validate import check_positive_int, check_tensor
 from ..indices import expand_pooled_topk, pooled_width
-from ._runtime import interpreting
+from ._runtime import interpreting, num_sms
 
 INDEX_HEAD_DIM = 128
 INDEX_BYTES_PER_TOKEN = 132
@@ -227,15 +226,10 @@ def _index_scores_kernel(q_ptr, w_ptr, cache_ptr, bt_ptr, req_ptr, ctx_ptr, out_
             _mask_tile(tile, out_row, max_context, BLOCK_S)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: few programs, each looping over many tiles
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return num_sms(device)
 
 
 def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,

@@ -54,7 +54,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from ..formats import KVFormat, get_format
+from ._runtime import capability as _capability
 from ._runtime import interpreting
+from ._runtime import num_sms as _num_sms
 
 try:  # the warp-specialized bf16 kernel needs Gluon (Triton >= 3.5); without it the Triton kernels serve
     from . import ws_attention as _ws
@@ -694,30 +696,9 @@ def _combine_kernel(op_ptr, lp_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride
 # --------------------------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------------------------
-_NUM_SMS: dict = {}
-_CAPS: dict = {}
 # The combine step waits for the attention kernel through programmatic dependent launch on sm_90+ (see
 # _combine_kernel); False launches it in plain stream order (the A/B of BENCHMARKS section 11).
 COMBINE_PDL = True
-
-
-def _capability(device: torch.device):
-    """(major, minor) of a CUDA device, cached; (0, 0) for a CPU tensor."""
-    if device.type != "cuda":
-        return (0, 0)
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _CAPS:
-        _CAPS[key] = torch.cuda.get_device_capability(key)
-    return _CAPS[key]
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _NUM_SMS:
-        _NUM_SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _NUM_SMS[key]
 
 
 def head_block(num_heads: int) -> int:
@@ -834,7 +815,7 @@ def _ws_planned(kind, num_tokens, num_heads, device) -> int:
     """Heads per program of the warp-specialized kernel for quantized rows that a call of this kind and head
     count on ``device`` goes to by default (16: ws_few, 64: ws_wide), or 0 (the split plan depends on it; q
     and cache alignment are checked at launch)."""
-    if _gluon_off() or device.type != "cuda" or _ws._capability(device) != (9, 0):
+    if _gluon_off() or device.type != "cuda" or _capability(device) != (9, 0):
         return 0
     if _ws.few_planned(kind, num_tokens, num_heads, _num_sms(device)):
         return 16

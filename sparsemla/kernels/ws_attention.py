@@ -25,6 +25,9 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from ._runtime import capability as _capability
+from ._runtime import num_sms as _sms
+
 _NEG_BIG = gl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima (no inf - inf in exp2)
 
 
@@ -73,17 +76,6 @@ def _normalizer(m, l):
     return inv_l, lse
 
 
-_CAPABILITY: dict = {}
-
-
-def _capability(device: torch.device):
-    """(major, minor) of a CUDA device, cached: ``supported`` runs on every attention call."""
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _CAPABILITY:
-        _CAPABILITY[key] = torch.cuda.get_device_capability(key)
-    return _CAPABILITY[key]
-
-
 def supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) -> bool:
     """Whether the warp-specialized kernel can take this call: bf16 rows, > 32 heads, an sm_90 GPU, and
     16-byte aligned q rows and cache."""
@@ -108,19 +100,6 @@ FEW_MAX_HEADS = 32
 FEW_WAVES = {"fp8": 1, "fp8_ds_mla": 1, "nvfp4_ds_mla": 4}
 # kinds the wide quantized kernel (ws_wide.py) reads at more than FEW_MAX_HEADS heads, 64 heads per program
 WIDE_Q_KINDS = ("fp8", "fp8_ds_mla")
-
-_SMS: dict = {}
-
-
-def _sms(device: torch.device) -> int:
-    """The device's SM count, cached (132 for a CPU tensor: the plan of an H200)."""
-    if device.type != "cuda":
-        return 132
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SMS:
-        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SMS[key]
-
 
 def few_planned(kind: str, num_tokens: int, num_heads: int, num_sms: int = 132) -> bool:
     """Whether a call of this kind and size goes to the few-heads kernel (see FEW_WAVES)."""
