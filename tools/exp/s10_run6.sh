@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Tenth session, call 6: the runner test that failed in call 5 (mixed batch, fp8, k_scale 0.5; its data seed
+# depends on Python's hash seed) with the combine's PDL on and off, then the layer / CLI tests that call 5's
+# timeout cut off.
+set -u
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/apache_tvm_ffi-*.whl
+tar xzf .peers/flashinfer_trim.tgz -C /tmp/site && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+for hs in 1 2 3; do
+  PYTHONHASHSEED=$hs timeout 60 python3 -m pytest -q -m gpu tests/gpu/test_runner_gpu.py -k "mixed_batch" --tb=short 2>&1 | grep -E "passed|failed|Error|assert" | head -8
+done
+PYTHONHASHSEED=1 timeout 50 python3 -c "
+import sys, pytest
+import sparsemla.kernels.sparse_attention as sa
+sa.COMBINE_PDL = False
+sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_runner_gpu.py', '-k', 'mixed_batch', '--tb=line']))" 2>&1 | grep -E "passed|failed|Error|assert" | head -8
+timeout 130 python3 -m pytest -q -m gpu tests/gpu/test_layer_gpu.py tests/gpu/test_cli_gpu.py --tb=short 2>&1 | tail -15
