@@ -7,7 +7,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/apache_tvm_ffi-*.whl
 tar xzf .peers/flashinfer_trim.tgz -C /tmp/site && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
-for hs in 1 2 3; do
+for hs in 1 2; do
   PYTHONHASHSEED=$hs timeout 60 python3 -m pytest -q -m gpu tests/gpu/test_runner_gpu.py -k "mixed_batch" -s --tb=short 2>&1 | grep -E "mixed batch|passed|failed|Error|assert" | head -12
 done
 PYTHONHASHSEED=1 timeout 50 python3 -c "
@@ -15,4 +15,4 @@ import sys, pytest
 import sparsemla.kernels.sparse_attention as sa
 sa.COMBINE_PDL = False
 sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_runner_gpu.py', '-k', 'mixed_batch', '-s', '--tb=line']))" 2>&1 | grep -E "mixed batch|passed|failed|Error|assert" | head -12
-timeout 130 python3 -m pytest -q -m gpu tests/gpu/test_layer_gpu.py tests/gpu/test_cli_gpu.py --tb=short 2>&1 | tail -15
+timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_layer_gpu.py tests/gpu/test_cli_gpu.py --tb=short 2>&1 | tail -15
