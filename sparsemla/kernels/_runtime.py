@@ -17,28 +17,27 @@ def triton_runs_on(device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
-_SMS: dict = {}
-_CAPS: dict = {}
+_PROPS: dict = {}
+
+
+def _props(device: torch.device):
+    """torch.cuda.get_device_properties of a CUDA device, cached: the split plan asks on every attention call."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _PROPS:
+        _PROPS[key] = torch.cuda.get_device_properties(key)
+    return _PROPS[key]
 
 
 def num_sms(device) -> int:
-    """The device's SM count (132 for a CPU tensor: plans are made for an H200), cached: the split plan asks
-    on every attention call."""
+    """The device's SM count (132 for a CPU tensor: plans are made for an H200)."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return 132
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SMS:
-        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SMS[key]
+    return _props(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def capability(device) -> tuple:
-    """(major, minor) compute capability of a CUDA device, (0, 0) for a CPU tensor; cached."""
+    """(major, minor) compute capability of a CUDA device, (0, 0) for a CPU tensor."""
     device = torch.device(device)
     if device.type != "cuda":
         return (0, 0)
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _CAPS:
-        _CAPS[key] = tuple(torch.cuda.get_device_capability(key))
-    return _CAPS[key]
+    p = _props(device)
+    return (p.major, p.minor)

@@ -125,15 +125,13 @@ def _quantized_ok(q: torch.Tensor, kv: torch.Tensor) -> bool:
 def few_supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) -> bool:
     """Whether the warp-specialized few-heads kernel takes this call: fp8 / fp8_ds_mla / nvfp4_ds_mla rows (rope
     or NoPE), ``few_planned`` for q's tokens and heads, an sm_90 GPU, a 16-byte aligned cache, bf16 q."""
-    return (few_planned(kind, q.shape[0], num_heads, _sms(q.device)) and q.device.type == "cuda"
-            and _quantized_ok(q, kv))
+    return few_planned(kind, q.shape[0], num_heads, _sms(q.device)) and _quantized_ok(q, kv)
 
 
 def wide_q_supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: int) -> bool:
     """Whether the warp-specialized wide kernel for quantized rows takes this call: ``wide_q_planned`` for q's
     tokens and heads, an sm_90 GPU, a 16-byte aligned cache, bf16 q."""
-    return (wide_q_planned(kind, q.shape[0], num_heads, _sms(q.device)) and q.device.type == "cuda"
-            and _quantized_ok(q, kv))
+    return wide_q_planned(kind, q.shape[0], num_heads, _sms(q.device)) and _quantized_ok(q, kv)
 
 
 def launch_wide_q(grid, args, bytes_per_token: int, kind: str, rope: int, num_groups: int, has_vc: bool):

@@ -3,10 +3,7 @@
 # depends on Python's hash seed) with the combine's PDL on and off, then the layer / CLI tests that call 5's
 # timeout cut off.
 set -u
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/apache_tvm_ffi-*.whl
-tar xzf .peers/flashinfer_trim.tgz -C /tmp/site && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+source tools/peers_env.sh
 for hs in 1 2; do
   PYTHONHASHSEED=$hs timeout 60 python3 -m pytest -q -m gpu tests/gpu/test_runner_gpu.py -k "mixed_batch" -s --tb=short 2>&1 | grep -E "mixed batch|passed|failed|Error|assert" | head -12
 done
