@@ -740,7 +740,7 @@ def kernel_config(kind: str, num_heads: int):
 
 
 def plan_splits(num_tokens: int, num_heads: int, topk: int, device=None, block_n: int = 64,
-                head_block_size: int = None, kind: str = None) -> int:
+                head_block_size: int = None, kind: str = None, fp8_arith: bool = False) -> int:
     """Split-KV factor for ``num_tokens`` queries of ``num_heads`` heads over ``topk`` rows.
 
     Aim for about two programs per SM: the kernels hold ~200 registers per thread, so two 4-warp programs
@@ -751,10 +751,13 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, device=None, block_n
     splits; the launcher caps the count at one tile of its own BLOCK_N): on the H200 that took b = 1 from
     15-26 to 13-23 us at 16 heads and from 22-28 to 20-22 us at 128 heads, but made b = 4 slower (h 16:
     fp8 20 -> 29 us; h 128: 31-35 -> 43-45), the combine step then merging 2-4x more partials (fourth
-    session, ``benchmarks/small_sweep.py``)."""
+    session, ``benchmarks/small_sweep.py``).  ``fp8_arith``: the FP8-arithmetic mode (always the few-heads
+    kernel, 16 heads per program)."""
     sms = _num_sms(torch.device(device)) if device is not None else 132
     per_program = (_ws_planned(kind, num_tokens, num_heads, torch.device(device))
                    if kind is not None and device is not None else 0)
+    if fp8_arith:
+        per_program = 16
     if per_program:
         # the warp-specialized kernels for quantized rows hold a whole SM (190-220 KB of shared memory): at
         # most one program per SM, each split at least two 64-row blocks (one per consumer warpgroup).  On
@@ -836,9 +839,34 @@ def _wide_q_ok(q, kv, kind, num_heads, ws_kernel) -> bool:
     return not _gluon_off(ws_kernel) and _ws.wide_q_supported(q, kv, kind, num_heads)
 
 
+# formats the FP8-arithmetic mode reads (e4m3 rows: the QK MMAs take their bytes as they are)
+FP8_ARITH_KINDS = ("fp8", "fp8_ds_mla")
+
+
+def fp8_arith_why_not(kind: str, device) -> Optional[str]:
+    """None when the FP8-arithmetic mode can serve ``kind`` rows on ``device``, else why not (one sentence)."""
+    if kind not in FP8_ARITH_KINDS:
+        return f"the FP8-arithmetic mode reads only {' or '.join(FP8_ARITH_KINDS)} rows, not {kind}"
+    if _gluon_off(True):
+        return "the FP8-arithmetic mode is a Gluon kernel: it needs triton.experimental.gluon and no interpreter"
+    if torch.device(device).type != "cuda" or _capability(torch.device(device)) != (9, 0):
+        return "the FP8-arithmetic mode is built for Hopper (sm_90) wgmma"
+    return None
+
+
+def _check_fp8_arith(kind, q, kv, tuning):
+    why = fp8_arith_why_not(kind, q.device)
+    if why is None and tuning:
+        why = "the FP8-arithmetic mode has no Triton tiling to tune (block_n / num_warps / num_stages / kernel)"
+    if why is None and not _ws._quantized_ok(q, kv):
+        why = "the FP8-arithmetic mode needs bf16 q and a 16-byte aligned cache"
+    if why is not None:
+        raise ValueError(f"fp8_arith: {why}")
+
+
 def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_scale, out, lse, num_splits,
             split_buffers, block_n, num_warps, num_stages, head_block_size=None, kernel=None, fp8_family=False,
-            maxnreg=None, ws_kernel=None):
+            maxnreg=None, ws_kernel=None, fp8_arith=False):
     t, h, _ = q.shape
     k = indices.shape[1]
     dev = q.device
@@ -859,6 +887,9 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     tuning = not (kernel is None and head_block_size is None and block_n is None and num_warps is None
                   and num_stages is None and ws_kernel is not False)
     few = not tuning and _few_ok(q, kv, kind, h, ws_kernel)
+    if fp8_arith:  # opt-in: the few-heads kernel's FP8-arithmetic variant at any head count
+        _check_fp8_arith(kind, q, kv, tuning)
+        few = True
     wide_q = not tuning and not few and _wide_q_ok(q, kv, kind, h, ws_kernel)
     wide = wide and not few and not wide_q and kernel is None and (head_block_size or cfg_hb) >= 64
     if few:
@@ -874,7 +905,7 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     if num_stages is None:
         num_stages = cfg_st
     if num_splits is None:
-        num_splits = plan_splits(t, h, k, dev, block_n, hb, kind=kind if few or wide_q else None)
+        num_splits = plan_splits(t, h, k, dev, block_n, hb, kind=kind if few or wide_q else None, fp8_arith=fp8_arith)
     num_splits = max(1, min(int(num_splits), max(1, -(-k // block_n))))
     rows_per_split = -(-(-(-k // num_splits)) // block_n) * block_n
     num_splits = max(1, -(-k // rows_per_split)) if k else 1
@@ -914,7 +945,7 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
                           kind, rope, ng, valid_counts is not None)
     elif few:
         _ws.launch_few(grid, args + (float(k_scale), h, k, rows_per_split, num_splits), fmt.bytes_per_token,
-                       kind, rope, ng, valid_counts is not None)
+                       kind, rope, ng, valid_counts is not None, fp8_arith=fp8_arith)
     elif wide and hb == 64 and ws_kernel is not False and _ws_ok(q, kv, kind, h, ws_kernel):
         _ws.launch(grid, args + (h, k, rows_per_split, num_splits), fmt.bytes_per_token, rope, ng,
                    valid_counts is not None, config=ws_kernel if isinstance(ws_kernel, str) else None)
@@ -940,7 +971,8 @@ def sparse_mla_fwd(q: torch.Tensor, kv_rows: torch.Tensor, fmt, indices: torch.T
                    valid_counts: Optional[torch.Tensor] = None, k_scale: float = 1.0,
                    out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
                    num_splits: Optional[int] = None, split_buffers=None, *, block_n: Optional[int] = None,
-                   num_warps: Optional[int] = None, num_stages: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                   num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+                   fp8_arith: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA forward over rows of any KV format, dequantized in registers.
 
     Args:
@@ -954,6 +986,9 @@ def sparse_mla_fwd(q: torch.Tensor, kv_rows: torch.Tensor, fmt, indices: torch.T
         out, lse: optional outputs (bf16 ``[T, H, 512]``, fp32 ``[T, H]``).
         num_splits: split-KV factor (default :func:`plan_splits`); split_buffers: preallocated
             ``(o_part, lse_part)`` of :func:`split_buffer_shapes` (needed for CUDA-graph capture).
+        fp8_arith: opt-in FP8-arithmetic mode (fp8 / fp8_ds_mla rows, sm_90): q is rounded to e4m3 (a power
+            of two per head) and QK runs on e4m3 tensor cores; less accurate than the default (see
+            BENCHMARKS.md for its measured error).  ValueError where it cannot run (:func:`fp8_arith_why_not`).
 
     Returns ``(out, lse)``: lse is the natural log including sm_scale; an empty row gives 0 / -inf.
     """
@@ -964,7 +999,7 @@ def sparse_mla_fwd(q: torch.Tensor, kv_rows: torch.Tensor, fmt, indices: torch.T
         raise ValueError(f"kv_rows: expected contiguous uint8 [rows, {fmt.bytes_per_token}] for {fmt.id}, "
                          f"got {kv_rows.dtype} {tuple(kv_rows.shape)}")
     return _launch(fmt.name, q, kv_rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, num_splits,
-                   split_buffers, block_n, num_warps, num_stages)
+                   split_buffers, block_n, num_warps, num_stages, fp8_arith=fp8_arith)
 
 
 def sparse_mla_fwd_staged(q: torch.Tensor, staged: torch.Tensor, indices: torch.Tensor, sm_scale: float,

@@ -142,12 +142,14 @@ def launch_wide_q(grid, args, bytes_per_token: int, kind: str, rope: int, num_gr
                          HAS_VC=has_vc, num_warps=4, maxnreg=168)
 
 
-def launch_few(grid, args, bytes_per_token: int, kind: str, rope: int, num_groups: int, has_vc: bool):
+def launch_few(grid, args, bytes_per_token: int, kind: str, rope: int, num_groups: int, has_vc: bool,
+               fp8_arith: bool = False):
     """Launch ``ws_few_kernel`` with ``_fwd_fp8_kernel``'s positional arguments (k_scale included).  12 warps
-    (two consumer warpgroups, one producer); 12 x 32 x 168 registers at launch, then setmaxnreg."""
+    (two consumer warpgroups, one producer); 12 x 32 x 168 registers at launch, then setmaxnreg.
+    ``fp8_arith``: the FP8-arithmetic variant (fp8 / fp8_ds_mla rows)."""
     from .ws_few import ws_few_kernel
     ws_few_kernel[grid](*args, BPT=bytes_per_token, DS=kind == "fp8_ds_mla", FP4=kind == "nvfp4_ds_mla", ROPE=rope,
-                        NG=num_groups, HAS_VC=has_vc, num_warps=4, maxnreg=168)
+                        NG=num_groups, HAS_VC=has_vc, F8=bool(fp8_arith), num_warps=4, maxnreg=168)
 
 
 # Schedules by name; "tile-nogather" is a benchmark-only probe (the tile schedule without its row gathers:

@@ -64,6 +64,8 @@ NS = gl.constexpr(4)  # ring stages of 64 rows (fp8 / fp8_ds_mla rows; nvfp4 row
 
 # S^T [64 rows, 16 heads] and O^T [128 dims, 16 heads] (one per 128-dim group) on wgmma m64n16
 S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
+# The same accumulator for e4m3 MMAs (k = 32 per instruction; the F8 variant's QK): the same registers
+S8_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 32]))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_L.value, k_width=2))
 ROW = gl.constexpr(gl.SliceLayout(1, S_L.value))   # one value per cache row (or output dim)
 HEAD = gl.constexpr(gl.SliceLayout(0, S_L.value))  # one value per head
@@ -206,13 +208,67 @@ def _pv_operand(raw, ks: gl.constexpr, G: gl.constexpr):
 def _pv_values(raw, ks: gl.constexpr, G: gl.constexpr):
     """_pv_operand before its (free) conversion to the operand layout: shared with ws_wide.py, whose
     operand layout has another N."""
-    v = raw.slice(16 * ks, 16, dim=0).slice(128 * G, 128, dim=1).load(L_V)
+    return _pv_rows(raw.slice(16 * ks, 16, dim=0).slice(128 * G, 128, dim=1).load(L_V))
+
+
+@gluon.jit
+def _pv_rows(v):
+    """Raw e4m3 bytes [16 rows, 128 dims] in L_V -> fp16 V^T [128 dims (permuted, _dims), 16 rows]."""
     # e4m3 -> fp16 with the values of rows 2t and 2t + 1 paired (what the A fragment holds in one register):
     # _E4M3_ROWS_ASM puts the value of (dim d, row r) of each 4 dims x 2 rows where the tensor has (dim
     # 2 (d & 1) + r, row d >> 1); the permute below puts the labels back (register bits only: no data movement)
     t = gl.inline_asm_elementwise(_E4M3_ROWS_ASM, "=r,=r,=r,=r,r,r", [v], gl.float16, True, 8)
     v = t.reshape([2, 2, 2, 2, 32, 2, 2]).permute(0, 1, 2, 6, 4, 3, 5).reshape([16, 128])
     return v.permute(1, 0).reshape([4, 8, 2, 2, 16]).permute(2, 0, 3, 1, 4).reshape([128, 16])
+
+
+@gluon.jit
+def _pv_operands8(raw, st, ks: gl.constexpr):
+    """F8: the same from the stage's four [64, 128] pieces (raw.index(4 st + G))."""
+    return (gl.convert_layout(_pv_rows(raw.index(4 * st + 0).slice(16 * ks, 16, dim=0).load(L_V)), A_OP),
+            gl.convert_layout(_pv_rows(raw.index(4 * st + 1).slice(16 * ks, 16, dim=0).load(L_V)), A_OP),
+            gl.convert_layout(_pv_rows(raw.index(4 * st + 2).slice(16 * ks, 16, dim=0).load(L_V)), A_OP),
+            gl.convert_layout(_pv_rows(raw.index(4 * st + 3).slice(16 * ks, 16, dim=0).load(L_V)), A_OP))
+
+
+@gluon.jit
+def _k8(buf, i):
+    """F8: ring piece i (e4m3 bytes in wgmma's swizzled layout) as an fp8 view, the A operand of QK."""
+    return buf.index(i)._reinterpret(gl.float8e4nv, [buf.shape[1], buf.shape[2]], buf.layout)
+
+
+@gluon.jit
+def _qk_groups8(raw, st, qn, z):
+    """F8, fp8_ds_mla: S^T per 128-dim group on fp8 MMAs, A = the rows' e4m3 bytes in shared memory (nothing
+    converted), B = (q c_h)^T in e4m3; four accumulators (S8_L), issued asynchronously."""
+    s_zero = gl.zeros([64, 16], gl.float32, S8_L)
+    g0 = warpgroup_mma(_k8(raw, 4 * st + 0), qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    g1 = warpgroup_mma(_k8(raw, 4 * st + 1), qn.index(1 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    g2 = warpgroup_mma(_k8(raw, 4 * st + 2), qn.index(2 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    g3 = warpgroup_mma(_k8(raw, 4 * st + 3), qn.index(3 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    return g0, g1, g2, g3
+
+
+@gluon.jit
+def _qk_chain8(raw, rope, st, qn, qr, z, ROPE: gl.constexpr):
+    """F8, plain fp8: S^T = K q^T as one chain of fp8 MMAs from shared memory (the e4m3 rope included)."""
+    s_zero = gl.zeros([64, 16], gl.float32, S8_L)
+    acc = warpgroup_mma(_k8(raw, 4 * st + 0), qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    acc = warpgroup_mma(_k8(raw, 4 * st + 1), qn.index(1 + z).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(_k8(raw, 4 * st + 2), qn.index(2 + z).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(_k8(raw, 4 * st + 3), qn.index(3 + z).permute((1, 0)), acc, is_async=True)
+    if ROPE:
+        acc = warpgroup_mma(_k8(rope, st), qr.index(z).permute((1, 0)), acc, is_async=True)
+    return gl.convert_layout(warpgroup_mma_wait(0, deps=(acc, )), S_L)
+
+
+@gluon.jit
+def _pv_ops(raw, rs, st, ks: gl.constexpr, F8: gl.constexpr):
+    """The PV operands of rows 16 ks .. 16 ks + 15 from stage rs ([64, 512]) or (F8) its four pieces."""
+    if F8:
+        return _pv_operands8(raw, st, ks)
+    else:
+        return _pv_operands(rs, ks)
 
 
 @gluon.jit
@@ -239,19 +295,20 @@ def _copy(dst, kv_ptr, idx, BPT: gl.constexpr, off: gl.constexpr, cols, ty: gl.c
 
 
 @gluon.jit
-def _producer(args, BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP4: gl.constexpr):
+def _producer(args, BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP4: gl.constexpr, F8: gl.constexpr = False):
     """Gathers each 64-row block's raw bytes into stage b % NS: e4m3 values, then (fp8_ds_mla) the four
     scales and the bf16 rope, or (fp8) the e4m3 rope; nvfp4 rows: the packed nibbles, the e4m3 rope and the
     32 scale bytes.  The next block's indices are loaded before waiting for a free stage, so their latency
-    is not on the producer's path."""
+    is not on the producer's path.  F8 (the FP8-arithmetic variant): the e4m3 values go to four [64, 128]
+    pieces per stage (raw.index(4 st + G), wgmma's swizzled layout: the QK MMAs read them as A)."""
     kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC = args
     raw, scl, rope, qn, qr, pb, mrg, vec = smem
     q_bar, ready, free, done_bar = bars
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    n_st: gl.constexpr = raw.shape[0]
-    lv: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])   # [64, 512 or 256] u8, 16 B each
+    n_st: gl.constexpr = raw.shape[0] // (4 if F8 else 1)
+    lv: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])   # [64, 512, 256 or 128] u8, 16 B each
     ls: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0])   # [64, 4] f32, 8 B each
     lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])    # [64, 64] bf16, 16 B each
     lq: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])  # [64, 64 or 32] u8, 16 B each
@@ -283,7 +340,11 @@ def _producer(args, BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP4
             else:
                 nq = iq
         mbarrier.wait(free.index(st), ((b // n_st) & 1) ^ 1)  # fresh barriers pass phase 1 at once
-        _copy(raw.index(st), kv_ptr, iv, BPT, 0, cv, gl.uint8)
+        if F8:
+            for G in gl.static_range(4):
+                _copy(raw.index(4 * st + G), kv_ptr, iv, BPT, 128 * G, cv, gl.uint8)
+        else:
+            _copy(raw.index(st), kv_ptr, iv, BPT, 0, cv, gl.uint8)
         if DS:
             _copy(scl.index(st), kv_ptr, i_s, BPT, 512, cs, gl.float32)
             if ROPE:
@@ -354,6 +415,41 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROP
         else:
             qr.index(0).store(_relabel64(xr * c).to(gl.float16))
     return c
+
+
+@gluon.jit
+def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr):
+    """The FP8-arithmetic variant's q: q * c_h in e4m3 [4 groups, 16 heads, 128] (natural order: the QK MMAs
+    read the rows' e4m3 bytes straight from shared memory, so nothing is permuted), c_h a power of two per
+    head with amax_h * c_h in [128, 256) (e4m3's largest value is 448); the rope part too for plain fp8
+    rows, bf16 x c_h for fp8_ds_mla.  Returns c_h ([16], HEAD)."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    heads = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
+    hm = (heads < H)[:, None]
+    q_row = q_ptr + t.to(gl.int64) * stride_qt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_qh
+    x0 = _q_group(q_row, hm, 0, lay)
+    x1 = _q_group(q_row, hm, 128, lay)
+    x2 = _q_group(q_row, hm, 256, lay)
+    x3 = _q_group(q_row, hm, 384, lay)
+    amax = gl.maximum(gl.maximum(gl.max(gl.abs(x0), 1), gl.max(gl.abs(x1), 1)),
+                      gl.maximum(gl.max(gl.abs(x2), 1), gl.max(gl.abs(x3), 1)))
+    if ROPE:
+        k64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
+        xr = gl.load(q_row + 512 + k64[None, :], mask=hm, other=0.0).to(gl.float32)
+        if not DS:
+            amax = gl.maximum(amax, gl.max(gl.abs(xr), 1))
+    e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
+    c = gl.where(amax > 0, gl.exp2(7.0 - e), 1.0)[:, None]
+    qn.index(0).store((x0 * c).to(gl.float8e4nv))
+    qn.index(1).store((x1 * c).to(gl.float8e4nv))
+    qn.index(2).store((x2 * c).to(gl.float8e4nv))
+    qn.index(3).store((x3 * c).to(gl.float8e4nv))
+    if ROPE:
+        if DS:
+            qr.index(0).store((xr * c).to(gl.bfloat16))
+        else:
+            qr.index(0).store((xr * c).to(gl.float8e4nv))
+    return gl.convert_layout(gl.max(c, 1), HEAD)
 
 
 @gluon.jit
@@ -566,18 +662,26 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
 
 @gluon.jit
 def _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
-             ROPE: gl.constexpr, CHUNKS: gl.constexpr):
-    """Warpgroup 0 stages q (_stage_q) and publishes c; warpgroup 1 waits for it.  Returns c."""
+             ROPE: gl.constexpr, CHUNKS: gl.constexpr, F8: gl.constexpr = False):
+    """Warpgroup 0 stages q (_stage_q, or _stage_q8 for F8) and publishes c; warpgroup 1 waits for it.  Returns
+    c: a scalar, or (F8) one power of two per head ([16], HEAD)."""
     if WG == 0:
-        c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE, CHUNKS)
-        vec.index(0).store(gl.full([16], 1.0, gl.float32, HEAD) * c)  # c for warpgroup 1
+        if F8:
+            c = _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE)
+            vec.index(0).store(c)
+        else:
+            c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE, CHUNKS)
+            vec.index(0).store(gl.full([16], 1.0, gl.float32, HEAD) * c)  # c for warpgroup 1
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(q_bar, count=1)
     else:
         mbarrier.wait(q_bar, 0)
         fence_async_shared()
-        c = gl.max(vec.index(0).load(HEAD), 0)
+        if F8:
+            c = vec.index(0).load(HEAD)
+        else:
+            c = gl.max(vec.index(0).load(HEAD), 0)
     return c
 
 
@@ -608,19 +712,24 @@ def _merge_start(m_i, l_i, vec, done_bar, o_ptr, stride_ot, stride_os, stride_oh
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
-    """Consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...; warpgroup 0 then merges and stores."""
+def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: gl.constexpr = False):
+    """Consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...; warpgroup 0 then merges and stores.  F8: the
+    FP8-arithmetic variant (QK on e4m3 MMAs straight from shared memory; see the kernel)."""
     (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
      stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
      HAS_VC) = args
     raw, scl, rope, qn, qr, pb, mrg, vec = smem
     q_bar, ready, free, done_bar = bars
-    n_st: gl.constexpr = raw.shape[0]
+    n_st: gl.constexpr = raw.shape[0] // (4 if F8 else 1)
+    MB: gl.constexpr = 4 if F8 else 0  # warpgroup 1's accumulators: mrg.index(MB + G) (stage 1's bytes)
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    c = _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE, False)
-    score_scale = sm_scale_log2 / c
+    c = _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE, False, F8)
+    if F8:
+        score_scale = (sm_scale_log2 / c)[None, :]  # one power of two per head
+    else:
+        score_scale = sm_scale_log2 / c
     s_zero = gl.zeros([64, 16], gl.float32, S_L)
     o0 = gl.zeros([128, 16], gl.float32, S_L)
     o1 = o0
@@ -647,16 +756,28 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
         # accumulator per 128-dim group, weighed with the rows' group scales after (32 multiply-adds a
         # block instead of 128 fp16 multiplies of the A registers)
         if DS:
-            g0, g1, g2, g3 = _qk_groups(rs, qn, z, s_zero)
+            if F8:
+                g0, g1, g2, g3 = _qk_groups8(raw, st, qn, z)
+            else:
+                g0, g1, g2, g3 = _qk_groups(rs, qn, z, s_zero)
             c0, c1, c2, c3 = _cols(sv)
             if ROPE:  # bf16 rope (A from shared memory), not scaled: its own accumulator
                 tr = warpgroup_mma(rope.index(st), qr.index(z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 g0, g1, g2, g3, tr = warpgroup_mma_wait(0, deps=(g0, g1, g2, g3, tr))
-                x = tr + g0 * c0[:, None]
             else:
                 g0, g1, g2, g3 = warpgroup_mma_wait(0, deps=(g0, g1, g2, g3))
+            if F8:  # S8_L -> S_L: the same registers
+                g0 = gl.convert_layout(g0, S_L)
+                g1 = gl.convert_layout(g1, S_L)
+                g2 = gl.convert_layout(g2, S_L)
+                g3 = gl.convert_layout(g3, S_L)
+            if ROPE:
+                x = tr + g0 * c0[:, None]
+            else:
                 x = g0 * c0[:, None]
             x = x + g1 * c1[:, None] + g2 * c2[:, None] + g3 * c3[:, None]
+        elif F8:
+            x = _qk_chain8(raw, rope, st, qn, qr, z, ROPE) * k_scale
         else:
             x, a2 = _qk_chain(rs, qn, z, s_zero)
             if ROPE:  # e4m3 rope, in the same chain
@@ -691,15 +812,15 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
         # PV, one 16-row step at a time: the next step's operands are converted while this step's MMAs
         # run; each wait retires all four (waiting on an accumulator still in flight makes ptxas
         # serialize every wgmma: it then reads those registers)
-        v0, v1, v2, v3 = _pv_operands(rs, 0)
+        v0, v1, v2, v3 = _pv_ops(raw, rs, st, 0, F8)
         o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 0, o0, o1, o2, o3, DS)
-        v0, v1, v2, v3 = _pv_operands(rs, 1)
+        v0, v1, v2, v3 = _pv_ops(raw, rs, st, 1, F8)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 1, o0, o1, o2, o3, DS)
-        v0, v1, v2, v3 = _pv_operands(rs, 2)
+        v0, v1, v2, v3 = _pv_ops(raw, rs, st, 2, F8)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 2, o0, o1, o2, o3, DS)
-        v0, v1, v2, v3 = _pv_operands(rs, 3)
+        v0, v1, v2, v3 = _pv_ops(raw, rs, st, 3, F8)
         gl.thread_barrier()  # all of this warpgroup's reads of the stage are done (the MMAs read registers)
         mbarrier.arrive(free.index(st), count=1)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
@@ -717,10 +838,10 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
         o2 = o2 * k_scale
         o3 = o3 * k_scale
     if WG == 1:
-        mrg.index(0).store(o0)
-        mrg.index(1).store(o1)
-        mrg.index(2).store(o2)
-        mrg.index(3).store(o3)
+        mrg.index(MB + 0).store(o0)
+        mrg.index(MB + 1).store(o1)
+        mrg.index(MB + 2).store(o2)
+        mrg.index(MB + 3).store(o3)
         _publish(m_i, l_i, vec, done_bar)
     else:
         a0, a1, lse, heads, hm, obase = _merge_start(m_i, l_i, vec, done_bar, o_ptr, stride_ot, stride_os, stride_oh,
@@ -730,10 +851,10 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
         d2 = d0 + 256
         d3 = d0 + 384
         ty = o_ptr.dtype.element_ty
-        gl.store(obase + d0, (o0 * a0 + mrg.index(0).load(S_L) * a1).to(ty), mask=hm)
-        gl.store(obase + d1, (o1 * a0 + mrg.index(1).load(S_L) * a1).to(ty), mask=hm)
-        gl.store(obase + d2, (o2 * a0 + mrg.index(2).load(S_L) * a1).to(ty), mask=hm)
-        gl.store(obase + d3, (o3 * a0 + mrg.index(3).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + d0, (o0 * a0 + mrg.index(MB + 0).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + d1, (o1 * a0 + mrg.index(MB + 1).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + d2, (o2 * a0 + mrg.index(MB + 2).load(S_L) * a1).to(ty), mask=hm)
+        gl.store(obase + d3, (o3 * a0 + mrg.index(MB + 3).load(S_L) * a1).to(ty), mask=hm)
         gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
 
 
@@ -799,6 +920,67 @@ def _p_fp8_nope(args):
     _producer(args, 512, False, 0, False)
 
 
+# the FP8-arithmetic variants
+@gluon.jit
+def _c0_ds8(args):
+    _consumer(args, 0, True, 64, True)
+
+
+@gluon.jit
+def _c1_ds8(args):
+    _consumer(args, 1, True, 64, True)
+
+
+@gluon.jit
+def _p_ds8(args):
+    _producer(args, 656, True, 64, False, True)
+
+
+@gluon.jit
+def _c0_ds8_nope(args):
+    _consumer(args, 0, True, 0, True)
+
+
+@gluon.jit
+def _c1_ds8_nope(args):
+    _consumer(args, 1, True, 0, True)
+
+
+@gluon.jit
+def _p_ds8_nope(args):
+    _producer(args, 528, True, 0, False, True)
+
+
+@gluon.jit
+def _c0_fp88(args):
+    _consumer(args, 0, False, 64, True)
+
+
+@gluon.jit
+def _c1_fp88(args):
+    _consumer(args, 1, False, 64, True)
+
+
+@gluon.jit
+def _p_fp88(args):
+    _producer(args, 576, False, 64, False, True)
+
+
+@gluon.jit
+def _c0_fp88_nope(args):
+    _consumer(args, 0, False, 0, True)
+
+
+@gluon.jit
+def _c1_fp88_nope(args):
+    _consumer(args, 1, False, 0, True)
+
+
+@gluon.jit
+def _p_fp88_nope(args):
+    _producer(args, 512, False, 0, False, True)
+
+
 @gluon.jit
 def _p_fp4(args):
     _producer(args, 352, False, 64, True)
@@ -834,8 +1016,15 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
                   o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                   sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
                   BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-                  FP4: gl.constexpr = False):
-    """One program = one query token x 16 heads x one split; launch with num_warps=4 (warpgroup 0)."""
+                  FP4: gl.constexpr = False, F8: gl.constexpr = False):
+    """One program = one query token x 16 heads x one split; launch with num_warps=4 (warpgroup 0).
+
+    F8 (fp8 / fp8_ds_mla rows; opt-in): the FP8-arithmetic variant.  q is quantized to e4m3 (a power of two per
+    head) and S^T = K q^T runs on e4m3 wgmma with both operands in shared memory, so the rows' bytes feed the
+    MMA as they were gathered and the QK half of the conversions (a third of a block's instructions) is gone;
+    PV is unchanged (fp16 P and V^T: wgmma takes an fp8 A operand only K-major, and V^T would need a byte
+    transpose costing as much as the conversion it replaces).  The ring holds each stage as four [64, 128]
+    pieces in wgmma's swizzled layout."""
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     pl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16)
     p0 = gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl)
@@ -849,6 +1038,11 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
         qn = gl.allocate_shared_memory(gl.float16, [8, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
         pb = (p0, p0, p0, p0)
         kt = gl.allocate_shared_memory(gl.float16, [16, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16))
+    elif F8:
+        raw = gl.allocate_shared_memory(gl.uint8, [4 * NS, 64, 128], gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv))
+        qn = gl.allocate_shared_memory(gl.float8e4nv, [4, 16, 128], gl.NVMMASharedLayout.get_default_for([16, 128], gl.float8e4nv))
+        # pieces 4 .. 7 of this view are stage 1's bytes (see below)
+        kt = raw._reinterpret(gl.float32, [4 * NS, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     else:
         raw = gl.allocate_shared_memory(gl.uint8, [NS, 64, 512], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
         qn = gl.allocate_shared_memory(gl.float16, [4, 16, 128], gl.NVMMASharedLayout.get_default_for([16, 128], gl.float16))
@@ -862,6 +1056,11 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
         # group so that the four stores need no barrier between them (the barrier analysis works per allocation)
         pb = (p0, gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl), gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl),
               gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl))
+    elif F8:
+        scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv))
+        qr = gl.allocate_shared_memory(gl.float8e4nv, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float8e4nv))
+        pb = (p0, p0, p0, p0)
     elif not FP4:
         scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
@@ -870,7 +1069,7 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
     vec = gl.allocate_shared_memory(gl.float32, [2, 16], plain)
     bl: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
-    n_st: gl.constexpr = raw.shape[0]
+    n_st: gl.constexpr = raw.shape[0] // (4 if F8 else 1)
     ready = gl.allocate_shared_memory(gl.int64, [n_st, 1], bl)
     free = gl.allocate_shared_memory(gl.int64, [n_st, 1], bl)
     done_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
@@ -893,6 +1092,16 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
             gl.warp_specialize([(_c0_fp4, ca), (_c1_fp4, ca), (_p_fp4, pa)], [4, 4], [232, 40])
         else:
             gl.warp_specialize([(_c0_fp4_nope, ca), (_c1_fp4_nope, ca), (_p_fp4_nope, pa)], [4, 4], [232, 40])
+    elif F8 and DS:
+        if ROPE:
+            gl.warp_specialize([(_c0_ds8, ca), (_c1_ds8, ca), (_p_ds8, pa)], [4, 4], [232, 40])
+        else:
+            gl.warp_specialize([(_c0_ds8_nope, ca), (_c1_ds8_nope, ca), (_p_ds8_nope, pa)], [4, 4], [232, 40])
+    elif F8:
+        if ROPE:
+            gl.warp_specialize([(_c0_fp88, ca), (_c1_fp88, ca), (_p_fp88, pa)], [4, 4], [232, 40])
+        else:
+            gl.warp_specialize([(_c0_fp88_nope, ca), (_c1_fp88_nope, ca), (_p_fp88_nope, pa)], [4, 4], [232, 40])
     elif DS:
         if ROPE:
             gl.warp_specialize([(_c0_ds, ca), (_c1_ds, ca), (_p_ds, pa)], [4, 4], [232, 40])

@@ -64,6 +64,14 @@ def main():
                            num_splits=splits)
         torch.cuda.synchronize()
         print("ok few groups", fmt, flush=True)
+    # the FP8-arithmetic mode (opt-in), few heads and head groups
+    for fmt in ["fp8", "fp8_ds_mla", "fp8-nope", "fp8_ds_mla-nope"]:
+        for heads, splits in [(16, 1), (20, 2), (70, 1), (128, None)]:
+            c = make_case(fmt, 3, heads, 256, ctx=512, block_size=64, device="cuda")
+            sparse_mla_fwd(c["q"], c["cache"].rows, c["fmt"], c["indices"], 0.1, c["valid_counts"],
+                           num_splits=splits, fp8_arith=True)
+        torch.cuda.synchronize()
+        print("ok fp8_arith", fmt, flush=True)
 
 
 if __name__ == "__main__":
