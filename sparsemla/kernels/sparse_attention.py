@@ -740,7 +740,7 @@ def kernel_config(kind: str, num_heads: int):
 
 
 def plan_splits(num_tokens: int, num_heads: int, topk: int, device=None, block_n: int = 64,
-                head_block_size: int = None, kind: str = None, fp8_arith: bool = False) -> int:
+                head_block_size: int = None, kind: str = None) -> int:
     """Split-KV factor for ``num_tokens`` queries of ``num_heads`` heads over ``topk`` rows.
 
     Aim for about two programs per SM: the kernels hold ~200 registers per thread, so two 4-warp programs
@@ -751,13 +751,10 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, device=None, block_n
     splits; the launcher caps the count at one tile of its own BLOCK_N): on the H200 that took b = 1 from
     15-26 to 13-23 us at 16 heads and from 22-28 to 20-22 us at 128 heads, but made b = 4 slower (h 16:
     fp8 20 -> 29 us; h 128: 31-35 -> 43-45), the combine step then merging 2-4x more partials (fourth
-    session, ``benchmarks/small_sweep.py``).  ``fp8_arith``: the FP8-arithmetic mode (always the few-heads
-    kernel, 16 heads per program)."""
+    session, ``benchmarks/small_sweep.py``)."""
     sms = _num_sms(torch.device(device)) if device is not None else 132
     per_program = (_ws_planned(kind, num_tokens, num_heads, torch.device(device))
                    if kind is not None and device is not None else 0)
-    if fp8_arith:
-        per_program = 16
     if per_program:
         # the warp-specialized kernels for quantized rows hold a whole SM (190-220 KB of shared memory): at
         # most one program per SM, each split at least two 64-row blocks (one per consumer warpgroup).  On
@@ -887,9 +884,9 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     tuning = not (kernel is None and head_block_size is None and block_n is None and num_warps is None
                   and num_stages is None and ws_kernel is not False)
     few = not tuning and _few_ok(q, kv, kind, h, ws_kernel)
-    if fp8_arith:  # opt-in: the few-heads kernel's FP8-arithmetic variant at any head count
+    if fp8_arith:  # opt-in: the few-heads kernel's FP8-arithmetic variant, for the calls that kernel takes
         _check_fp8_arith(kind, q, kv, tuning)
-        few = True
+        fp8_arith = few
     wide_q = not tuning and not few and _wide_q_ok(q, kv, kind, h, ws_kernel)
     wide = wide and not few and not wide_q and kernel is None and (head_block_size or cfg_hb) >= 64
     if few:
@@ -905,7 +902,7 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     if num_stages is None:
         num_stages = cfg_st
     if num_splits is None:
-        num_splits = plan_splits(t, h, k, dev, block_n, hb, kind=kind if few or wide_q else None, fp8_arith=fp8_arith)
+        num_splits = plan_splits(t, h, k, dev, block_n, hb, kind=kind if few or wide_q else None)
     num_splits = max(1, min(int(num_splits), max(1, -(-k // block_n))))
     rows_per_split = -(-(-(-k // num_splits)) // block_n) * block_n
     num_splits = max(1, -(-k // rows_per_split)) if k else 1
@@ -986,9 +983,11 @@ def sparse_mla_fwd(q: torch.Tensor, kv_rows: torch.Tensor, fmt, indices: torch.T
         out, lse: optional outputs (bf16 ``[T, H, 512]``, fp32 ``[T, H]``).
         num_splits: split-KV factor (default :func:`plan_splits`); split_buffers: preallocated
             ``(o_part, lse_part)`` of :func:`split_buffer_shapes` (needed for CUDA-graph capture).
-        fp8_arith: opt-in FP8-arithmetic mode (fp8 / fp8_ds_mla rows, sm_90): q is rounded to e4m3 (a power
-            of two per head) and QK runs on e4m3 tensor cores; less accurate than the default (see
-            BENCHMARKS.md for its measured error).  ValueError where it cannot run (:func:`fp8_arith_why_not`).
+        fp8_arith: opt-in FP8-arithmetic mode (fp8 / fp8_ds_mla rows, sm_90): q becomes two e4m3 terms (a
+            power of two per head) and QK runs on e4m3 tensor cores, reading the rows' bytes unconverted; less
+            accurate than the default (BENCHMARKS.md has its measured error and speed).  It applies to the
+            calls the few-heads kernel takes (<= 32 heads, or small batches: ``ws_attention.few_planned``);
+            others run the default kernels.  ValueError where it can never run (:func:`fp8_arith_why_not`).
 
     Returns ``(out, lse)``: lse is the natural log including sm_scale; an empty row gives 0 / -inf.
     """

@@ -1,0 +1,103 @@
+"""The opt-in FP8-arithmetic mode (``sparse_mla_fwd(..., fp8_arith=True)``: the few-heads kernel with q as two
+e4m3 terms and QK on e4m3 wgmma, ws_few.py's F8 variant) on the H200: against the float64 reference, -1
+padding, valid counts with garbage past them, empty rows, odd head counts, splits, head groups, per-head q
+scales far apart, k_scale, and where the mode applies.  Run with `pytest -m gpu`."""
+import pytest
+import torch
+
+import sys, os  # noqa: E401
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from attn_cases import SEED, lse_err, make_case, rel_err  # noqa: E402
+
+from sparsemla.kernels import ws_attention as ws  # noqa: E402
+from sparsemla.kernels.sparse_attention import sparse_mla_fwd  # noqa: E402
+from sparsemla.reference import sparse_mla  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# The mode's error budget against the float64 reference: q's two e4m3 terms carry ~7 significant bits (bf16:
+# 8), so its error is close to the default path's; BENCHMARKS.md section 12 has the measured errors.
+O_TOL = 1e-2
+LSE_TOL = 1e-2
+
+
+def _sm90():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the FP8-arithmetic mode is sm_90 only")
+
+
+def _run(c, sm, k_scale=1.0, splits=None, fp8_arith=True):
+    t, h = c["q"].shape[:2]
+    out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((t, h), float("nan"), dtype=torch.float32, device="cuda")
+    return sparse_mla_fwd(c["q"], c["cache"].rows, c["fmt"], c["indices"], sm, c["valid_counts"], k_scale,
+                          out=out, lse=lse, num_splits=splits, fp8_arith=fp8_arith)
+
+
+def _check(c, sm, k_scale=1.0, splits=None):
+    out, lse = _run(c, sm, k_scale, splits)
+    ref_o, ref_l = sparse_mla(c["q"].double(), c["cache"], c["indices"], sm, c["valid_counts"], k_scale)
+    fin = torch.isfinite(ref_l)
+    scale = max(1.0, ref_l[fin].abs().max().item() / 100) if fin.any() else 1.0
+    assert torch.isfinite(out.float()).all(), f"seed {SEED}"
+    assert rel_err(out, ref_o) <= O_TOL, (rel_err(out, ref_o), SEED)
+    assert lse_err(lse, ref_l) <= LSE_TOL * scale, (lse_err(lse, ref_l), scale, SEED)
+    empty = c["valid_counts"] == 0
+    assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
+    return out, lse
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8", "fp8-nope"])
+@pytest.mark.parametrize("heads,topk,splits", [(16, 2048, 1), (16, 2048, None), (1, 64, 1), (20, 2051, 3),
+                                               (32, 192, None), (5, 2048, 2), (128, 2048, None), (70, 2051, 3)])
+def test_fp8_arith_matches_reference(fmt, heads, topk, splits):
+    _sm90()
+    k_scale = 0.5 if fmt.startswith("fp8-") or fmt == "fp8" else 1.0
+    c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda",
+                  k_scale=k_scale)
+    assert ws.few_supported(c["q"], c["cache"].rows, c["fmt"].name, heads)
+    _check(c, c["fmt"].head_dim ** -0.5, k_scale, splits)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8"])
+def test_fp8_arith_head_scales_far_apart(fmt):
+    """q's e4m3 scale is a power of two per head: heads 2^-20 .. 2^20 apart, one all-zero head (its scale
+    stays 1, its scores 0: uniform weights), and one head with a single huge element."""
+    _sm90()
+    c = make_case(fmt, 3, 16, 512, ctx=1024, block_size=64, device="cuda")
+    q = c["q"].float()
+    q *= torch.exp2(torch.linspace(-20, 20, 16, device="cuda"))[None, :, None]
+    q[:, 3] = 0
+    q[:, 5, 7] = 3e4
+    c["q"] = q.to(torch.bfloat16)
+    _check(c, 576 ** -0.5)
+
+
+def test_fp8_arith_k_scale_applied_once():
+    """Plain fp8 rows written with k_scale 0.5: read with 0.5 the reference agrees, with 1.0 it must not."""
+    _sm90()
+    c = make_case("fp8", 4, 16, 256, ctx=1024, block_size=64, device="cuda", k_scale=0.5)
+    sm = 576 ** -0.5
+    o_good, _ = _run(c, sm, 0.5)
+    o_bad, _ = _run(c, sm, 1.0)
+    ref_o, _ = sparse_mla(c["q"].double(), c["cache"], c["indices"], sm, c["valid_counts"], 0.5)
+    assert rel_err(o_good, ref_o) <= O_TOL
+    assert rel_err(o_bad, ref_o) > 5e-2
+
+
+def test_fp8_arith_where_it_applies():
+    """Other formats raise; a call the few-heads kernel does not take (a large batch at 128 heads) runs the
+    default kernel, bit for bit; a call it takes differs from the default (the mode really ran)."""
+    _sm90()
+    c = make_case("nvfp4_ds_mla", 2, 16, 64, ctx=256, block_size=64, device="cuda")
+    with pytest.raises(ValueError, match="fp8_arith"):
+        _run(c, 0.1)
+    c = make_case("fp8_ds_mla", 300, 128, 64, ctx=128, block_size=64, device="cuda")
+    assert not ws.few_supported(c["q"], c["cache"].rows, "fp8_ds_mla", 128)
+    a, la = _run(c, 0.1)
+    b, lb = _run(c, 0.1, fp8_arith=False)
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    c = make_case("fp8_ds_mla", 4, 16, 256, ctx=512, block_size=64, device="cuda")
+    a, _ = _run(c, 0.1)
+    b, _ = _run(c, 0.1, fp8_arith=False)
+    assert not torch.equal(a, b)
