@@ -96,6 +96,20 @@ def test_triton_declared_capabilities():
     assert t.why_not(cfg(graph_capture=True)) is None
 
 
+def test_triton_fp8_is_opt_in_and_declares_its_rules():
+    f = get_backend("triton-fp8")
+    assert "reads only fp8" in f.why_not(cfg("nvfp4_ds_mla"))
+    assert "reads only fp8" in f.why_not(cfg("bf16"))
+    assert "compute capability <= 9.0" in f.why_not(cfg(cap=SM100))
+    assert ">= 9.0" in f.why_not(cfg(cap=SM80))
+    assert "bf16 workspace" in f.why_not(cfg("fp8", "prefill", kv_source="workspace"))
+    # never in a priority list: the default path stays the default
+    for order in list(registry.PRIORITY.values()) + list(registry.FORMAT_PRIORITY.values()):
+        assert "triton-fp8" not in order
+    for fmt in ("fp8", "fp8_ds_mla", "fp8_ds_mla-nope"):
+        assert select(cfg(fmt, cap=SM90)).name != "triton-fp8"
+
+
 def test_reference_serves_everything_but_capture():
     r = get_backend("reference")
     assert r.why_not(cfg("nvfp4_ds_mla", "prefill", heads=128, topk=33000)) is None

@@ -27,7 +27,8 @@ def compiled():
 
 @pytest.mark.parametrize("name", ["pair-64", "pair-0", "tile-64", "tile-0",
                                   "few-ds-64", "few-ds-0", "few-fp8-64", "few-fp8-0",
-                                  "few-fp4-64", "few-fp4-0", "wide-ds-64", "wide-ds-0", "wide-fp8-64", "wide-fp8-0"])
+                                  "few-fp4-64", "few-fp4-0", "few-ds8-64", "few-ds8-0", "few-fp88-64", "few-fp88-0",
+                                  "wide-ds-64", "wide-ds-0", "wide-fp8-64", "wide-fp8-0"])
 def test_compiles_for_sm90_within_limits(compiled, name):
     r = compiled[name]
     assert r["smem"] <= HOPPER_SMEM, r

@@ -60,10 +60,12 @@ def main():
                                          setmaxnreg="setmaxnreg" in ptx,
                                          mbarrier_cp_async="cp.async.mbarrier.arrive.noinc" in ptx)
     few_sig = dict(SIG, k_scale="fp32")
-    for name, ds, rope, bpt, fp4 in [("ds-64", True, 64, 656, False), ("ds-0", True, 0, 528, False),
-                                     ("fp8-64", False, 64, 576, False), ("fp8-0", False, 0, 512, False),
-                                     ("fp4-64", False, 64, 352, True), ("fp4-0", False, 0, 288, True)]:
-        cons = dict(BPT=bpt, DS=ds, ROPE=rope, NG=2, HAS_VC=True, FP4=fp4)
+    for name, ds, rope, bpt, fp4, f8 in [("ds-64", True, 64, 656, False, False), ("ds-0", True, 0, 528, False, False),
+                                         ("fp8-64", False, 64, 576, False, False), ("fp8-0", False, 0, 512, False, False),
+                                         ("fp4-64", False, 64, 352, True, False), ("fp4-0", False, 0, 288, True, False),
+                                         ("ds8-64", True, 64, 656, False, True), ("ds8-0", True, 0, 528, False, True),
+                                         ("fp88-64", False, 64, 576, False, True), ("fp88-0", False, 0, 512, False, True)]:
+        cons = dict(BPT=bpt, DS=ds, ROPE=rope, NG=2, HAS_VC=True, FP4=fp4, F8=f8)
         sig = dict(few_sig, **{k: "constexpr" for k in cons})
         k = triton.compile(GluonASTSource(fn=ws_few_kernel, signature=sig, constexprs=cons),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})

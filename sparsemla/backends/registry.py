@@ -308,7 +308,7 @@ def _cap(c) -> str:
 # the registry
 # --------------------------------------------------------------------------------------------------------
 _BACKENDS: Dict[str, Backend] = {}
-BUILTIN = ("triton", "triton-staged", "reference", "flashmla", "flashinfer")  # the order list_backends() shows
+BUILTIN = ("triton", "triton-staged", "reference", "flashmla", "flashinfer", "triton-fp8")  # list_backends() order
 
 # Priority per GPU generation; a format may override it.  Backends left out of a list are never chosen
 # automatically there (they can still be forced).  Native first: it reads every format in registers;
@@ -444,3 +444,4 @@ def _ensure_builtin() -> None:
     from . import reference  # noqa: F401
     from . import peer_flashmla  # noqa: F401
     from . import peer_flashinfer  # noqa: F401
+    from . import triton_fp8  # noqa: F401

@@ -840,13 +840,14 @@ def _wide_q_ok(q, kv, kind, num_heads, ws_kernel) -> bool:
 FP8_ARITH_KINDS = ("fp8", "fp8_ds_mla")
 
 
-def fp8_arith_why_not(kind: str, device) -> Optional[str]:
-    """None when the FP8-arithmetic mode can serve ``kind`` rows on ``device``, else why not (one sentence)."""
+def fp8_arith_why_not(kind: str, device=None) -> Optional[str]:
+    """None when the FP8-arithmetic mode can serve ``kind`` rows on ``device`` (None: any Hopper GPU), else why
+    not (one sentence)."""
     if kind not in FP8_ARITH_KINDS:
         return f"the FP8-arithmetic mode reads only {' or '.join(FP8_ARITH_KINDS)} rows, not {kind}"
     if _gluon_off(True):
         return "the FP8-arithmetic mode is a Gluon kernel: it needs triton.experimental.gluon and no interpreter"
-    if torch.device(device).type != "cuda" or _capability(torch.device(device)) != (9, 0):
+    if device is not None and (torch.device(device).type != "cuda" or _capability(torch.device(device)) != (9, 0)):
         return "the FP8-arithmetic mode is built for Hopper (sm_90) wgmma"
     return None
 

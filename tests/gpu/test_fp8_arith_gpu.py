@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 # The mode's error budget against the float64 reference: q's two e4m3 terms carry ~7 significant bits (bf16:
 # 8), so its error is close to the default path's; BENCHMARKS.md section 12 has the measured errors.
 O_TOL = 1e-2
-LSE_TOL = 1e-2
+LSE_TOL = 3e-3
 
 
 def _sm90():

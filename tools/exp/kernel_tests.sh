@@ -7,7 +7,7 @@ set -u
 T=$1
 run() { name=$1; shift; ( timeout "$T" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$?" >> "$OUT/$name.log" ) & }
 run t_wide python3 -m pytest -q -m gpu tests/gpu/test_ws_wide_gpu.py
-run t_few python3 -m pytest -q -m gpu tests/gpu/test_ws_few_gpu.py tests/gpu/test_ws_attention_gpu.py
+run t_few python3 -m pytest -q -m gpu tests/gpu/test_ws_few_gpu.py tests/gpu/test_ws_attention_gpu.py tests/gpu/test_fp8_arith_gpu.py
 run t_attn python3 -m pytest -q -m gpu tests/gpu/test_sparse_attention_gpu.py
 if [ "${2:-}" = system ]; then
   run t_rlc python3 -m pytest -q -m gpu tests/gpu/test_runner_gpu.py tests/gpu/test_layer_gpu.py tests/gpu/test_cli_gpu.py

@@ -1,0 +1,54 @@
+"""``triton-fp8``: the opt-in FP8-arithmetic mode of the native kernels (never chosen automatically).
+
+Calls ``sparse_mla_fwd(..., fp8_arith=True)``: for fp8 / fp8_ds_mla rows on Hopper, the few-heads kernel
+(``kernels/ws_few.py``, F8 variant) splits q into two e4m3 terms (a power of two per head; together exact for
+bf16 q in all but q's smallest elements) and runs QK on e4m3 tensor cores straight from the gathered bytes,
+so the QK half of the row conversions is gone.  Its error is that of the e4m3 tensor cores' accumulation
+(about 14 significant bits): outputs as close to the float64 reference as the default path's, lse off by
+~1e-3 of |lse| (BENCHMARKS.md section 12).  Calls the few-heads kernel does not take (large batches above 32
+heads) run the default kernels.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ._common import ensure_outputs, kv_rows
+from .registry import Backend, register
+from .triton_native import SplitBuffers, _kernels, probe_native
+
+
+class TritonFP8(Backend):
+    name = "triton-fp8"
+    description = ("opt-in FP8 arithmetic (fp8 / fp8_ds_mla rows, Hopper): q as two e4m3 terms, QK on e4m3 tensor "
+                   "cores; lse ~1e-3 x |lse| from the reference")
+    device_types = ("cuda",)
+    min_capability = (9, 0)
+    max_capability = (9, 0)
+    formats = ("fp8", "fp8-nope", "fp8_ds_mla", "fp8_ds_mla-nope")
+    kv_sources = ("cache",)
+    max_topk = 32768
+    graph_safe = True
+    device_valid_counts = True
+
+    def _probe(self, config) -> Optional[str]:
+        # the format, device and capability are declared above; this checks that the Gluon kernel can run here
+        return probe_native(("sparse_mla_fwd", "fp8_arith_why_not")) or _kernels().fp8_arith_why_not("fp8")
+
+    def tolerance(self, fmt):
+        """(out relative error, lse error) for the benchmark harness: the outputs meet the exact paths' bound;
+        the lse moves with |lse| (~1e-3 of it, e4m3 tensor-core accumulation), so it is reported, not bounded."""
+        return (1e-2, float("inf"))
+
+    def forward(self, mode, q, kv, indices, sm_scale, valid_counts, k_scale, out, lse, workspace=None):
+        rows, fmt = kv_rows(kv)
+        out, lse = ensure_outputs(q, out, lse)
+        num_splits, bufs = (None, None) if workspace is None else workspace.for_tokens(q.shape[0])
+        return _kernels().sparse_mla_fwd(q, rows, fmt, indices, sm_scale, valid_counts=valid_counts,
+                                         k_scale=k_scale, out=out, lse=lse, num_splits=num_splits,
+                                         split_buffers=bufs, fp8_arith=True)
+
+    def make_workspace(self, spec):
+        return SplitBuffers(spec)
+
+
+register(TritonFP8())
