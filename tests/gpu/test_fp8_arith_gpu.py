@@ -15,10 +15,12 @@ from sparsemla.reference import sparse_mla  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-# The mode's error budget against the float64 reference: q's two e4m3 terms carry ~7 significant bits (bf16:
-# 8), so its error is close to the default path's; BENCHMARKS.md section 12 has the measured errors.
+# The mode's error budget against the float64 reference: q's two e4m3 terms hold bf16 q exactly (but for its
+# smallest elements), so the outputs are as close as the default path's (1e-2 bound, 1.5e-3 - 3.8e-3 measured);
+# the e4m3 tensor cores accumulate with ~14 significant bits, which moves the scores and the lse by up to
+# ~2.7e-3 x |lse| (H200, eleventh session; BENCHMARKS.md section 12): lse within LSE_TOL x max(10, |lse|).
 O_TOL = 1e-2
-LSE_TOL = 3e-3
+LSE_TOL = 1e-2
 
 
 def _sm90():
@@ -38,7 +40,7 @@ def _check(c, sm, k_scale=1.0, splits=None):
     out, lse = _run(c, sm, k_scale, splits)
     ref_o, ref_l = sparse_mla(c["q"].double(), c["cache"], c["indices"], sm, c["valid_counts"], k_scale)
     fin = torch.isfinite(ref_l)
-    scale = max(1.0, ref_l[fin].abs().max().item() / 100) if fin.any() else 1.0
+    scale = max(10.0, ref_l[fin].abs().max().item()) if fin.any() else 10.0
     assert torch.isfinite(out.float()).all(), f"seed {SEED}"
     assert rel_err(out, ref_o) <= O_TOL, (rel_err(out, ref_o), SEED)
     assert lse_err(lse, ref_l) <= LSE_TOL * scale, (lse_err(lse, ref_l), scale, SEED)
