@@ -35,6 +35,8 @@ def write_into_last_rows(fid: str, strided: bool = False):
 
 
 def main():
+    if sys.argv[1:] == ["fp8_arith"]:  # only the FP8-arithmetic mode's kernels
+        return fp8_arith()
     from sparsemla.kernels import ws_attention
     # the small cases below then run the wide kernel for quantized rows (not the few-heads kernel's head groups)
     waves = ws_attention.FEW_WAVES
@@ -64,7 +66,11 @@ def main():
                            num_splits=splits)
         torch.cuda.synchronize()
         print("ok few groups", fmt, flush=True)
-    # the FP8-arithmetic mode (opt-in), few heads and head groups
+    fp8_arith()
+
+
+def fp8_arith():
+    """The FP8-arithmetic mode (opt-in), few heads and head groups."""
     for fmt in ["fp8", "fp8_ds_mla", "fp8-nope", "fp8_ds_mla-nope"]:
         for heads, splits in [(16, 1), (20, 2), (70, 1), (128, None)]:
             c = make_case(fmt, 3, heads, 256, ctx=512, block_size=64, device="cuda")
