@@ -26,16 +26,21 @@ from sparsemla.kernels.sparse_attention import sparse_mla_fwd  # noqa: E402
 SM = 576 ** -0.5
 
 
-def ours(fmt, cache, idx, h):
+def ours(fmt, cache, idx, h, fp8_arith=False):
     q = heavy(idx.shape[0], h, fmt.head_dim).to(torch.bfloat16)
     out = torch.empty(idx.shape[0], h, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(idx.shape[0], h, dtype=torch.float32, device="cuda")
-    return lambda: sparse_mla_fwd(q, cache.rows, fmt, idx, SM, out=out, lse=lse)
+    return lambda: sparse_mla_fwd(q, cache.rows, fmt, idx, SM, out=out, lse=lse, fp8_arith=fp8_arith)
 
 
 def ours_graph(fmt, cache, idx, h):
     """``ours`` replayed from a CUDA graph (``graph_replay``)."""
     return graph_replay(ours(fmt, cache, idx, h))
+
+
+def ours_f8_graph(fmt, cache, idx, h):
+    """Our opt-in FP8-arithmetic mode (``fp8_arith=True``, backend ``triton-fp8``), replayed from a CUDA graph."""
+    return graph_replay(ours(fmt, cache, idx, h, fp8_arith=True))
 
 
 def flashinfer_call(fmt, cache, idx, h):
@@ -84,6 +89,8 @@ def main():
     ap.add_argument("--batches", default="128", help="comma list of batch sizes (D-small: 1,4,16)")
     ap.add_argument("--heads", default="16,64,128", help="comma list of head counts")
     ap.add_argument("--graph", action="store_true", help="also time our call replayed from a CUDA graph")
+    ap.add_argument("--fp8-arith", action="store_true", help="also time our FP8-arithmetic mode (fp8 / fp8_ds_mla "
+                    "rows, CUDA graph)")
     a = ap.parse_args()
     copy_bw, mm = ceilings()
     print(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s, bf16 mm {mm / 1e12:.0f} TFLOP/s", flush=True)
@@ -101,14 +108,16 @@ def main():
                 nbytes = unique_bytes(cache, idx, h, idx.shape[0])
                 flops = 2 * h * idx.numel() * (fmt.head_dim + 512)
                 sol = max(nbytes / copy_bw, flops / mm) * 1e6
-                for who in ["ours"] + (["ours-graph"] if a.graph else []) + peers:
+                f8 = ["ours-f8-graph"] if a.fp8_arith and fmt.name in ("fp8", "fp8_ds_mla") else []
+                for who in ["ours"] + (["ours-graph"] if a.graph else []) + f8 + peers:
                     r = dict(fmt=fname, b=b, h=h, backend=who, sol_us=sol)
                     try:
-                        fn = {"ours": ours, "ours-graph": ours_graph, "flashinfer": flashinfer_call,
+                        fn = {"ours": ours, "ours-graph": ours_graph, "ours-f8-graph": ours_f8_graph,
+                              "flashinfer": flashinfer_call,
                               "flashmla": flashmla_call}[who](fmt, cache, idx, h)
                         r["us"] = time_fn(fn, reps=30)
                         r["pct_sol"] = 100 * sol / r["us"]
-                        print(f"{fname:13s} b={b:3d} h={h:3d} {who:10s} {r['us']:8.1f} us  {r['pct_sol']:5.1f}% SOL",
+                        print(f"{fname:13s} b={b:3d} h={h:3d} {who:13s} {r['us']:8.1f} us  {r['pct_sol']:5.1f}% SOL",
                               flush=True)
                     except Exception as e:
                         r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
