@@ -46,6 +46,10 @@ than them.  Above 32 heads it runs ceil(H / 16) programs per token (head groups,
 rows, from L2 after the first): the dispatch gives it small batches (``ws_attention.FEW_WAVES``), where it
 beat both wide kernels (section 11: b 1 x 128 heads 18-20 us, b 16 x 128 heads fp8 79 -> 50 us).
 
+F8 (opt-in, ``sparse_mla_fwd(..., fp8_arith=True)`` / backend ``triton-fp8``): the FP8-arithmetic variant for fp8
+and fp8_ds_mla rows -- q as two e4m3 terms, QK on e4m3 wgmma with the gathered bytes as the A operand (see the
+kernel's docstring and BENCHMARKS.md section 12).
+
 Same arguments and output contract as ``sparse_attention._fwd_fp8_kernel`` (split partials, normalized
 output, natural-log lse).  Gluon does not run under the Triton interpreter: CPU CI compiles it for sm_90
 (``tests/test_ws_attention.py``) and the GPU suite checks its numbers.
