@@ -439,11 +439,13 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROP
 @gluon.jit
 def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr):
     """The FP8-arithmetic variant's q: q * c_h as two e4m3 terms, hi = e4m3(q c_h) and lo = e4m3(q c_h - hi),
-    [4 groups, 32, 128] (rows 0-15 hi, 16-31 lo: one MMA takes both as N = 32; natural order: the QK MMAs read the rows' e4m3 bytes straight
-    from shared memory, so nothing is permuted); c_h is a power of two per head with amax_h * c_h in
-    [128, 256) (e4m3's largest value is 448).  One e4m3 term alone is 3 significant bits: 2-4 % output error
-    and lse off by 0.2-0.4 on Gaussian data (H200, eleventh session); hi + lo carry ~7 bits.  The rope part
-    the same way for plain fp8 rows ([1, 32, 64]), bf16 x c_h for fp8_ds_mla.  Returns c_h ([16], HEAD)."""
+    [4 groups, 32, 128] (rows 0-15 hi, 16-31 lo: one MMA takes both as N = 32; natural order: the QK MMAs read
+    the rows' e4m3 bytes straight from shared memory, so nothing is permuted); c_h is a power of two per head
+    with amax_h * c_h in [128, 256) (e4m3's largest value is 448).  bf16 q has 8 significant bits, each term 4:
+    hi + lo is exact but for elements below ~2^-9 of the head's largest (lo under e4m3's subnormals: error
+    <= 2^-17 of it).  One term alone (3 bits) gave 2-4 % output error on Gaussian data (H200, eleventh
+    session).  The rope part the same way for plain fp8 rows ([1, 32, 64]), bf16 x c_h for fp8_ds_mla.
+    Returns c_h ([16], HEAD)."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     heads = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
     hm = (heads < H)[:, None]
@@ -1050,12 +1052,12 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
                   FP4: gl.constexpr = False, F8: gl.constexpr = False):
     """One program = one query token x 16 heads x one split; launch with num_warps=4 (warpgroup 0).
 
-    F8 (fp8 / fp8_ds_mla rows; opt-in): the FP8-arithmetic variant.  q is quantized to e4m3 (a power of two per
-    head) and S^T = K q^T runs on e4m3 wgmma with both operands in shared memory, so the rows' bytes feed the
-    MMA as they were gathered and the QK half of the conversions (a third of a block's instructions) is gone;
-    PV is unchanged (fp16 P and V^T: wgmma takes an fp8 A operand only K-major, and V^T would need a byte
-    transpose costing as much as the conversion it replaces).  The ring holds each stage as four [64, 128]
-    pieces in wgmma's swizzled layout."""
+    F8 (fp8 / fp8_ds_mla rows; opt-in): the FP8-arithmetic variant.  q is staged as two e4m3 terms (a power of
+    two per head, _stage_q8) and S^T = K q^T runs on e4m3 wgmma with both operands in shared memory, so the rows'
+    bytes feed the MMA as they were gathered and the QK half of the conversions is gone (fp8_ds_mla 1101 -> 1006
+    instructions a block, fp8 882 -> 731); PV is unchanged (fp16 P and V^T: wgmma takes an fp8 A operand only
+    K-major, and V^T would need a byte transpose costing as much as the conversion it replaces).  The ring holds
+    each stage as four [64, 128] pieces in wgmma's swizzled layout."""
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     pl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16)
     p0 = gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl)
@@ -1072,7 +1074,8 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
     elif F8:
         raw = gl.allocate_shared_memory(gl.uint8, [4 * NS, 64, 128], gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv))
         qn = gl.allocate_shared_memory(gl.float8e4nv, [4, 32, 128], gl.NVMMASharedLayout.get_default_for([32, 128], gl.float8e4nv))
-        # pieces 4 .. 7 of this view are stage 1's bytes (see below)
+        # warpgroup 1's accumulators for the final merge: indices 4 .. 7 of this view, stage 1's bytes (only
+        # warpgroup 1 reads stage 1; the consumer's MB)
         kt = raw._reinterpret(gl.float32, [4 * NS, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     else:
         raw = gl.allocate_shared_memory(gl.uint8, [NS, 64, 512], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
