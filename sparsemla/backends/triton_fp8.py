@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ._common import ensure_outputs, kv_rows
-from .registry import Backend, register
-from .triton_native import SplitBuffers, _kernels, probe_native
+from .registry import register
+from .triton_native import TritonNative, _kernels, probe_native
 
 
-class TritonFP8(Backend):
+class TritonFP8(TritonNative):
+    """The native backend with ``fp8_arith=True``: its forward and split buffers, narrower declared rules."""
     name = "triton-fp8"
     description = ("opt-in FP8 arithmetic (fp8 / fp8_ds_mla rows, Hopper): q as two e4m3 terms, QK on e4m3 tensor "
                    "cores; lse ~1e-3 x |lse| from the reference")
@@ -26,9 +26,7 @@ class TritonFP8(Backend):
     max_capability = (9, 0)
     formats = ("fp8", "fp8-nope", "fp8_ds_mla", "fp8_ds_mla-nope")
     kv_sources = ("cache",)
-    max_topk = 32768
-    graph_safe = True
-    device_valid_counts = True
+    fp8_arith = True
 
     def _probe(self, config) -> Optional[str]:
         # the format, device and capability are declared above; this checks that the Gluon kernel can run here
@@ -38,17 +36,6 @@ class TritonFP8(Backend):
         """(out relative error, lse error) for the benchmark harness: the outputs meet the exact paths' bound;
         the lse moves with |lse| (~1e-3 of it, e4m3 tensor-core accumulation), so it is reported, not bounded."""
         return (1e-2, float("inf"))
-
-    def forward(self, mode, q, kv, indices, sm_scale, valid_counts, k_scale, out, lse, workspace=None):
-        rows, fmt = kv_rows(kv)
-        out, lse = ensure_outputs(q, out, lse)
-        num_splits, bufs = (None, None) if workspace is None else workspace.for_tokens(q.shape[0])
-        return _kernels().sparse_mla_fwd(q, rows, fmt, indices, sm_scale, valid_counts=valid_counts,
-                                         k_scale=k_scale, out=out, lse=lse, num_splits=num_splits,
-                                         split_buffers=bufs, fp8_arith=True)
-
-    def make_workspace(self, spec):
-        return SplitBuffers(spec)
 
 
 register(TritonFP8())

@@ -101,6 +101,7 @@ class TritonNative(Backend):
     max_topk = 32768
     graph_safe = True
     device_valid_counts = True
+    fp8_arith = False  # the opt-in FP8-arithmetic mode (the ``triton-fp8`` subclass)
 
     def _extra_why_not(self, c):
         return device_why_not(c)
@@ -114,7 +115,7 @@ class TritonNative(Backend):
         num_splits, bufs = (None, None) if workspace is None else workspace.for_tokens(q.shape[0])
         return _kernels().sparse_mla_fwd(q, rows, fmt, indices, sm_scale, valid_counts=valid_counts,
                                          k_scale=k_scale, out=out, lse=lse, num_splits=num_splits,
-                                         split_buffers=bufs)
+                                         split_buffers=bufs, fp8_arith=self.fp8_arith)
 
     def make_workspace(self, spec):
         return SplitBuffers(spec)
