@@ -28,7 +28,8 @@ def compiled():
 @pytest.mark.parametrize("name", ["pair-64", "pair-0", "tile-64", "tile-0",
                                   "few-ds-64", "few-ds-0", "few-fp8-64", "few-fp8-0",
                                   "few-fp4-64", "few-fp4-0", "few-ds8-64", "few-ds8-0", "few-fp88-64", "few-fp88-0",
-                                  "wide-ds-64", "wide-ds-0", "wide-fp8-64", "wide-fp8-0"])
+                                  "wide-ds-64", "wide-ds-0", "wide-fp8-64", "wide-fp8-0",
+                                  "wide-ds8-64", "wide-ds8-0", "wide-fp88-64", "wide-fp88-0"])
 def test_compiles_for_sm90_within_limits(compiled, name):
     r = compiled[name]
     assert r["smem"] <= HOPPER_SMEM, r
@@ -36,7 +37,11 @@ def test_compiles_for_sm90_within_limits(compiled, name):
     # the wide kernel for quantized rows keeps part of its loop state (the normaliser's partial sums, 7-26
     # words) in local memory: measured with it (BENCHMARKS sections 9-10; 80-104 bytes in this probe, which
     # compiles without the launcher's divisibility specializations); more than that would be a new spill
-    assert r["stack"] <= (112 if name.startswith("wide") else 64), r
+    # (its FP8-arithmetic variant: 128 bytes in this probe; the loop's local loads as many as the default's)
+    limit = 64
+    if name.startswith("wide"):
+        limit = 144 if name[5:].startswith(("ds8", "fp88")) else 112
+    assert r["stack"] <= limit, r
     # the few-heads kernel once had every wgmma serialized by ptxas (a wait that named accumulators
     # still in flight): 2x slower, and only visible in ptxas' info output
     assert not r.get("serialized", False), r

@@ -75,9 +75,11 @@ def main():
                                   mbarrier_cp_async="cp.async.mbarrier.arrive.noinc" in ptx,
                                   serialized=_serialized(ptx))
     from sparsemla.kernels.ws_wide import ws_wide_kernel
-    for name, ds, rope, bpt in [("ds-64", True, 64, 656), ("ds-0", True, 0, 528), ("fp8-64", False, 64, 576),
-                                ("fp8-0", False, 0, 512)]:
-        cons = dict(BPT=bpt, DS=ds, ROPE=rope, NG=2, HAS_VC=True)
+    for name, ds, rope, bpt, f8 in [("ds-64", True, 64, 656, False), ("ds-0", True, 0, 528, False),
+                                    ("fp8-64", False, 64, 576, False), ("fp8-0", False, 0, 512, False),
+                                    ("ds8-64", True, 64, 656, True), ("ds8-0", True, 0, 528, True),
+                                    ("fp88-64", False, 64, 576, True), ("fp88-0", False, 0, 512, True)]:
+        cons = dict(BPT=bpt, DS=ds, ROPE=rope, NG=2, HAS_VC=True, F8=f8)
         sig = dict(few_sig, **{k: "constexpr" for k in cons})
         k = triton.compile(GluonASTSource(fn=ws_wide_kernel, signature=sig, constexprs=cons),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})

@@ -1,12 +1,11 @@
 """``triton-fp8``: the opt-in FP8-arithmetic mode of the native kernels (never chosen automatically).
 
-Calls ``sparse_mla_fwd(..., fp8_arith=True)``: for fp8 / fp8_ds_mla rows on Hopper, the few-heads kernel
-(``kernels/ws_few.py``, F8 variant) splits q into two e4m3 terms (a power of two per head; together exact for
-bf16 q in all but q's smallest elements) and runs QK on e4m3 tensor cores straight from the gathered bytes,
-so the QK half of the row conversions is gone.  Its error is that of the e4m3 tensor cores' accumulation
-(about 14 significant bits): outputs as close to the float64 reference as the default path's, lse off by
-~1e-3 of |lse| (BENCHMARKS.md section 12).  Calls the few-heads kernel does not take (large batches above 32
-heads) run the default kernels.
+Calls ``sparse_mla_fwd(..., fp8_arith=True)``: for fp8 / fp8_ds_mla rows on Hopper, the warp-specialized
+kernels (``kernels/ws_few.py`` and ``kernels/ws_wide.py``, F8 variants) split q into two e4m3 terms (a power of
+two per head; together exact for bf16 q in all but q's smallest elements) and run QK on e4m3 tensor cores
+straight from the gathered bytes, so the QK half of the row conversions is gone.  Its error is that of the
+e4m3 tensor cores' accumulation (about 14 significant bits): outputs as close to the float64 reference as the
+default path's, lse off by ~1e-3 of |lse| (BENCHMARKS.md sections 12-13).
 """
 from __future__ import annotations
 

@@ -885,10 +885,10 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
     tuning = not (kernel is None and head_block_size is None and block_n is None and num_warps is None
                   and num_stages is None and ws_kernel is not False)
     few = not tuning and _few_ok(q, kv, kind, h, ws_kernel)
-    if fp8_arith:  # opt-in: the few-heads kernel's FP8-arithmetic variant, for the calls that kernel takes
-        _check_fp8_arith(kind, q, kv, tuning)
-        fp8_arith = few
     wide_q = not tuning and not few and _wide_q_ok(q, kv, kind, h, ws_kernel)
+    if fp8_arith:  # opt-in: the FP8-arithmetic variants of the two warp-specialized kernels for e4m3 rows
+        _check_fp8_arith(kind, q, kv, tuning)
+        fp8_arith = few or wide_q
     wide = wide and not few and not wide_q and kernel is None and (head_block_size or cfg_hb) >= 64
     if few:
         head_block_size, block_n = 16, 64
@@ -940,7 +940,7 @@ def _launch(kind: str, q, kv, fmt: KVFormat, indices, sm_scale, valid_counts, k_
         kernel[grid](*args, h, k, rows_per_split, num_splits, BPT=fmt.bytes_per_token, ROPE=rope, **common)
     elif wide_q:
         _ws.launch_wide_q(grid, args + (float(k_scale), h, k, rows_per_split, num_splits), fmt.bytes_per_token,
-                          kind, rope, ng, valid_counts is not None)
+                          kind, rope, ng, valid_counts is not None, fp8_arith=fp8_arith)
     elif few:
         _ws.launch_few(grid, args + (float(k_scale), h, k, rows_per_split, num_splits), fmt.bytes_per_token,
                        kind, rope, ng, valid_counts is not None, fp8_arith=fp8_arith)
@@ -986,9 +986,10 @@ def sparse_mla_fwd(q: torch.Tensor, kv_rows: torch.Tensor, fmt, indices: torch.T
             ``(o_part, lse_part)`` of :func:`split_buffer_shapes` (needed for CUDA-graph capture).
         fp8_arith: opt-in FP8-arithmetic mode (fp8 / fp8_ds_mla rows, sm_90): q becomes two e4m3 terms (a
             power of two per head) and QK runs on e4m3 tensor cores, reading the rows' bytes unconverted; less
-            accurate than the default (BENCHMARKS.md has its measured error and speed).  It applies to the
-            calls the few-heads kernel takes (<= 32 heads, or small batches: ``ws_attention.few_planned``);
-            others run the default kernels.  ValueError where it can never run (:func:`fp8_arith_why_not`).
+            accurate than the default (BENCHMARKS.md has its measured error and speed).  Both warp-specialized
+            kernels for these rows have the variant (few heads / small batches: ``ws_few``; 64 heads per
+            program: ``ws_wide``), so it applies to every call on sm_90 with bf16 q and a 16-byte aligned
+            cache; ValueError elsewhere, with the reason (:func:`fp8_arith_why_not`).
 
     Returns ``(out, lse)``: lse is the natural log including sm_scale; an empty row gives 0 / -inf.
     """

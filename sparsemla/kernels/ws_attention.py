@@ -134,12 +134,13 @@ def wide_q_supported(q: torch.Tensor, kv: torch.Tensor, kind: str, num_heads: in
     return wide_q_planned(kind, q.shape[0], num_heads, _sms(q.device)) and _quantized_ok(q, kv)
 
 
-def launch_wide_q(grid, args, bytes_per_token: int, kind: str, rope: int, num_groups: int, has_vc: bool):
+def launch_wide_q(grid, args, bytes_per_token: int, kind: str, rope: int, num_groups: int, has_vc: bool,
+                  fp8_arith: bool = False):
     """Launch ``ws_wide_kernel`` with ``_fwd_fp8_kernel``'s positional arguments (k_scale included); 12 warps
-    as ``launch_few``."""
+    as ``launch_few``.  ``fp8_arith``: the FP8-arithmetic variant."""
     from .ws_wide import ws_wide_kernel
     ws_wide_kernel[grid](*args, BPT=bytes_per_token, DS=kind == "fp8_ds_mla", ROPE=rope, NG=num_groups,
-                         HAS_VC=has_vc, num_warps=4, maxnreg=168)
+                         HAS_VC=has_vc, F8=bool(fp8_arith), num_warps=4, maxnreg=168)
 
 
 def launch_few(grid, args, bytes_per_token: int, kind: str, rope: int, num_groups: int, has_vc: bool,

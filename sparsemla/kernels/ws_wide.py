@@ -46,15 +46,18 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .ws_attention import _NEG_BIG, _coords
-from .ws_few import (L_QK64, SC_L, _absmax, _dims, _idx, _p_ds, _p_ds_nope, _p_fp8, _p_fp8_nope, _pv_values, _q_group,
-                     _relabel64)
+from .ws_attention import _NEG_BIG, _coords, _rcp
+from .ws_few import (L_QK64, L_V, SC_L, _absmax, _dims, _idx, _k8, _p_ds, _p_ds8, _p_ds8_nope, _p_ds_nope, _p_fp8,
+                     _p_fp88, _p_fp88_nope, _p_fp8_nope, _pv_rows, _pv_values, _q_group, _relabel64)
 
 NS = gl.constexpr(3)  # ring stages of 64 rows
 
 # S^T [64 rows, 64 heads] and O^T [128 dims, 64 heads] (one per 128-dim group) on wgmma m64n64
 S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_L.value, k_width=2))
+# F8: the e4m3 MMAs' accumulator (k = 32 per instruction); the same registers as S_L (convert_layout is free)
+S8_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32]))
+ROW8 = gl.constexpr(gl.SliceLayout(1, S8_L.value))
 ROW = gl.constexpr(gl.SliceLayout(1, S_L.value))   # one value per cache row (or output dim)
 HEAD = gl.constexpr(gl.SliceLayout(0, S_L.value))  # one value per head
 QROW = gl.constexpr(gl.SliceLayout(1, L_QK64.value))  # one value per row of a QK chunk (the rows of ROW)
@@ -156,10 +159,76 @@ def _scores(rs, sc_st, rope_st, qn, qr, z, valid, ss, rbuf, rb0, DS: gl.constexp
 
 
 @gluon.jit
-def _v_operand(rs, ks: gl.constexpr, G: gl.constexpr, rbuf, rb0, DS: gl.constexpr):
-    """Rows 16 ks .. 16 ks + 15, group G -> the V^T A operand [128 dims (permuted, ws_few._dims), 16 rows];
-    fp8_ds_mla: each row multiplied by its scale / u_r (row rb0 + G of ``rbuf``)."""
-    v = gl.convert_layout(_pv_values(rs, ks, G), A_OP)
+def _group8(raw, st, qn, z, G: gl.constexpr, acc, use_acc: gl.constexpr):
+    """F8: acc (+)= K_G (q_G c)^T over group G's 128 dims: e4m3 MMAs with A = the stage's piece G (the gathered
+    bytes, in shared memory) and B = q's two terms, hi then lo, into the same accumulator (both terms carry the
+    same per-head power of two, so their products add)."""
+    a = _k8(raw, 4 * st + G)
+    acc = warpgroup_mma(a, qn.index(2 * G + z).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
+    return warpgroup_mma(a, qn.index(2 * G + 1 + z).permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
+def _scores8(raw, st, sc_st, rope_st, qn, qr, z, valid, ss, rbuf, rb0, DS: gl.constexpr, ROPE: gl.constexpr):
+    """F8: ``_scores`` on e4m3 MMAs (``ss``: one value per head, [64] in HEAD).  fp8_ds_mla's per-row group
+    scales s_g, with one accumulator (a second one in flight does not fit beside O^T's 128 registers): Horner's
+    scheme, acc = (((K_0 q_0) s_0 / s_1 + K_1 q_1) s_1 / s_2 + K_2 q_2) s_2 / s_3 + K_3 q_3, then x s_3 and the
+    bf16 rope MMA on top, each rescale between a group's MMAs and the next (a wait per group).  A zero scale is
+    floored at 2^-24 of the row's largest, so that the ratios stay finite (such a group's bytes then count
+    2^-24 of a real group at most).  The scores are in true units, so log2 u_r only enters as the bias that
+    turns P into P' = P u_r (as in _scores).  Plain fp8: one chain, the e4m3 rope included."""
+    s8_zero = gl.zeros([64, 64], gl.float32, S8_L)
+    if DS:
+        sv = sc_st.load(SC_L)  # 0 for a -1 row (cp.async zero-fills it)
+        u = gl.max(sv, 1)
+        u1 = gl.where(u > 0, u, 1.0)
+        ratio = (sv * (1.0 / u1)[:, None]).to(gl.float16)
+        rbuf.index(rb0 + 0).store(_col(ratio, 0))
+        rbuf.index(rb0 + 1).store(_col(ratio, 1))
+        rbuf.index(rb0 + 2).store(_col(ratio, 2))
+        rbuf.index(rb0 + 3).store(_col(ratio, 3))
+        sf = gl.maximum(sv, (u1 * 5.9604644775390625e-08)[:, None])
+        rf = _rcp(sf)
+        s3 = gl.convert_layout(_col(sf, 3), ROW8)
+        acc = _group8(raw, st, qn, z, 0, s8_zero, False)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        acc = acc * gl.convert_layout(_col(sf, 0) * _col(rf, 1), ROW8)[:, None]
+        acc = _group8(raw, st, qn, z, 1, acc, True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        acc = acc * gl.convert_layout(_col(sf, 1) * _col(rf, 2), ROW8)[:, None]
+        acc = _group8(raw, st, qn, z, 2, acc, True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        acc = acc * gl.convert_layout(_col(sf, 2) * _col(rf, 3), ROW8)[:, None]
+        acc = _group8(raw, st, qn, z, 3, acc, True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        x = gl.convert_layout(acc * s3[:, None], S_L)
+        if ROPE:  # bf16 rope (A from shared memory), x c_h like q's terms
+            x = warpgroup_mma(rope_st, qr.index(z).permute((1, 0)), x, is_async=True)
+            x = warpgroup_mma_wait(0, deps=(x, ))
+        bias = gl.where(valid, gl.log2(gl.convert_layout(u1, ROW)), float("-inf"))
+        return x * ss[None, :] + bias[:, None], gl.convert_layout(_rcp(u1), ROW)
+    else:
+        acc = _group8(raw, st, qn, z, 0, s8_zero, False)
+        for G in gl.static_range(1, 4):
+            acc = _group8(raw, st, qn, z, G, acc, True)
+        if ROPE:
+            a = rope_st._reinterpret(gl.float8e4nv, [64, 64], rope_st.layout)
+            acc = warpgroup_mma(a, qr.index(0 + z).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(a, qr.index(1 + z).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        bias = gl.where(valid, 0.0, float("-inf"))
+        return gl.convert_layout(acc, S_L) * ss[None, :] + bias[:, None], gl.full([64], 1.0, gl.float32, ROW)
+
+
+@gluon.jit
+def _v_operand(raw, st, ks: gl.constexpr, G: gl.constexpr, rbuf, rb0, DS: gl.constexpr, F8: gl.constexpr):
+    """Rows 16 ks .. 16 ks + 15, group G of stage st -> the V^T A operand [128 dims (permuted, ws_few._dims), 16
+    rows]; fp8_ds_mla: each row multiplied by its scale / u_r (row rb0 + G of ``rbuf``).  F8: the stage is four
+    [64, 128] pieces (raw.index(4 st + G))."""
+    if F8:
+        v = gl.convert_layout(_pv_rows(raw.index(4 * st + G).slice(16 * ks, 16, dim=0).load(L_V)), A_OP)
+    else:
+        v = gl.convert_layout(_pv_values(raw.index(st), ks, G), A_OP)
     if DS:
         r = rbuf.index(rb0 + G).slice(16 * ks, 16, dim=0).load(KROW)
         v = v * r[None, :]
@@ -167,13 +236,13 @@ def _v_operand(rs, ks: gl.constexpr, G: gl.constexpr, rbuf, rb0, DS: gl.constexp
 
 
 @gluon.jit
-def _pv(rs, pbuf, rbuf, rb0, oa, ob, WG: gl.constexpr, DS: gl.constexpr):
+def _pv(raw, st, pbuf, rbuf, rb0, oa, ob, WG: gl.constexpr, DS: gl.constexpr, F8: gl.constexpr):
     """O^T of this warpgroup's groups 2 WG and 2 WG + 1 += V^T P^T over one block (P^T: ``pbuf``, [64 rows,
     64 heads] fp16), 16 rows a step: a step's MMAs are issued, the previous step's retired (their operand
     registers are free again; the wait names no accumulator, or ptxas would serialize the chain), then the
     next step's operands are converted while the MMAs run.  Returns the pending accumulators."""
-    va = _v_operand(rs, 0, 2 * WG, rbuf, rb0, DS)
-    vb = _v_operand(rs, 0, 2 * WG + 1, rbuf, rb0, DS)
+    va = _v_operand(raw, st, 0, 2 * WG, rbuf, rb0, DS, F8)
+    vb = _v_operand(raw, st, 0, 2 * WG + 1, rbuf, rb0, DS, F8)
     for ks in gl.static_range(4):
         b = pbuf.slice(16 * ks, 16, dim=0)
         oa = warpgroup_mma(va, b, oa, is_async=True)
@@ -183,15 +252,15 @@ def _pv(rs, pbuf, rbuf, rb0, oa, ob, WG: gl.constexpr, DS: gl.constexpr):
         pa = va
         pb_ = vb
         if ks < 3:
-            va = _v_operand(rs, ks + 1, 2 * WG, rbuf, rb0, DS)
-            vb = _v_operand(rs, ks + 1, 2 * WG + 1, rbuf, rb0, DS)
+            va = _v_operand(raw, st, ks + 1, 2 * WG, rbuf, rb0, DS, F8)
+            vb = _v_operand(raw, st, ks + 1, 2 * WG + 1, rbuf, rb0, DS, F8)
     return oa, ob
 
 
 @gluon.jit
-def _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG: gl.constexpr, DS: gl.constexpr):
+def _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG: gl.constexpr, DS: gl.constexpr, F8: gl.constexpr):
     """PV over this warpgroup's own block of the pair (its P^T is in pb[WG]); then releases the stage."""
-    oa, ob = _pv(raw.index(st), pb.index(WG + z), rbuf, 4 * (WG + z), oa, ob, WG, DS)
+    oa, ob = _pv(raw, st, pb.index(WG + z), rbuf, 4 * (WG + z), oa, ob, WG, DS, F8)
     oa, ob = warpgroup_mma_wait(0, deps=(oa, ob))
     gl.thread_barrier()  # all of this warpgroup's reads of the stage are done
     mbarrier.arrive(free.index(st), count=1)
@@ -200,13 +269,13 @@ def _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG: gl.constexpr, DS: gl.constex
 
 @gluon.jit
 def _pv_other(raw, pb, rbuf, z, so, b_oth, ready, free, p_ready, p_free, ph, oa, ob, WG: gl.constexpr,
-              DS: gl.constexpr):
+              DS: gl.constexpr, F8: gl.constexpr):
     """PV over the other warpgroup's block of the pair, once its P^T is published; then releases that P^T
     (and its ratios) and the stage."""
-    n_st: gl.constexpr = raw.shape[0]
+    n_st: gl.constexpr = raw.shape[0] // (4 if F8 else 1)
     mbarrier.wait(p_ready.index(1 - WG), ph)
     mbarrier.wait(ready.index(so), (b_oth // n_st) & 1)  # passed already: makes the bytes visible here
-    oa, ob = _pv(raw.index(so), pb.index(1 - WG + z), rbuf, 4 * (1 - WG + z), oa, ob, WG, DS)
+    oa, ob = _pv(raw, so, pb.index(1 - WG + z), rbuf, 4 * (1 - WG + z), oa, ob, WG, DS, F8)
     oa, ob = warpgroup_mma_wait(0, deps=(oa, ob))
     gl.thread_barrier()
     mbarrier.arrive(p_free.index(1 - WG), count=1)
@@ -259,6 +328,54 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.co
 
 
 @gluon.jit
+def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
+              ROPE: gl.constexpr):
+    """F8: q x c_h as two e4m3 terms (``ws_few._stage_q8``: hi + lo hold bf16 q exactly but for elements below
+    ~2^-9 of the head's largest), c_h a power of two per head with amax_h x c_h in [128, 256).  Half by each
+    warpgroup as in _stage_q (WG w: groups 2w, 2w + 1, as qn[2 G] = hi and qn[2 G + 1] = lo, [64 heads, 128],
+    natural order: the A operands are the rows' bytes in shared memory); warpgroup 1 also the rope (bf16 x c_h
+    for fp8_ds_mla, two e4m3 terms in qr[0], qr[1] for fp8).  The per-head maxima of the two halves meet
+    through ``vec`` rows 7 / 8.  Returns c_h ([64], HEAD)."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    hl: gl.constexpr = gl.SliceLayout(1, lay)
+    heads = g * 64 + gl.arange(0, 64, layout=hl)
+    hm = (heads < H)[:, None]
+    q_row = q_ptr + t.to(gl.int64) * stride_qt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_qh
+    amax = gl.maximum(gl.max(gl.abs(_q_group(q_row, hm, 256 * WG, lay)), 1),
+                      gl.max(gl.abs(_q_group(q_row, hm, 256 * WG + 128, lay)), 1))
+    if ROPE and WG == 1:
+        k64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
+        xr = gl.load(q_row + 512 + k64[None, :], mask=hm, other=0.0).to(gl.float32)
+        if not DS:
+            amax = gl.maximum(amax, gl.max(gl.abs(xr), 1))
+    vec.index(7 + WG).store(amax)
+    gl.thread_barrier()
+    mbarrier.arrive(q_bar.index(WG), count=1)
+    mbarrier.wait(q_bar.index(1 - WG), 0)
+    amax = gl.maximum(amax, vec.index(8 - WG).load(hl))
+    e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
+    c = gl.where(amax > 0, gl.exp2(7.0 - e), 1.0)
+    for G in gl.static_range(2):  # loaded again (from L1 / L2): q is not held across the wait
+        x = _q_group(q_row, hm, 256 * WG + 128 * G, lay) * c[:, None]
+        hi = x.to(gl.float8e4nv)
+        qn.index(2 * (2 * WG + G)).store(hi)
+        qn.index(2 * (2 * WG + G) + 1).store((x - hi.to(gl.float32)).to(gl.float8e4nv))
+    if ROPE and WG == 1:
+        y = xr * c[:, None]
+        if DS:
+            qr.index(0).store(y.to(gl.bfloat16))
+        else:
+            hi = y.to(gl.float8e4nv)
+            qr.index(0).store(hi)
+            qr.index(1).store((y - hi.to(gl.float32)).to(gl.float8e4nv))
+    fence_async_shared()  # generic stores -> the wgmma (async proxy) reads of q
+    gl.thread_barrier()
+    mbarrier.arrive(q_bar.index(2 + WG), count=1)
+    mbarrier.wait(q_bar.index(3 - WG), 0)
+    return gl.convert_layout(c, HEAD)
+
+
+@gluon.jit
 def _unpermute(o):
     """O^T [128 accumulator rows m, 64 heads] -> O [64 heads, 128 dims], row m being dim ws_few._dims(m)
     (dim bits 6..0 = m bits 5, 4, 2, 1, 0, 6, 3): a register relabelling, no data movement."""
@@ -286,19 +403,22 @@ def _store_group(o, scale, buf, o_tok, g, H, stride_oh, col0):
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
+def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: gl.constexpr = False):
     """Consumer warpgroup WG (0 or 1): QK and softmax of blocks 2 i + WG, PV of every block for output dims
-    256 WG .. 256 WG + 255."""
+    256 WG .. 256 WG + 255.  F8: the FP8-arithmetic variant (QK on e4m3 MMAs; see the kernel)."""
     (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
      stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
      HAS_VC) = args
     raw, scl, rope, qn, qr, pb, rbuf, vec = smem
     q_bar, ready, free, m_bar, p_ready, p_free, l_bar = bars
-    n_st: gl.constexpr = raw.shape[0]
+    n_st: gl.constexpr = raw.shape[0] // (4 if F8 else 1)
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE)
+    if F8:
+        c = _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE)  # one per head
+    else:
+        c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE)
     ss = sm_scale_log2 / c
     if not DS:
         ss = ss * k_scale
@@ -328,8 +448,12 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
             if i > 0:  # rbuf[WG] and pb[WG] are free once the other warpgroup's PV of the last pair read them
                 mbarrier.wait(p_free.index(WG), ph ^ 1)
             valid = _idx(idx_row, k_begin + b_own * 64, k_end, ROW) >= 0
-            y, w = _scores(raw.index(st), scl.index(st), rope.index(st), qn, qr, z, valid, ss, rbuf, 4 * (WG + z),
-                           DS, ROPE)
+            if F8:
+                y, w = _scores8(raw, st, scl.index(st), rope.index(st), qn, qr, z, valid, ss, rbuf, 4 * (WG + z),
+                                DS, ROPE)
+            else:
+                y, w = _scores(raw.index(st), scl.index(st), rope.index(st), qn, qr, z, valid, ss, rbuf,
+                               4 * (WG + z), DS, ROPE)
         else:  # an odd number of blocks: the last pair has no second block
             y = gl.full([64, 64], float("-inf"), gl.float32, S_L)
             w = gl.full([64], 1.0, gl.float32, ROW)
@@ -364,13 +488,14 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
         # both warpgroups multiply block 2i first, so that its stage is free for block 2i + 3 (which
         # warpgroup 1 needs first thing in the next pair) while block 2i + 1 is multiplied
         if WG == 0:
-            oa, ob = _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG, DS)
+            oa, ob = _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG, DS, F8)
             if oth:
-                oa, ob = _pv_other(raw, pb, rbuf, z, so, b_oth, ready, free, p_ready, p_free, ph, oa, ob, WG, DS)
+                oa, ob = _pv_other(raw, pb, rbuf, z, so, b_oth, ready, free, p_ready, p_free, ph, oa, ob, WG, DS,
+                                   F8)
         else:
-            oa, ob = _pv_other(raw, pb, rbuf, z, so, b_oth, ready, free, p_ready, p_free, ph, oa, ob, WG, DS)
+            oa, ob = _pv_other(raw, pb, rbuf, z, so, b_oth, ready, free, p_ready, p_free, ph, oa, ob, WG, DS, F8)
             if own:
-                oa, ob = _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG, DS)
+                oa, ob = _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG, DS, F8)
     # the normaliser: this warpgroup's blocks plus the other's (both use the same running max)
     l_own = gl.convert_layout(gl.sum(gl.sum(l_acc, 1), 0), HEAD)  # lanes first: a small cross-warp scratch
     vec.index(2 + WG).store(l_own)
@@ -390,8 +515,11 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr):
     # the output through stage WG of the ring (free now: every block has been multiplied by both warpgroups)
     o_tok = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os
     ty: gl.constexpr = o_ptr.dtype.element_ty
-    buf = raw.index(WG)._reinterpret(ty, [64, 128], gl.SwizzledSharedLayout(128 // ty.primitive_bitwidth, 1, 8,
-                                                                            [1, 0]))
+    ol: gl.constexpr = gl.SwizzledSharedLayout(128 // ty.primitive_bitwidth, 1, 8, [1, 0])
+    if F8:  # the ring as [64, 128] tiles of the output type: two pieces each
+        buf = raw._reinterpret(ty, [raw.shape[0] * 128 // (ty.primitive_bitwidth * 16), 64, 128], ol).index(WG)
+    else:
+        buf = raw.index(WG)._reinterpret(ty, [64, 128], ol)
     _store_group(oa, inv_l, buf, o_tok, g, H, stride_oh, 256 * WG)
     _store_group(ob, inv_l, buf, o_tok, g, H, stride_oh, 256 * WG + 128)
     if WG == 1:
@@ -441,19 +569,72 @@ def _c1_fp8_nope(args):
     _consumer(args, 1, False, 0)
 
 
+# the FP8-arithmetic variants (producers: ws_few's F8 ones, the ring in [64, 128] pieces)
+@gluon.jit
+def _c0_ds8(args):
+    _consumer(args, 0, True, 64, True)
+
+
+@gluon.jit
+def _c1_ds8(args):
+    _consumer(args, 1, True, 64, True)
+
+
+@gluon.jit
+def _c0_ds8_nope(args):
+    _consumer(args, 0, True, 0, True)
+
+
+@gluon.jit
+def _c1_ds8_nope(args):
+    _consumer(args, 1, True, 0, True)
+
+
+@gluon.jit
+def _c0_fp88(args):
+    _consumer(args, 0, False, 64, True)
+
+
+@gluon.jit
+def _c1_fp88(args):
+    _consumer(args, 1, False, 64, True)
+
+
+@gluon.jit
+def _c0_fp88_nope(args):
+    _consumer(args, 0, False, 0, True)
+
+
+@gluon.jit
+def _c1_fp88_nope(args):
+    _consumer(args, 1, False, 0, True)
+
+
 @gluon.jit
 def ws_wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                    o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                    sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-                   BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
+                   BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
+                   F8: gl.constexpr = False):
     """One program = one query token x 64 heads x one split; launch with num_warps=4 (warpgroup 0) and
-    maxnreg=168 (12 warps; setmaxnreg then gives the consumers 232 registers, the producer 40)."""
+    maxnreg=168 (12 warps; setmaxnreg then gives the consumers 232 registers, the producer 40).
+
+    F8 (fp8 / fp8_ds_mla rows; opt-in, as ws_few's F8): q staged as two e4m3 terms with a power of two per head,
+    S^T on e4m3 wgmma with A = the gathered bytes in shared memory (the ring is four [64, 128] pieces a stage
+    in wgmma's swizzled layout) and B = hi, then lo, into one accumulator; fp8_ds_mla weighs each group's
+    accumulator with the rows' scales (one group in flight).  PV as in the default variant."""
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     f16_64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16)
-    raw = gl.allocate_shared_memory(gl.uint8, [NS, 64, 512], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
-    # q in 64-dim chunks [chunk, 64 heads, 64 dims] (plain fp8: chunk 8 = the rope)
-    n_q: gl.constexpr = 8 if DS else 9
-    qn = gl.allocate_shared_memory(gl.float16, [n_q, 64, 64], f16_64)
+    if F8:
+        f8_128: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
+        raw = gl.allocate_shared_memory(gl.uint8, [4 * NS, 64, 128], f8_128)
+        # q's two terms per 128-dim group: [2 G] hi, [2 G + 1] lo, [64 heads, 128 dims]
+        qn = gl.allocate_shared_memory(gl.float8e4nv, [8, 64, 128], f8_128)
+    else:
+        raw = gl.allocate_shared_memory(gl.uint8, [NS, 64, 512], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
+        # q in 64-dim chunks [chunk, 64 heads, 64 dims] (plain fp8: chunk 8 = the rope)
+        n_q: gl.constexpr = 8 if DS else 9
+        qn = gl.allocate_shared_memory(gl.float16, [n_q, 64, 64], f16_64)
     pb = gl.allocate_shared_memory(gl.float16, [2, 64, 64], f16_64)  # P^T of blocks 2i and 2i + 1
     # fp8_ds_mla: each row's scale / u_r per group, [block 2i: 0-3, block 2i + 1: 4-7; 64 rows]
     rbuf = gl.allocate_shared_memory(gl.float16, [8, 64], plain)
@@ -462,6 +643,11 @@ def ws_wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_p
         bf16_64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
         rope = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], bf16_64)
         qr = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], bf16_64)
+    elif F8:
+        scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        f8_64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv)
+        rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], f8_64)
+        qr = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, 64], f8_64)  # the rope's hi and lo
     else:
         scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
@@ -492,7 +678,17 @@ def ws_wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_p
     # ws_few's producer: it reads (raw, scl, rope) of its smem tuple and (ready, free) of its barriers
     pa = ((kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits,
            (raw, scl, rope, qn, qr, pb, rbuf, vec), (q_bar, ready, free, l_bar), NG, HAS_VC), )
-    if DS:
+    if F8 and DS:
+        if ROPE:
+            gl.warp_specialize([(_c0_ds8, ca), (_c1_ds8, ca), (_p_ds8, pa)], [4, 4], [232, 40])
+        else:
+            gl.warp_specialize([(_c0_ds8_nope, ca), (_c1_ds8_nope, ca), (_p_ds8_nope, pa)], [4, 4], [232, 40])
+    elif F8:
+        if ROPE:
+            gl.warp_specialize([(_c0_fp88, ca), (_c1_fp88, ca), (_p_fp88, pa)], [4, 4], [232, 40])
+        else:
+            gl.warp_specialize([(_c0_fp88_nope, ca), (_c1_fp88_nope, ca), (_p_fp88_nope, pa)], [4, 4], [232, 40])
+    elif DS:
         if ROPE:
             gl.warp_specialize([(_c0_ds, ca), (_c1_ds, ca), (_p_ds, pa)], [4, 4], [232, 40])
         else:

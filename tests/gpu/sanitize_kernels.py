@@ -70,14 +70,20 @@ def main():
 
 
 def fp8_arith():
-    """The FP8-arithmetic mode (opt-in), few heads and head groups."""
-    for fmt in ["fp8", "fp8_ds_mla", "fp8-nope", "fp8_ds_mla-nope"]:
-        for heads, splits in [(16, 1), (20, 2), (70, 1), (128, None)]:
-            c = make_case(fmt, 3, heads, 256, ctx=512, block_size=64, device="cuda")
-            sparse_mla_fwd(c["q"], c["cache"].rows, c["fmt"], c["indices"], 0.1, c["valid_counts"],
-                           num_splits=splits, fp8_arith=True)
-        torch.cuda.synchronize()
-        print("ok fp8_arith", fmt, flush=True)
+    """The FP8-arithmetic mode (opt-in): the few-heads kernel (few heads and head groups), then the wide
+    kernel (the same small cases with the few-heads kernel's small-batch dispatch off)."""
+    from sparsemla.kernels import ws_attention
+    waves = ws_attention.FEW_WAVES
+    for few_waves in (waves, dict.fromkeys(waves, 0)):
+        ws_attention.FEW_WAVES = few_waves
+        for fmt in ["fp8", "fp8_ds_mla", "fp8-nope", "fp8_ds_mla-nope"]:
+            for heads, splits in [(16, 1), (20, 2), (70, 1), (128, None)]:
+                c = make_case(fmt, 3, heads, 256, ctx=512, block_size=64, device="cuda")
+                sparse_mla_fwd(c["q"], c["cache"].rows, c["fmt"], c["indices"], 0.1, c["valid_counts"],
+                               num_splits=splits, fp8_arith=True)
+            torch.cuda.synchronize()
+            print("ok fp8_arith", fmt, "wide" if few_waves is not waves else "few", flush=True)
+    ws_attention.FEW_WAVES = waves
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""The opt-in FP8-arithmetic mode (``sparse_mla_fwd(..., fp8_arith=True)``: the few-heads kernel with q as two
-e4m3 terms and QK on e4m3 wgmma, ws_few.py's F8 variant) on the H200: against the float64 reference, -1
-padding, valid counts with garbage past them, empty rows, odd head counts, splits, head groups, per-head q
-scales far apart, k_scale, and where the mode applies.  Run with `pytest -m gpu`."""
+"""The opt-in FP8-arithmetic mode (``sparse_mla_fwd(..., fp8_arith=True)``: q as two e4m3 terms and QK on e4m3
+wgmma, the F8 variants of ws_few.py and ws_wide.py) on the H200: against the float64 reference, -1 padding,
+valid counts with garbage past them, empty rows, odd head counts, splits, head groups, per-head q scales far
+apart, fp8_ds_mla group scales far apart and zero, k_scale, and where the mode applies.  Run with
+`pytest -m gpu`."""
 import pytest
 import torch
 
@@ -61,17 +62,54 @@ def test_fp8_arith_matches_reference(fmt, heads, topk, splits):
     _check(c, c["fmt"].head_dim ** -0.5, k_scale, splits)
 
 
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8", "fp8-nope"])
+@pytest.mark.parametrize("tokens,heads,topk,splits", [(40, 64, 2048, None), (20, 128, 2051, 3), (140, 33, 256, 1),
+                                                      (40, 70, 512, 2), (34, 64, 64, 1)])
+def test_fp8_arith_wide_matches_reference(fmt, tokens, heads, topk, splits):
+    """Calls the wide kernel takes (ws_wide.py's F8 variant: 64 heads per program)."""
+    _sm90()
+    k_scale = 0.5 if fmt.startswith("fp8-") or fmt == "fp8" else 1.0
+    c = make_case(fmt, tokens, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda",
+                  k_scale=k_scale)
+    assert ws.wide_q_supported(c["q"], c["cache"].rows, c["fmt"].name, heads)
+    _check(c, c["fmt"].head_dim ** -0.5, k_scale, splits)
+
+
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8"])
-def test_fp8_arith_head_scales_far_apart(fmt):
+@pytest.mark.parametrize("tokens,heads", [(3, 16), (40, 64)])
+def test_fp8_arith_head_scales_far_apart(fmt, tokens, heads):
     """q's e4m3 scale is a power of two per head: heads 2^-20 .. 2^20 apart, one all-zero head (its scale
     stays 1, its scores 0: uniform weights), and one head with a single huge element."""
     _sm90()
-    c = make_case(fmt, 3, 16, 512, ctx=1024, block_size=64, device="cuda")
+    c = make_case(fmt, tokens, heads, 512, ctx=1024, block_size=64, device="cuda")
     q = c["q"].float()
-    q *= torch.exp2(torch.linspace(-20, 20, 16, device="cuda"))[None, :, None]
+    q *= torch.exp2(torch.linspace(-20, 20, heads, device="cuda"))[None, :, None]
     q[:, 3] = 0
     q[:, 5, 7] = 3e4
     c["q"] = q.to(torch.bfloat16)
+    _check(c, 576 ** -0.5)
+
+
+@pytest.mark.parametrize("tokens,heads", [(3, 16), (40, 64)])
+def test_fp8_arith_group_scales_far_apart_and_zero(tokens, heads):
+    """fp8_ds_mla rows whose four group scales lie 2^-30 .. 2^30 apart, and rows with a zero-scale group over
+    garbage bytes (ws_wide's F8 variant rescales its accumulator by ratios of the scales between groups)."""
+    _sm90()
+    c = make_case("fp8_ds_mla", tokens, heads, 512, ctx=1024, block_size=64, device="cuda")
+    rows = c["cache"].rows
+    sc = rows[:, 512:528].view(torch.float32)  # [rows, 4] group scales
+    g = torch.Generator(device="cpu").manual_seed(SEED)
+    n = rows.shape[0]
+    e = torch.randint(-30, 31, (n, 4), generator=g).to(torch.float32).to(rows.device)
+    sc.mul_(torch.exp2(e))
+    zero = torch.randint(0, 8, (n,), generator=g).to(rows.device) == 0  # about 1 row in 8
+    grp = torch.randint(0, 4, (n,), generator=g).to(rows.device)
+    sc[zero, grp[zero]] = 0.0
+    junk = torch.randint(0, 0x7F, (n, 128), generator=g, dtype=torch.uint8).to(rows.device)  # no NaN codes
+    junk |= (torch.randint(0, 2, (n, 128), generator=g, dtype=torch.uint8) << 7).to(rows.device)
+    for k in range(4):
+        sel = zero & (grp == k)
+        rows[sel, 128 * k:128 * (k + 1)] = junk[sel]
     _check(c, 576 ** -0.5)
 
 
@@ -88,18 +126,15 @@ def test_fp8_arith_k_scale_applied_once():
 
 
 def test_fp8_arith_where_it_applies():
-    """Other formats raise; a call the few-heads kernel does not take (a large batch at 128 heads) runs the
-    default kernel, bit for bit; a call it takes differs from the default (the mode really ran)."""
+    """Other formats raise; calls of both warp-specialized kernels (a large batch at 128 heads: ws_wide; a small
+    one: ws_few) differ from the default path's (the mode really ran)."""
     _sm90()
     c = make_case("nvfp4_ds_mla", 2, 16, 64, ctx=256, block_size=64, device="cuda")
     with pytest.raises(ValueError, match="fp8_arith"):
         _run(c, 0.1)
-    c = make_case("fp8_ds_mla", 300, 128, 64, ctx=128, block_size=64, device="cuda")
-    assert not ws.few_supported(c["q"], c["cache"].rows, "fp8_ds_mla", 128)
-    a, la = _run(c, 0.1)
-    b, lb = _run(c, 0.1, fp8_arith=False)
-    assert torch.equal(a, b) and torch.equal(la, lb)
-    c = make_case("fp8_ds_mla", 4, 16, 256, ctx=512, block_size=64, device="cuda")
-    a, _ = _run(c, 0.1)
-    b, _ = _run(c, 0.1, fp8_arith=False)
-    assert not torch.equal(a, b)
+    for tokens, heads, wide in ((300, 128, True), (4, 16, False)):
+        c = make_case("fp8_ds_mla", tokens, heads, 256, ctx=512, block_size=64, device="cuda")
+        assert ws.wide_q_supported(c["q"], c["cache"].rows, "fp8_ds_mla", heads) == wide
+        a, _ = _run(c, 0.1)
+        b, _ = _run(c, 0.1, fp8_arith=False)
+        assert not torch.equal(a, b)
