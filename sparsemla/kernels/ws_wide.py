@@ -58,6 +58,10 @@ A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_L.value, k_wid
 # F8: the e4m3 MMAs' accumulator (k = 32 per instruction); the same registers as S_L (convert_layout is free)
 S8_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32]))
 ROW8 = gl.constexpr(gl.SliceLayout(1, S8_L.value))
+# fp8_ds_mla's F8 QK in two halves of 32 heads (one half's MMAs run while the other half is rescaled)
+S8H_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 32]))
+S16H_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16]))
+ROW8H = gl.constexpr(gl.SliceLayout(1, S8H_L.value))
 ROW = gl.constexpr(gl.SliceLayout(1, S_L.value))   # one value per cache row (or output dim)
 HEAD = gl.constexpr(gl.SliceLayout(0, S_L.value))  # one value per head
 QROW = gl.constexpr(gl.SliceLayout(1, L_QK64.value))  # one value per row of a QK chunk (the rows of ROW)
@@ -169,6 +173,23 @@ def _group8(raw, st, qn, z, G: gl.constexpr, acc, use_acc: gl.constexpr):
 
 
 @gluon.jit
+def _half8(raw, st, qn, z, G: gl.constexpr, h: gl.constexpr, acc, use_acc: gl.constexpr):
+    """_group8 for heads 32 h .. 32 h + 31 (acc [64 rows, 32 heads]): two wgmma groups."""
+    a = _k8(raw, 4 * st + G)
+    acc = warpgroup_mma(a, qn.index(2 * G + z).slice(32 * h, 32, dim=0).permute((1, 0)), acc, use_acc=use_acc,
+                        is_async=True)
+    return warpgroup_mma(a, qn.index(2 * G + 1 + z).slice(32 * h, 32, dim=0).permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
+def _rope_half(rope_st, qr, z, h: gl.constexpr, acc):
+    """acc [64 rows, 32 heads] (S8H_L) + the bf16 rope part of heads 32 h .. 32 h + 31 (A from shared memory),
+    pending, in S16H_L (bf16 MMAs take k = 16)."""
+    return warpgroup_mma(rope_st, qr.index(z).slice(32 * h, 32, dim=0).permute((1, 0)),
+                         gl.convert_layout(acc, S16H_L), is_async=True)
+
+
+@gluon.jit
 def _scores8(raw, st, sc_st, rope_st, qn, qr, z, valid, ss, rbuf, rb0, DS: gl.constexpr, ROPE: gl.constexpr):
     """F8: ``_scores`` on e4m3 MMAs (``ss``: one value per head, [64] in HEAD).  fp8_ds_mla's per-row group
     scales s_g, with one accumulator (a second one in flight does not fit beside O^T's 128 registers): Horner's
@@ -189,22 +210,31 @@ def _scores8(raw, st, sc_st, rope_st, qn, qr, z, valid, ss, rbuf, rb0, DS: gl.co
         rbuf.index(rb0 + 3).store(_col(ratio, 3))
         sf = gl.maximum(sv, (u1 * 5.9604644775390625e-08)[:, None])
         rf = _rcp(sf)
-        s3 = gl.convert_layout(_col(sf, 3), ROW8)
-        acc = _group8(raw, st, qn, z, 0, s8_zero, False)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        acc = acc * gl.convert_layout(_col(sf, 0) * _col(rf, 1), ROW8)[:, None]
-        acc = _group8(raw, st, qn, z, 1, acc, True)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        acc = acc * gl.convert_layout(_col(sf, 1) * _col(rf, 2), ROW8)[:, None]
-        acc = _group8(raw, st, qn, z, 2, acc, True)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        acc = acc * gl.convert_layout(_col(sf, 2) * _col(rf, 3), ROW8)[:, None]
-        acc = _group8(raw, st, qn, z, 3, acc, True)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        x = gl.convert_layout(acc * s3[:, None], S_L)
-        if ROPE:  # bf16 rope (A from shared memory), x c_h like q's terms
-            x = warpgroup_mma(rope_st, qr.index(z).permute((1, 0)), x, is_async=True)
-            x = warpgroup_mma_wait(0, deps=(x, ))
+        h_zero = gl.zeros([64, 32], gl.float32, S8H_L)
+        a0 = _half8(raw, st, qn, z, 0, 0, h_zero, False)
+        a1 = _half8(raw, st, qn, z, 0, 1, h_zero, False)
+        for G in gl.static_range(4):
+            if G < 3:
+                r = gl.convert_layout(_col(sf, G) * _col(rf, G + 1), ROW8H)
+            else:
+                r = gl.convert_layout(_col(sf, 3), ROW8H)
+            a0 = warpgroup_mma_wait(2, deps=(a0, ))  # heads 0-31 of group G done, 32-63 may still run
+            a0 = a0 * r[:, None]
+            if G < 3:
+                a0 = _half8(raw, st, qn, z, G + 1, 0, a0, True)
+            elif ROPE:
+                a0 = _rope_half(rope_st, qr, z, 0, a0)
+            a1 = warpgroup_mma_wait(2 if G < 3 or ROPE else 0, deps=(a1, ))
+            a1 = a1 * r[:, None]
+            if G < 3:
+                a1 = _half8(raw, st, qn, z, G + 1, 1, a1, True)
+            elif ROPE:
+                a1 = _rope_half(rope_st, qr, z, 1, a1)
+        if ROPE:
+            a0, a1 = warpgroup_mma_wait(0, deps=(a0, a1))
+            a0 = gl.convert_layout(a0, S8H_L)
+            a1 = gl.convert_layout(a1, S8H_L)
+        x = gl.convert_layout(gl.join(a0, a1).permute(0, 2, 1).reshape([64, 64]), S_L)
         bias = gl.where(valid, gl.log2(gl.convert_layout(u1, ROW)), float("-inf"))
         return x * ss[None, :] + bias[:, None], gl.convert_layout(_rcp(u1), ROW)
     else:
