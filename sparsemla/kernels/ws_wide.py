@@ -58,10 +58,6 @@ A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_L.value, k_wid
 # F8: the e4m3 MMAs' accumulator (k = 32 per instruction); the same registers as S_L (convert_layout is free)
 S8_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32]))
 ROW8 = gl.constexpr(gl.SliceLayout(1, S8_L.value))
-# fp8_ds_mla's F8 QK in two halves of 32 heads (one half's MMAs run while the other half is rescaled)
-S8H_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 32]))
-S16H_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16]))
-ROW8H = gl.constexpr(gl.SliceLayout(1, S8H_L.value))
 ROW = gl.constexpr(gl.SliceLayout(1, S_L.value))   # one value per cache row (or output dim)
 HEAD = gl.constexpr(gl.SliceLayout(0, S_L.value))  # one value per head
 QROW = gl.constexpr(gl.SliceLayout(1, L_QK64.value))  # one value per row of a QK chunk (the rows of ROW)
@@ -173,23 +169,6 @@ def _group8(raw, st, qn, z, G: gl.constexpr, acc, use_acc: gl.constexpr):
 
 
 @gluon.jit
-def _half8(raw, st, qn, z, G: gl.constexpr, h: gl.constexpr, acc, use_acc: gl.constexpr):
-    """_group8 for heads 32 h .. 32 h + 31 (acc [64 rows, 32 heads]): two wgmma groups."""
-    a = _k8(raw, 4 * st + G)
-    acc = warpgroup_mma(a, qn.index(2 * G + z).slice(32 * h, 32, dim=0).permute((1, 0)), acc, use_acc=use_acc,
-                        is_async=True)
-    return warpgroup_mma(a, qn.index(2 * G + 1 + z).slice(32 * h, 32, dim=0).permute((1, 0)), acc, is_async=True)
-
-
-@gluon.jit
-def _rope_half(rope_st, qr, z, h: gl.constexpr, acc):
-    """acc [64 rows, 32 heads] (S8H_L) + the bf16 rope part of heads 32 h .. 32 h + 31 (A from shared memory),
-    pending, in S16H_L (bf16 MMAs take k = 16)."""
-    return warpgroup_mma(rope_st, qr.index(z).slice(32 * h, 32, dim=0).permute((1, 0)),
-                         gl.convert_layout(acc, S16H_L), is_async=True)
-
-
-@gluon.jit
 def _scores8(raw, st, sc_st, rope_st, qn, qr, z, valid, ss, rbuf, rb0, DS: gl.constexpr, ROPE: gl.constexpr):
     """F8: ``_scores`` on e4m3 MMAs (``ss``: one value per head, [64] in HEAD).  fp8_ds_mla's per-row group
     scales s_g, with one accumulator (a second one in flight does not fit beside O^T's 128 registers): Horner's
@@ -210,31 +189,22 @@ def _scores8(raw, st, sc_st, rope_st, qn, qr, z, valid, ss, rbuf, rb0, DS: gl.co
         rbuf.index(rb0 + 3).store(_col(ratio, 3))
         sf = gl.maximum(sv, (u1 * 5.9604644775390625e-08)[:, None])
         rf = _rcp(sf)
-        h_zero = gl.zeros([64, 32], gl.float32, S8H_L)
-        a0 = _half8(raw, st, qn, z, 0, 0, h_zero, False)
-        a1 = _half8(raw, st, qn, z, 0, 1, h_zero, False)
-        for G in gl.static_range(4):
-            if G < 3:
-                r = gl.convert_layout(_col(sf, G) * _col(rf, G + 1), ROW8H)
-            else:
-                r = gl.convert_layout(_col(sf, 3), ROW8H)
-            a0 = warpgroup_mma_wait(2, deps=(a0, ))  # heads 0-31 of group G done, 32-63 may still run
-            a0 = a0 * r[:, None]
-            if G < 3:
-                a0 = _half8(raw, st, qn, z, G + 1, 0, a0, True)
-            elif ROPE:
-                a0 = _rope_half(rope_st, qr, z, 0, a0)
-            a1 = warpgroup_mma_wait(2 if G < 3 or ROPE else 0, deps=(a1, ))
-            a1 = a1 * r[:, None]
-            if G < 3:
-                a1 = _half8(raw, st, qn, z, G + 1, 1, a1, True)
-            elif ROPE:
-                a1 = _rope_half(rope_st, qr, z, 1, a1)
-        if ROPE:
-            a0, a1 = warpgroup_mma_wait(0, deps=(a0, a1))
-            a0 = gl.convert_layout(a0, S8H_L)
-            a1 = gl.convert_layout(a1, S8H_L)
-        x = gl.convert_layout(gl.join(a0, a1).permute(0, 2, 1).reshape([64, 64]), S_L)
+        s3 = gl.convert_layout(_col(sf, 3), ROW8)
+        acc = _group8(raw, st, qn, z, 0, s8_zero, False)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        acc = acc * gl.convert_layout(_col(sf, 0) * _col(rf, 1), ROW8)[:, None]
+        acc = _group8(raw, st, qn, z, 1, acc, True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        acc = acc * gl.convert_layout(_col(sf, 1) * _col(rf, 2), ROW8)[:, None]
+        acc = _group8(raw, st, qn, z, 2, acc, True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        acc = acc * gl.convert_layout(_col(sf, 2) * _col(rf, 3), ROW8)[:, None]
+        acc = _group8(raw, st, qn, z, 3, acc, True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        x = gl.convert_layout(acc * s3[:, None], S_L)
+        if ROPE:  # bf16 rope (A from shared memory), x c_h like q's terms
+            x = warpgroup_mma(rope_st, qr.index(z).permute((1, 0)), x, is_async=True)
+            x = warpgroup_mma_wait(0, deps=(x, ))
         bias = gl.where(valid, gl.log2(gl.convert_layout(u1, ROW)), float("-inf"))
         return x * ss[None, :] + bias[:, None], gl.convert_layout(_rcp(u1), ROW)
     else:
@@ -358,6 +328,30 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.co
 
 
 @gluon.jit
+def _pow2_scale(amax):
+    """c = 2^(7 - floor(log2 amax)) (amax c in [128, 256)) and 1 / c, exact, from amax's exponent bits (1 for
+    amax == 0); amax is floored at 2^-100 (normal: its exponent field is floor(log2 amax) + 127).  Integer
+    arithmetic instead of log2 / exp2 / a division: per head, each thread holds 16 of them."""
+    a = gl.maximum(amax, 7.888609052210118e-31)
+    e = ((a.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    c = ((134 - e) << 23).to(gl.float32, bitcast=True)
+    inv_c = ((120 + e) << 23).to(gl.float32, bitcast=True)
+    has = amax > 0
+    return gl.where(has, c, 1.0), gl.where(has, inv_c, 1.0)
+
+
+@gluon.jit
+def _store_terms(buf, i: gl.constexpr, y):
+    """y = q c (fp32, exact in fp16: bf16 q times a power of two within fp16's range) -> its two e4m3 terms
+    into buf[i] (hi) and buf[i + 1] (lo = y - hi, formed in fp16, where it is exact: a remainder of at most 4
+    significant bits).  Half the conversions of going through fp32."""
+    yh = y.to(gl.float16)
+    hi = yh.to(gl.float8e4nv)
+    buf.index(i).store(hi)
+    buf.index(i + 1).store((yh - hi.to(gl.float16)).to(gl.float8e4nv))
+
+
+@gluon.jit
 def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
               ROPE: gl.constexpr):
     """F8: q x c_h as two e4m3 terms (``ws_few._stage_q8``: hi + lo hold bf16 q exactly but for elements below
@@ -365,7 +359,7 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.c
     warpgroup as in _stage_q (WG w: groups 2w, 2w + 1, as qn[2 G] = hi and qn[2 G + 1] = lo, [64 heads, 128],
     natural order: the A operands are the rows' bytes in shared memory); warpgroup 1 also the rope (bf16 x c_h
     for fp8_ds_mla, two e4m3 terms in qr[0], qr[1] for fp8).  The per-head maxima of the two halves meet
-    through ``vec`` rows 7 / 8.  Returns c_h ([64], HEAD)."""
+    through ``vec`` rows 7 / 8.  Returns 1 / c_h ([64], HEAD)."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     hl: gl.constexpr = gl.SliceLayout(1, lay)
     heads = g * 64 + gl.arange(0, 64, layout=hl)
@@ -382,27 +376,19 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.c
     gl.thread_barrier()
     mbarrier.arrive(q_bar.index(WG), count=1)
     mbarrier.wait(q_bar.index(1 - WG), 0)
-    amax = gl.maximum(amax, vec.index(8 - WG).load(hl))
-    e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
-    c = gl.where(amax > 0, gl.exp2(7.0 - e), 1.0)
+    c, inv_c = _pow2_scale(gl.maximum(amax, vec.index(8 - WG).load(hl)))
     for G in gl.static_range(2):  # loaded again (from L1 / L2): q is not held across the wait
-        x = _q_group(q_row, hm, 256 * WG + 128 * G, lay) * c[:, None]
-        hi = x.to(gl.float8e4nv)
-        qn.index(2 * (2 * WG + G)).store(hi)
-        qn.index(2 * (2 * WG + G) + 1).store((x - hi.to(gl.float32)).to(gl.float8e4nv))
+        _store_terms(qn, 2 * (2 * WG + G), _q_group(q_row, hm, 256 * WG + 128 * G, lay) * c[:, None])
     if ROPE and WG == 1:
-        y = xr * c[:, None]
         if DS:
-            qr.index(0).store(y.to(gl.bfloat16))
+            qr.index(0).store((xr * c[:, None]).to(gl.bfloat16))
         else:
-            hi = y.to(gl.float8e4nv)
-            qr.index(0).store(hi)
-            qr.index(1).store((y - hi.to(gl.float32)).to(gl.float8e4nv))
+            _store_terms(qr, 0, xr * c[:, None])
     fence_async_shared()  # generic stores -> the wgmma (async proxy) reads of q
     gl.thread_barrier()
     mbarrier.arrive(q_bar.index(2 + WG), count=1)
     mbarrier.wait(q_bar.index(3 - WG), 0)
-    return gl.convert_layout(c, HEAD)
+    return gl.convert_layout(inv_c, HEAD)
 
 
 @gluon.jit
@@ -445,11 +431,11 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
     t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    if F8:
-        c = _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE)  # one per head
+    if F8:  # 1 / c_h, one per head
+        ss = sm_scale_log2 * _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE)
     else:
         c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE)
-    ss = sm_scale_log2 / c
+        ss = sm_scale_log2 / c
     if not DS:
         ss = ss * k_scale
     oa = gl.zeros([128, 64], gl.float32, S_L)
