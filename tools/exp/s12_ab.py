@@ -1,8 +1,11 @@
 """Twelfth session: ws_wide's FP8-arithmetic variant, versions side by side with the default kernel (same
 process, rounds alternating, CUDA-graph replay, L2 flushed, decode_sweep's cache), b 128 at 64 / 128 heads.
-A version is ``MODULE:F8`` (MODULE a module name, F8 0 or 1); the output of each is compared with the first.
+A version is ``MODULE:F8``: MODULE a module name or ``git@REV`` (sparsemla/kernels/ws_wide.py as committed at
+REV, through wide_ab._module), F8 0 or 1; the output of each is compared with the first.  The session's runs
+compared the default kernel, the first F8 form (git@62bd07e, the calls' ws_wide_s12v1 module: log2 / exp2 / a
+division per head in the q staging) and the final one:
 
-    python tools/exp/s12_ab.py --versions sparsemla.kernels.ws_wide:0,ws_wide_s12v1:1,sparsemla.kernels.ws_wide:1
+    python tools/exp/s12_ab.py --versions sparsemla.kernels.ws_wide:0,git@62bd07e:1,sparsemla.kernels.ws_wide:1
 """
 import argparse
 import importlib
@@ -16,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 sys.path.insert(0, os.path.dirname(__file__))
 from decode_sweep import build, heavy, time_fn  # noqa: E402
+from wide_ab import _module  # noqa: E402
 
 from sparsemla.bench.timing import graph_replay  # noqa: E402
 from sparsemla.formats import get_format  # noqa: E402
@@ -25,7 +29,7 @@ from sparsemla.kernels.sparse_attention import sparse_mla_fwd  # noqa: E402
 
 def launcher(spec):
     mod, f8 = spec.rsplit(":", 1)
-    kern = importlib.import_module(mod).ws_wide_kernel
+    kern = (_module("git:" + mod[4:]) if mod.startswith("git@") else importlib.import_module(mod)).ws_wide_kernel
 
     def launch(grid, args, bpt, kind, rope, ng, has_vc, fp8_arith=False):
         kern[grid](*args, BPT=bpt, DS=kind == "fp8_ds_mla", ROPE=rope, NG=ng, HAS_VC=has_vc, F8=f8 == "1",
