@@ -35,6 +35,12 @@ Measured on the H200 (BENCHMARKS.md sections 9-10; b 128, top-k 2048): fp8 117.9
 heads (236 / 386 on the Triton wide kernel), fp8_ds_mla 147.4 / 273.0 us (228 / 370).  Small batches (while
 ws_few's 16-head programs fit in one wave) go to ws_few instead (``ws_attention.FEW_WAVES``).
 
+F8 (opt-in, ``sparse_mla_fwd(..., fp8_arith=True)`` / backend ``triton-fp8``; twelfth session): the FP8-arithmetic
+variant, as ws_few's -- q as two e4m3 terms with a power of two per head, S^T on e4m3 wgmma with the gathered
+bytes as the A operand; fp8_ds_mla's group scales by Horner's scheme on one accumulator (``_scores8``).  PV and
+the softmax are the default variant's.  H200, b 128: fp8_ds_mla 147 -> 138 / 272 -> 255 us at 64 / 128 heads
+(6 %), fp8 1 % / 0 % (BENCHMARKS.md section 13).
+
 Same arguments and output contract as ``ws_few.ws_few_kernel`` (split partials, normalized output,
 natural-log lse).  Gluon does not run under the Triton interpreter: CPU CI compiles it for sm_90
 (``tests/test_ws_attention.py``) and the GPU suite checks its numbers.
@@ -221,14 +227,14 @@ def _scores8(raw, st, sc_st, rope_st, qn, qr, z, valid, ss, rbuf, rb0, DS: gl.co
 
 
 @gluon.jit
-def _v_operand(raw, st, ks: gl.constexpr, G: gl.constexpr, rbuf, rb0, DS: gl.constexpr, F8: gl.constexpr):
-    """Rows 16 ks .. 16 ks + 15, group G of stage st -> the V^T A operand [128 dims (permuted, ws_few._dims), 16
-    rows]; fp8_ds_mla: each row multiplied by its scale / u_r (row rb0 + G of ``rbuf``).  F8: the stage is four
-    [64, 128] pieces (raw.index(4 st + G))."""
+def _v_operand(rs, st, ks: gl.constexpr, G: gl.constexpr, rbuf, rb0, DS: gl.constexpr, F8: gl.constexpr):
+    """Rows 16 ks .. 16 ks + 15, group G -> the V^T A operand [128 dims (permuted, ws_few._dims), 16 rows];
+    fp8_ds_mla: each row multiplied by its scale / u_r (row rb0 + G of ``rbuf``).  ``rs``: the stage ([64, 512]),
+    or (F8) the whole ring, whose stage st is four [64, 128] pieces (rs.index(4 st + G))."""
     if F8:
-        v = gl.convert_layout(_pv_rows(raw.index(4 * st + G).slice(16 * ks, 16, dim=0).load(L_V)), A_OP)
+        v = gl.convert_layout(_pv_rows(rs.index(4 * st + G).slice(16 * ks, 16, dim=0).load(L_V)), A_OP)
     else:
-        v = gl.convert_layout(_pv_values(raw.index(st), ks, G), A_OP)
+        v = gl.convert_layout(_pv_values(rs, ks, G), A_OP)
     if DS:
         r = rbuf.index(rb0 + G).slice(16 * ks, 16, dim=0).load(KROW)
         v = v * r[None, :]
@@ -241,8 +247,12 @@ def _pv(raw, st, pbuf, rbuf, rb0, oa, ob, WG: gl.constexpr, DS: gl.constexpr, F8
     64 heads] fp16), 16 rows a step: a step's MMAs are issued, the previous step's retired (their operand
     registers are free again; the wait names no accumulator, or ptxas would serialize the chain), then the
     next step's operands are converted while the MMAs run.  Returns the pending accumulators."""
-    va = _v_operand(raw, st, 0, 2 * WG, rbuf, rb0, DS, F8)
-    vb = _v_operand(raw, st, 0, 2 * WG + 1, rbuf, rb0, DS, F8)
+    if F8:
+        rs = raw
+    else:
+        rs = raw.index(st)
+    va = _v_operand(rs, st, 0, 2 * WG, rbuf, rb0, DS, F8)
+    vb = _v_operand(rs, st, 0, 2 * WG + 1, rbuf, rb0, DS, F8)
     for ks in gl.static_range(4):
         b = pbuf.slice(16 * ks, 16, dim=0)
         oa = warpgroup_mma(va, b, oa, is_async=True)
@@ -252,8 +262,8 @@ def _pv(raw, st, pbuf, rbuf, rb0, oa, ob, WG: gl.constexpr, DS: gl.constexpr, F8
         pa = va
         pb_ = vb
         if ks < 3:
-            va = _v_operand(raw, st, ks + 1, 2 * WG, rbuf, rb0, DS, F8)
-            vb = _v_operand(raw, st, ks + 1, 2 * WG + 1, rbuf, rb0, DS, F8)
+            va = _v_operand(rs, st, ks + 1, 2 * WG, rbuf, rb0, DS, F8)
+            vb = _v_operand(rs, st, ks + 1, 2 * WG + 1, rbuf, rb0, DS, F8)
     return oa, ob
 
 
