@@ -437,6 +437,31 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROP
 
 
 @gluon.jit
+def _pow2_scale(amax):
+    """c = 2^(7 - floor(log2 amax)) (amax c in [128, 256)) and 1 / c, exact, from amax's exponent bits (1 for
+    amax == 0); amax is floored at 2^-100 (normal: its exponent field is floor(log2 amax) + 127).  Integer
+    arithmetic instead of log2 / exp2 / a division, per head (ws_wide: each thread holds 16 heads' values)."""
+    a = gl.maximum(amax, 7.888609052210118e-31)
+    e = ((a.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    c = ((134 - e) << 23).to(gl.float32, bitcast=True)
+    inv_c = ((120 + e) << 23).to(gl.float32, bitcast=True)
+    has = amax > 0
+    return gl.where(has, c, 1.0), gl.where(has, inv_c, 1.0)
+
+
+@gluon.jit
+def _store_e4m3_terms(dst_hi, dst_lo, y):
+    """y = q c (fp32, exact in fp16: bf16 q times a power of two within fp16's range) -> its two e4m3 terms,
+    hi = e4m3(y) into ``dst_hi`` and lo = e4m3(y - hi) into ``dst_lo``, the remainder formed in fp16, where it
+    is exact (at most 4 significant bits): half the conversions of going through fp32 (twelfth session).  hi
+    is stored before lo is formed (ws_wide's staging spilled twice as much with both held)."""
+    yh = y.to(gl.float16)
+    hi = yh.to(gl.float8e4nv)
+    dst_hi.store(hi)
+    dst_lo.store((yh - hi.to(gl.float16)).to(gl.float8e4nv))
+
+
+@gluon.jit
 def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr):
     """The FP8-arithmetic variant's q: q * c_h as two e4m3 terms, hi = e4m3(q c_h) and lo = e4m3(q c_h - hi),
     [4 groups, 32, 128] (rows 0-15 hi, 16-31 lo: one MMA takes both as N = 32; natural order: the QK MMAs read
@@ -445,7 +470,7 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, RO
     hi + lo is exact but for elements below ~2^-9 of the head's largest (lo under e4m3's subnormals: error
     <= 2^-17 of it).  One term alone (3 bits) gave 2-4 % output error on Gaussian data (H200, eleventh
     session).  The rope part the same way for plain fp8 rows ([1, 32, 64]), bf16 x c_h for fp8_ds_mla.
-    Returns c_h ([16], HEAD)."""
+    Returns 1 / c_h ([16], HEAD)."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     heads = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
     hm = (heads < H)[:, None]
@@ -461,8 +486,8 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, RO
         xr = gl.load(q_row + 512 + k64[None, :], mask=hm, other=0.0).to(gl.float32)
         if not DS:
             amax = gl.maximum(amax, gl.max(gl.abs(xr), 1))
-    e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
-    c = gl.where(amax > 0, gl.exp2(7.0 - e), 1.0)[:, None]
+    c, inv_c = _pow2_scale(amax)
+    c = c[:, None]
     _store_hi_lo(qn, 0, x0 * c)
     _store_hi_lo(qn, 1, x1 * c)
     _store_hi_lo(qn, 2, x2 * c)
@@ -472,17 +497,15 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, RO
             qr.index(0).store((xr * c).to(gl.bfloat16))
         else:
             _store_hi_lo(qr, 0, xr * c)
-    return gl.convert_layout(gl.max(c, 1), HEAD)
+    return gl.convert_layout(inv_c, HEAD)
 
 
 @gluon.jit
 def _store_hi_lo(buf, i: gl.constexpr, y):
-    """y [16 heads, n] (fp32) as e4m3 hi = e4m3(y) into rows 0-15 of buf[i] and lo = e4m3(y - hi) into rows
-    16-31."""
-    hi = y.to(gl.float8e4nv)
+    """y [16 heads, n] (fp32) as its two e4m3 terms (_store_e4m3_terms): hi into rows 0-15 of buf[i], lo into
+    rows 16-31."""
     b = buf.index(i)
-    b.slice(0, 16, dim=0).store(hi)
-    b.slice(16, 16, dim=0).store((y - hi.to(gl.float32)).to(gl.float8e4nv))
+    _store_e4m3_terms(b.slice(0, 16, dim=0), b.slice(16, 16, dim=0), y)
 
 
 @gluon.jit
@@ -697,7 +720,7 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
 def _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
              ROPE: gl.constexpr, CHUNKS: gl.constexpr, F8: gl.constexpr = False):
     """Warpgroup 0 stages q (_stage_q, or _stage_q8 for F8) and publishes c; warpgroup 1 waits for it.  Returns
-    c: a scalar, or (F8) one power of two per head ([16], HEAD)."""
+    c: a scalar, or (F8) 1 / c_h, one power of two per head ([16], HEAD)."""
     if WG == 0:
         if F8:
             c = _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE)
@@ -760,7 +783,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     c = _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE, False, F8)
     if F8:
-        score_scale = (sm_scale_log2 / c)[None, :]  # one power of two per head
+        score_scale = (sm_scale_log2 * c)[None, :]  # c = 1 / c_h, one power of two per head
     else:
         score_scale = sm_scale_log2 / c
     s_zero = gl.zeros([64, 16], gl.float32, S_L)

@@ -53,8 +53,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from .ws_attention import _NEG_BIG, _coords, _rcp
-from .ws_few import (L_QK64, L_V, SC_L, _absmax, _dims, _idx, _k8, _p_ds, _p_ds8, _p_ds8_nope, _p_ds_nope, _p_fp8,
-                     _p_fp88, _p_fp88_nope, _p_fp8_nope, _pv_rows, _pv_values, _q_group, _relabel64)
+from .ws_few import (L_QK64, L_V, SC_L, _absmax, _dims, _idx, _k8, _p_ds, _p_ds8, _p_ds8_nope,
+                     _p_ds_nope, _p_fp8, _p_fp88, _p_fp88_nope, _p_fp8_nope, _pow2_scale, _pv_rows, _pv_values,
+                     _q_group, _relabel64, _store_e4m3_terms)
 
 NS = gl.constexpr(3)  # ring stages of 64 rows
 
@@ -338,30 +339,6 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.co
 
 
 @gluon.jit
-def _pow2_scale(amax):
-    """c = 2^(7 - floor(log2 amax)) (amax c in [128, 256)) and 1 / c, exact, from amax's exponent bits (1 for
-    amax == 0); amax is floored at 2^-100 (normal: its exponent field is floor(log2 amax) + 127).  Integer
-    arithmetic instead of log2 / exp2 / a division: per head, each thread holds 16 of them."""
-    a = gl.maximum(amax, 7.888609052210118e-31)
-    e = ((a.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    c = ((134 - e) << 23).to(gl.float32, bitcast=True)
-    inv_c = ((120 + e) << 23).to(gl.float32, bitcast=True)
-    has = amax > 0
-    return gl.where(has, c, 1.0), gl.where(has, inv_c, 1.0)
-
-
-@gluon.jit
-def _store_terms(buf, i: gl.constexpr, y):
-    """y = q c (fp32, exact in fp16: bf16 q times a power of two within fp16's range) -> its two e4m3 terms
-    into buf[i] (hi) and buf[i + 1] (lo = y - hi, formed in fp16, where it is exact: a remainder of at most 4
-    significant bits).  Half the conversions of going through fp32."""
-    yh = y.to(gl.float16)
-    hi = yh.to(gl.float8e4nv)
-    buf.index(i).store(hi)
-    buf.index(i + 1).store((yh - hi.to(gl.float16)).to(gl.float8e4nv))
-
-
-@gluon.jit
 def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
               ROPE: gl.constexpr):
     """F8: q x c_h as two e4m3 terms (``ws_few._stage_q8``: hi + lo hold bf16 q exactly but for elements below
@@ -388,12 +365,13 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.c
     mbarrier.wait(q_bar.index(1 - WG), 0)
     c, inv_c = _pow2_scale(gl.maximum(amax, vec.index(8 - WG).load(hl)))
     for G in gl.static_range(2):  # loaded again (from L1 / L2): q is not held across the wait
-        _store_terms(qn, 2 * (2 * WG + G), _q_group(q_row, hm, 256 * WG + 128 * G, lay) * c[:, None])
+        x = _q_group(q_row, hm, 256 * WG + 128 * G, lay) * c[:, None]
+        _store_e4m3_terms(qn.index(2 * (2 * WG + G)), qn.index(2 * (2 * WG + G) + 1), x)
     if ROPE and WG == 1:
         if DS:
             qr.index(0).store((xr * c[:, None]).to(gl.bfloat16))
         else:
-            _store_terms(qr, 0, xr * c[:, None])
+            _store_e4m3_terms(qr.index(0), qr.index(1), xr * c[:, None])
     fence_async_shared()  # generic stores -> the wgmma (async proxy) reads of q
     gl.thread_barrier()
     mbarrier.arrive(q_bar.index(2 + WG), count=1)
