@@ -1,108 +1,40 @@
 """Public functional API: sparse MLA decode and prefill over a paged, quantized KV cache.
 
-Both functions check every argument (raising ``TypeError``/``ValueError`` that name the argument and say
-what was expected), then dispatch through the backend registry (``sparsemla.backends``): ``backend="auto"``
-picks the best backend for the GPU generation and the KV format; a named backend is forced and raises
-``ValueError`` with its reason when it cannot serve the call.
+Both functions check their arguments once, on the host, from what the host knows (types, dtypes, shapes, strides,
+devices; ``TypeError`` / ``ValueError`` naming the argument and what was expected), choose a backend
+(``backend="auto"``: the best for the GPU generation and the KV format; a named backend is forced and raises
+``ValueError`` with its reason when it cannot serve the call), allocate the outputs the caller did not pass, and
+launch.  A default call never synchronizes with the device.  ``check=True`` is a debug option that also checks
+the index values against the cache (a device-to-host read, so a sync); it is skipped during CUDA-graph capture.
 
 Index rules (``kv-formats.md`` §7): ``indices[t]`` are rows of the cache's flat row view
 (``PagedKVCache.rows``; see ``sparsemla.convert_indices``), -1 = no token; entries at or past
 ``valid_counts[t]`` are ignored whatever they hold.  A query with no valid entry gives out 0, lse -inf.
 Outputs (§8): ``out`` bf16 ``[T, H, 512]``, ``lse`` fp32 ``[T, H]`` (natural log, sm_scale included).
 
-For a step that is captured in a CUDA graph, use the runner (:class:`sparsemla.SparseMLA`), which owns its
-buffers; these functions are for eager use (during capture they skip the value checks that read device
-memory back to the host).
+A step captured in a CUDA graph is best run through :class:`sparsemla.SparseMLA`, which owns its buffers.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
 
-from ._validate import check_k_scale, check_sm_scale, check_tensor, same_device
+from ._validate import check_k_scale, check_sm_scale, check_tensor
 from .backends import registry
 from .cache import PagedKVCache
+from .formats import get_format
 
 V_DIM = 512
 MAX_HEADS = registry.MAX_HEADS
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _check_q(q: torch.Tensor, head_dim: int, *, min_heads: int = 1) -> Tuple[int, int]:
-    check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
-    t, h, d = q.shape
-    if d != head_dim:
-        raise ValueError(f"q: expected shape [T, H, {head_dim}] (the cache's head_dim), got {tuple(q.shape)}")
-    if not min_heads <= h <= MAX_HEADS:
-        raise ValueError(f"q: expected {min_heads}..{MAX_HEADS} heads, got {h} (shape {tuple(q.shape)})")
-    if q.stride(2) != 1:
-        raise ValueError(f"q: the last dim must be contiguous (strides {q.stride()})")
-    return t, h
-
-
-def _check_indices(indices, valid_counts, q: torch.Tensor, num_rows: int, check: bool) -> None:
-    t = q.shape[0]
-    check_tensor("indices", indices, dtype=torch.int32, ndim=2, device=q.device)
-    if indices.shape[0] != t:
-        raise ValueError(f"indices: expected shape [{t}, K] (one row per query token), got {tuple(indices.shape)}")
-    if indices.shape[1] < 1:
-        raise ValueError(f"indices: expected at least one column, got shape {tuple(indices.shape)}")
-    if indices.stride(1) != 1:
-        raise ValueError(f"indices: rows must be contiguous (strides {indices.stride()})")
-    if valid_counts is not None:
-        check_tensor("valid_counts", valid_counts, dtype=torch.int32, shape=(t,), device=q.device,
-                     contiguous=True)
-    if check and indices.numel() and not _capturing(q.device):
-        # One reduction each (a device sync on GPU): pass check=False on a hot path.
-        mask = indices >= 0
-        if valid_counts is not None:
-            k = torch.arange(indices.shape[1], device=indices.device, dtype=torch.int32)
-            mask &= k[None, :] < valid_counts[:, None]
-            vmin = int(valid_counts.min()) if t else 0
-            if vmin < 0:
-                raise ValueError(f"valid_counts: entries must be >= 0, found {vmin}")
-        lo = int(indices.min())
-        if lo < -1:
-            # Below -1 is malformed even past the valid count: it is never a token and never padding.
-            raise ValueError(f"indices: entries must be -1 (no token) or a row >= 0, found {lo}")
-        if mask.any():
-            hi = int(indices[mask].max())
-            if hi >= num_rows:
-                raise ValueError(f"indices: entries must be < {num_rows} (the number of cache rows), found {hi}")
-
-
-def _check_outputs(out, lse, t: int, h: int, device) -> None:
-    if out is not None:
-        check_tensor("out", out, dtype=torch.bfloat16, shape=(t, h, V_DIM), device=device)
-        if out.stride(2) != 1:
-            raise ValueError(f"out: the last dim must be contiguous (strides {out.stride()})")
-    if lse is not None:
-        check_tensor("lse", lse, dtype=torch.float32, shape=(t, h), device=device)
-
-
-def _k_scale(k_scale, device) -> float:
-    if isinstance(k_scale, torch.Tensor) and _capturing(device):
-        raise TypeError("k_scale: pass a Python float during CUDA-graph capture (reading a tensor syncs)")
-    return check_k_scale(k_scale)
-
-
-def _empty(q, out, lse):
-    t, h = q.shape[0], q.shape[1]
-    if out is None:
-        out = torch.empty((t, h, V_DIM), dtype=q.dtype, device=q.device)
-    if lse is None:
-        lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
-    return out, lse
+_BF16, _I32, _F32 = torch.bfloat16, torch.int32, torch.float32
 
 
 def sparse_mla_decode(q: torch.Tensor, cache: PagedKVCache, indices: torch.Tensor, sm_scale: float,
                       valid_counts: Optional[torch.Tensor] = None, k_scale: float = 1.0, backend="auto",
                       out: Optional[torch.Tensor] = None, *, lse: Optional[torch.Tensor] = None,
-                      check: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+                      check: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode: each query token attends to its own top-k rows of a paged cache.
 
     Args:
@@ -113,23 +45,26 @@ def sparse_mla_decode(q: torch.Tensor, cache: PagedKVCache, indices: torch.Tenso
         sm_scale: softmax scale (positive, finite).
         valid_counts: optional int32 ``[T]``: entries at or past ``valid_counts[t]`` are ignored.
         k_scale: the plain ``fp8`` format's per-tensor scale (positive, finite; other formats ignore it).
-        backend: ``"auto"``, a backend name (``"triton"``, ``"triton-staged"``, ``"reference"``, ``"flashmla"``,
-            ``"flashinfer"``) or a :class:`~sparsemla.backends.Backend`.
+        backend: ``"auto"``, a backend name (``"triton"``, ``"triton-portable"``, ``"triton-staged"``,
+            ``"reference"``, ``"flashmla"``, ``"flashinfer"``, ``"triton-fp8qk"``) or a
+            :class:`~sparsemla.backends.Backend`.
         out: optional bf16 ``[T, H, 512]`` output (last dim contiguous).  lse: optional fp32 ``[T, H]``.
-        check: validate index values (one device sync); skipped automatically during CUDA-graph capture.
+        check: debug option: also check the index values against the cache (one device sync; skipped during
+            CUDA-graph capture).
 
     Returns:
         ``(out, lse)``: bf16 ``[T, H, 512]`` and fp32 ``[T, H]`` (natural log, sm_scale included).
     """
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
-    return _dispatch("decode", q, cache, indices, sm_scale, valid_counts, k_scale, backend, out, lse, check)
+    return _call("decode", q, cache, cache.fmt, cache.rows, cache.num_rows, "cache", indices, sm_scale, valid_counts,
+                 k_scale, backend, out, lse, check)
 
 
 def sparse_mla_prefill(q: torch.Tensor, kv, indices: torch.Tensor, sm_scale: float,
                        valid_counts: Optional[torch.Tensor] = None, k_scale: float = 1.0, backend="auto",
                        out: Optional[torch.Tensor] = None, *, lse: Optional[torch.Tensor] = None,
-                       check: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+                       check: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill: many query tokens (up to 65,536) per call, each with its own top-k rows.
 
     Args:
@@ -141,33 +76,109 @@ def sparse_mla_prefill(q: torch.Tensor, kv, indices: torch.Tensor, sm_scale: flo
 
     Returns ``(out, lse)`` as :func:`sparse_mla_decode`.
     """
-    if not isinstance(kv, (PagedKVCache, torch.Tensor)):
-        raise TypeError(f"kv: expected a PagedKVCache or a bf16 [rows, head_dim] tensor, got {type(kv).__name__}")
-    return _dispatch("prefill", q, kv, indices, sm_scale, valid_counts, k_scale, backend, out, lse, check)
-
-
-def _dispatch(mode, q, kv, indices, sm_scale, valid_counts, k_scale, backend, out, lse, check):
-    sm_scale = check_sm_scale(sm_scale)
     if isinstance(kv, PagedKVCache):
-        head_dim, num_rows, kv_device = kv.fmt.head_dim, kv.num_rows, kv.device
-        name = "cache"
-    else:
-        check_tensor("kv", kv, dtype=torch.bfloat16, ndim=2, contiguous=True)
-        if kv.shape[1] not in (576, 512):
-            raise ValueError(f"kv: expected a bf16 workspace [rows, 576 or 512], got shape {tuple(kv.shape)}")
-        head_dim, num_rows, kv_device = kv.shape[1], kv.shape[0], kv.device
-        name = "kv"
-    t, h = _check_q(q, head_dim)
-    if not same_device(kv_device, q.device):
-        raise ValueError(f"{name}: expected it on q's device {q.device}, got {kv_device}")
-    k_scale = _k_scale(k_scale, q.device)
-    _check_indices(indices, valid_counts, q, num_rows, check)
-    _check_outputs(out, lse, t, h, q.device)
-    config = registry.make_config(mode, q, kv, indices)
-    chosen = registry.select(config, backend)
+        return _call("prefill", q, kv, kv.fmt, kv.rows, kv.num_rows, "cache", indices, sm_scale, valid_counts,
+                     k_scale, backend, out, lse, check)
+    if not isinstance(kv, torch.Tensor):
+        raise TypeError(f"kv: expected a PagedKVCache or a bf16 [rows, head_dim] tensor, got {type(kv).__name__}")
+    check_tensor("kv", kv, dtype=_BF16, ndim=2, contiguous=True)
+    if kv.shape[1] not in (576, 512):
+        raise ValueError(f"kv: expected a bf16 workspace [rows, 576 or 512], got shape {tuple(kv.shape)}")
+    fmt = get_format("bf16", kv.shape[1] - V_DIM)
+    return _call("prefill", q, kv, fmt, kv, kv.shape[0], "workspace", indices, sm_scale, valid_counts, k_scale,
+                 backend, out, lse, check)
+
+
+def _call(mode, q, kv, fmt, rows, num_rows, source, indices, sm_scale, valid_counts, k_scale, backend, out, lse,
+          check):
+    # --- what the host knows, checked once (the fast tests first; the named helpers build the messages) ---------
+    if type(sm_scale) is not float or not 0.0 < sm_scale < math.inf:
+        sm_scale = check_sm_scale(sm_scale)
+    if type(k_scale) is not float or not 0.0 < k_scale < math.inf:
+        k_scale = _k_scale(k_scale, q)
+    head_dim = fmt.head_dim
+    if not (isinstance(q, torch.Tensor) and q.dtype is _BF16 and q.dim() == 3 and q.shape[2] == head_dim
+            and 1 <= q.shape[1] <= MAX_HEADS and q.stride(2) == 1):
+        _explain_q(q, head_dim)
+    t, h = q.shape[0], q.shape[1]
+    dev = q.device
+    if rows.device != dev:
+        name = "cache" if source == "cache" else "kv"
+        raise ValueError(f"{name}: expected it on q's device {dev}, got {rows.device}")
+    if not (isinstance(indices, torch.Tensor) and indices.dtype is _I32 and indices.dim() == 2
+            and indices.shape[0] == t and indices.shape[1] >= 1 and indices.stride(1) == 1 and indices.device == dev):
+        _explain_indices(indices, t, dev)
+    if valid_counts is not None and not (isinstance(valid_counts, torch.Tensor) and valid_counts.dtype is _I32
+                                         and valid_counts.shape == (t,) and valid_counts.is_contiguous()
+                                         and valid_counts.device == dev):
+        check_tensor("valid_counts", valid_counts, dtype=_I32, shape=(t,), device=dev, contiguous=True)
+    if out is not None and not (isinstance(out, torch.Tensor) and out.dtype is _BF16 and out.shape == (t, h, V_DIM)
+                                and out.stride(2) == 1 and out.device == dev):
+        check_tensor("out", out, dtype=_BF16, shape=(t, h, V_DIM), device=dev)
+        raise ValueError(f"out: the last dim must be contiguous (strides {out.stride()})")
+    if lse is not None and not (isinstance(lse, torch.Tensor) and lse.dtype is _F32 and lse.shape == (t, h)
+                                and lse.device == dev):
+        check_tensor("lse", lse, dtype=_F32, shape=(t, h), device=dev)
+    cuda = dev.type == "cuda"
+    capturing = cuda and torch.cuda.is_current_stream_capturing()
+    if capturing and isinstance(k_scale, torch.Tensor):
+        raise TypeError("k_scale: pass a Python float during CUDA-graph capture (reading a tensor syncs)")
+    chosen = registry.select_call(mode, fmt, h, indices.shape[1], dev, source, capturing, backend)
+    if check and not capturing:
+        _check_index_values(indices, valid_counts, t, num_rows)
+    # --- allocate what the caller did not pass, once; launch --------------------------------------------------
+    if out is None:
+        out = torch.empty((t, h, V_DIM), dtype=_BF16, device=dev)
+    if lse is None:
+        lse = torch.empty((t, h), dtype=_F32, device=dev)
     if t == 0:
-        return _empty(q, out, lse)
+        return out, lse
     return chosen.forward(mode, q, kv, indices, sm_scale, valid_counts, k_scale, out, lse)
+
+
+def _k_scale(k_scale, q) -> float:
+    if isinstance(k_scale, torch.Tensor) and q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise TypeError("k_scale: pass a Python float during CUDA-graph capture (reading a tensor syncs)")
+    return check_k_scale(k_scale)
+
+
+def _explain_q(q, head_dim: int):
+    check_tensor("q", q, dtype=_BF16, ndim=3)
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q: expected shape [T, H, {head_dim}] (the cache's head_dim), got {tuple(q.shape)}")
+    if not 1 <= q.shape[1] <= MAX_HEADS:
+        raise ValueError(f"q: expected 1..{MAX_HEADS} heads, got {q.shape[1]} (shape {tuple(q.shape)})")
+    raise ValueError(f"q: the last dim must be contiguous (strides {q.stride()})")
+
+
+def _explain_indices(indices, t: int, dev):
+    check_tensor("indices", indices, dtype=_I32, ndim=2, device=dev)
+    if indices.shape[0] != t:
+        raise ValueError(f"indices: expected shape [{t}, K] (one row per query token), got {tuple(indices.shape)}")
+    if indices.shape[1] < 1:
+        raise ValueError(f"indices: expected at least one column, got shape {tuple(indices.shape)}")
+    raise ValueError(f"indices: rows must be contiguous (strides {indices.stride()})")
+
+
+def _check_index_values(indices, valid_counts, t: int, num_rows: int) -> None:
+    """The debug check: every entry before a query's valid count is -1 or a row of the cache (syncs)."""
+    if not indices.numel():
+        return
+    mask = indices >= 0
+    if valid_counts is not None:
+        k = torch.arange(indices.shape[1], device=indices.device, dtype=torch.int32)
+        mask &= k[None, :] < valid_counts[:, None]
+        vmin = int(valid_counts.min()) if t else 0
+        if vmin < 0:
+            raise ValueError(f"valid_counts: entries must be >= 0, found {vmin}")
+    lo = int(indices.min())
+    if lo < -1:
+        # Below -1 is malformed even past the valid count: it is never a token and never padding.
+        raise ValueError(f"indices: entries must be -1 (no token) or a row >= 0, found {lo}")
+    if mask.any():
+        hi = int(indices[mask].max())
+        if hi >= num_rows:
+            raise ValueError(f"indices: entries must be < {num_rows} (the number of cache rows), found {hi}")
 
 
 __all__ = ["sparse_mla_decode", "sparse_mla_prefill"]

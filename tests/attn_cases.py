@@ -72,15 +72,24 @@ def make_case(fmt_name, num_tokens, num_heads, topk, *, ctx=None, block_size=32,
     return dict(cache=cache, q=q, indices=indices.contiguous(), valid_counts=valid_counts, fmt=fmt, gen=gen)
 
 
-def launch_case(c, sm_scale, ws_kernel, splits=None, k_scale=1.0):
-    """The attention launcher on a ``make_case`` case with outputs poisoned (NaN) first; ``ws_kernel`` as in
-    ``sparse_attention._launch`` (None = the default dispatch, False = the Triton kernels only)."""
-    from sparsemla.kernels.sparse_attention import _launch
-    t, h = c["q"].shape[:2]
-    out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device=c["q"].device)
-    lse = torch.full((t, h), float("nan"), dtype=torch.float32, device=c["q"].device)
-    return _launch(c["fmt"].name, c["q"], c["cache"].rows, c["fmt"], c["indices"], sm_scale, c["valid_counts"],
-                   k_scale, out, lse, splits, None, None, None, None, ws_kernel=ws_kernel)
+def run_kernel(q, rows, fmt, indices, sm_scale, valid_counts=None, k_scale=1.0, *, num_splits=None, kernel=None,
+               portable=False, fp8_qk=False, staged=False):
+    """The attention launcher with outputs poisoned (NaN) first, on the plan the tensors get (``num_splits`` /
+    ``kernel`` forced, ``portable``: the portable kernels only)."""
+    from sparsemla.kernels.attention import attention_fwd, plan_for
+    t, h = q.shape[:2]
+    out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device=q.device)
+    lse = torch.full((t, h), float("nan"), dtype=torch.float32, device=q.device)
+    plan = plan_for(q, rows, fmt, indices.shape[1], num_splits=num_splits, kernel=kernel, portable=portable,
+                    fp8_qk=fp8_qk, staged=staged)
+    return attention_fwd(q, rows, fmt, indices, sm_scale, plan=plan, valid_counts=valid_counts, k_scale=k_scale,
+                         out=out, lse=lse, staged=staged)
+
+
+def launch_case(c, sm_scale, portable=False, splits=None, k_scale=1.0, **kw):
+    """:func:`run_kernel` on a ``make_case`` case (``portable``: the portable Triton kernels only)."""
+    return run_kernel(c["q"], c["cache"].rows, c["fmt"], c["indices"], sm_scale, c["valid_counts"], k_scale,
+                      num_splits=splits, portable=portable, **kw)
 
 
 def rel_err(a, b):
@@ -99,17 +108,17 @@ def lse_err(a, b):
 def check_ws_case(c, sm_scale, k_scale, splits, o_tol, lse_tol):
     """The default dispatch (a warp-specialized kernel on the H200) on case ``c``: finite, within 1e-2 of the
     float64 reference (output and lse), empty rows exactly 0 / -inf; then against the Triton kernels on the
-    same rows (``ws_kernel=False``): output within ``o_tol``, lse within ``lse_tol`` times max(1, |lse| / 100)
+    same rows (``portable``): output within ``o_tol``, lse within ``lse_tol`` times max(1, |lse| / 100)
     (heavy-tailed q gives lse ~1500, where one fp32 ulp is 1.2e-4)."""
     from sparsemla.reference import sparse_mla
-    out, lse = launch_case(c, sm_scale, None, splits, k_scale)
+    out, lse = launch_case(c, sm_scale, False, splits, k_scale)
     ref_o, ref_l = sparse_mla(c["q"].double(), c["cache"], c["indices"], sm_scale, c["valid_counts"], k_scale)
     assert torch.isfinite(out.float()).all(), f"seed {SEED}"
     assert rel_err(out, ref_o) <= 1e-2, (rel_err(out, ref_o), SEED)
     assert lse_err(lse, ref_l) <= 1e-2, (lse_err(lse, ref_l), SEED)
     empty = c["valid_counts"] == 0
     assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
-    o2, l2 = launch_case(c, sm_scale, False, splits, k_scale)
+    o2, l2 = launch_case(c, sm_scale, True, splits, k_scale)
     fin = torch.isfinite(ref_l)
     tol = lse_tol * max(1.0, ref_l[fin].abs().max().item() / 100) if fin.any() else lse_tol
     assert rel_err(out, o2) <= o_tol and lse_err(lse, l2) <= tol, (rel_err(out, o2), lse_err(lse, l2), SEED)

@@ -5,11 +5,12 @@ The same checks run at real sizes on the H200 in tests/gpu/test_sparse_attention
 import pytest
 import torch
 
-from sparsemla.kernels.sparse_attention import sparse_mla_fwd, sparse_mla_fwd_staged
+import sparsemla
+from sparsemla.formats import get_format
 from sparsemla.kernels.staging import gather_topk_fp8
 from sparsemla.reference import sparse_mla
 
-from attn_cases import SEED, lse_err, make_case, rel_err
+from attn_cases import SEED, lse_err, make_case, rel_err, run_kernel
 
 FORMATS = ["bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16-nope", "fp8-nope", "fp8_ds_mla-nope",
            "nvfp4_ds_mla-nope"]
@@ -17,11 +18,14 @@ TOL = 1e-2
 
 
 def _run_native(c, sm_scale, k_scale=1.0, **kw):
-    t, h = c["q"].shape[:2]
-    out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device=c["q"].device)  # poisoned
-    lse = torch.full((t, h), float("nan"), dtype=torch.float32, device=c["q"].device)
-    return sparse_mla_fwd(c["q"], c["cache"].rows, c["fmt"], c["indices"], sm_scale, c["valid_counts"], k_scale,
-                          out=out, lse=lse, **kw)
+    return run_kernel(c["q"], c["cache"].rows, c["fmt"], c["indices"], sm_scale, c["valid_counts"], k_scale, **kw)
+
+
+def _run_staged(c, staged, sm_scale, k_scale, num_splits=None):
+    fp8 = get_format("fp8", c["fmt"].rope_dim)
+    rows8 = staged.view(torch.uint8).view(-1, staged.shape[2])
+    return run_kernel(c["q"], rows8, fp8, c["indices"], sm_scale, c["valid_counts"], k_scale, num_splits=num_splits,
+                      staged=True)
 
 
 def _check(out, lse, c, sm_scale, k_scale=1.0, tol=TOL):
@@ -49,7 +53,7 @@ def test_many_heads_wide_kernel(fmt, device):
     if fmt == "staged":
         c = make_case("fp8_ds_mla", 3, 40, 48, device=device)
         staged = gather_topk_fp8(c["cache"].rows, c["fmt"], c["indices"], c["valid_counts"], 1.0)
-        out, lse = sparse_mla_fwd_staged(c["q"], staged, c["indices"], 0.07, c["valid_counts"], 1.0, num_splits=2)
+        out, lse = _run_staged(c, staged, 0.07, 1.0, num_splits=2)
         ref_o, ref_l = _staged_reference(c, staged, 0.07, 1.0)
         assert rel_err(out, ref_o) <= TOL and lse_err(lse, ref_l) <= TOL
         return
@@ -57,20 +61,6 @@ def test_many_heads_wide_kernel(fmt, device):
     ks = 0.5 if fmt == "fp8" else 1.0
     out, lse = _run_native(c, 0.07, k_scale=ks, num_splits=2)
     _check(out, lse, c, 0.07, ks)
-
-
-def test_plan_splits():
-    """Two programs per SM (132 SMs), splits of >= 2 tiles, up to 32; a lone program's worth of work
-    (b = 1) splits into 32-row tiles, up to 64 (the launcher caps at one tile of its own BLOCK_N)."""
-    from sparsemla.kernels.sparse_attention import plan_splits
-    assert plan_splits(128, 16, 2048, block_n=32) == 2
-    assert plan_splits(128, 128, 2048) == 1
-    assert plan_splits(4, 16, 2048, block_n=32) == 32
-    assert plan_splits(4, 128, 2048) == 16
-    assert plan_splits(1, 16, 2048, block_n=32) == 64
-    assert plan_splits(1, 128, 2048) == 64
-    assert plan_splits(1, 16, 64, block_n=32) == 2
-    assert plan_splits(1, 16, 8) == 1
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -124,7 +114,7 @@ def test_staged_path(fmt, k_scale, device):
     ks_cache = k_scale if fmt == "fp8" else 1.0
     c = make_case(fmt, 3, 5, 40, device=device, k_scale=ks_cache)
     staged = gather_topk_fp8(c["cache"].rows, c["fmt"], c["indices"], c["valid_counts"], k_scale)
-    o_s, l_s = sparse_mla_fwd_staged(c["q"], staged, c["indices"], 0.08, c["valid_counts"], k_scale, num_splits=2)
+    o_s, l_s = _run_staged(c, staged, 0.08, k_scale, num_splits=2)
     ref_o, ref_l = _staged_reference(c, staged, 0.08, k_scale)
     assert rel_err(o_s, ref_o) <= TOL and lse_err(l_s, ref_l) <= TOL
     if fmt == "fp8":
@@ -141,12 +131,12 @@ def test_no_valid_entry_anywhere(device):
 
 def test_bad_arguments(device):
     c = make_case("bf16", 2, 2, 16, device=device)
-    with pytest.raises(ValueError, match="kv_rows"):
-        sparse_mla_fwd(c["q"], c["cache"].rows[:, :100].contiguous(), c["fmt"], c["indices"], 0.1)
-    with pytest.raises(TypeError, match="q"):
-        sparse_mla_fwd(c["q"].float(), c["cache"].rows, c["fmt"], c["indices"], 0.1)
-    with pytest.raises(ValueError, match="indices"):
-        sparse_mla_fwd(c["q"], c["cache"].rows, c["fmt"], c["indices"].long(), 0.1)
+    with pytest.raises(ValueError, match="q: expected shape"):
+        sparsemla.sparse_mla_decode(c["q"][..., :512].contiguous(), c["cache"], c["indices"], 0.1)
+    with pytest.raises(TypeError, match="q: expected dtype"):
+        sparsemla.sparse_mla_decode(c["q"].float(), c["cache"], c["indices"], 0.1)
+    with pytest.raises(TypeError, match="indices: expected dtype"):
+        sparsemla.sparse_mla_decode(c["q"], c["cache"], c["indices"].long(), 0.1)
 
 
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "nvfp4_ds_mla", "fp8-nope"])
@@ -182,9 +172,8 @@ def test_prefill_through_bf16_workspace_matches_native(fmt, device):
     ws, ws_start = upconvert_context(cache.rows, c["fmt"], table, seq_lens, cache.block_size, cache.block_stride_rows)
     ws_rows = convert_indices(topk_local, torch.arange(num_req, dtype=torch.int32, device=device), table,
                               cache.block_size, cache.block_stride_rows, workspace_start=ws_start)
-    from sparsemla.formats import get_format
     bf = get_format("bf16", c["fmt"].rope_dim)
-    o_ws, l_ws = sparse_mla_fwd(c["q"], ws.view(torch.uint8), bf, ws_rows, 0.1, c["valid_counts"])
+    o_ws, l_ws = run_kernel(c["q"], ws.view(torch.uint8), bf, ws_rows, 0.1, c["valid_counts"])
     o_n, l_n = _run_native(c, 0.1)
     assert rel_err(o_ws, o_n) < 1e-2
     assert lse_err(l_ws, l_n) < 1e-2

@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..cache import PagedKVCache
 from ..formats import KVFormat, get_format
 
 logger = logging.getLogger("sparsemla.backends")
@@ -116,8 +117,6 @@ def generation_of(device_type: str, capability: Optional[Tuple[int, int]]) -> st
 def make_config(mode: str, q: torch.Tensor, kv, indices: torch.Tensor, *, graph_capture: Optional[bool] = None,
                 exact_host_lengths: bool = True) -> AttentionConfig:
     """The config of a call on tensors (no checks beyond what the config needs; no device sync)."""
-    from ..cache import PagedKVCache  # cache imports nothing from here; local import keeps this module light
-
     if isinstance(kv, PagedKVCache):
         fmt, source = kv.fmt, "cache"
     else:
@@ -180,6 +179,7 @@ class Backend:
             runner passes its buffers (so a CUDA graph can capture it).
         device_valid_counts: can apply per-query valid counts that only the device knows.
         mixed_batches: one call serves decode and prefill tokens alike (the runner then makes one call).
+        needs_host_counts: its :meth:`plan` needs each query's exact valid count on the host.
     """
 
     name: str = ""
@@ -196,6 +196,7 @@ class Backend:
     graph_safe: bool = False
     device_valid_counts: bool = True
     mixed_batches: bool = False
+    needs_host_counts: bool = False  # its plan() needs each query's valid count on the host
 
     def __init__(self):
         self._probe_lock = threading.Lock()
@@ -308,7 +309,7 @@ def _cap(c) -> str:
 # the registry
 # --------------------------------------------------------------------------------------------------------
 _BACKENDS: Dict[str, Backend] = {}
-BUILTIN = ("triton", "triton-staged", "reference", "flashmla", "flashinfer", "triton-fp8")  # list_backends() order
+BUILTIN = ("triton", "triton-portable", "triton-staged", "reference", "flashmla", "flashinfer", "triton-fp8qk")  # list order
 
 # Priority per GPU generation; a format may override it.  Backends left out of a list are never chosen
 # automatically there (they can still be forced).  Native first: it reads every format in registers;
@@ -345,12 +346,12 @@ def register(backend: Backend, *, replace_existing: bool = False) -> Backend:
     _BACKENDS[backend.name] = backend
     with _select_lock:
         _selected.clear()
+        _calls.clear()
     return backend
 
 
 def get_backend(name: str) -> Backend:
     """The registered backend called ``name``."""
-    _ensure_builtin()
     if isinstance(name, Backend):
         return name
     if not isinstance(name, str):
@@ -363,7 +364,6 @@ def get_backend(name: str) -> Backend:
 def list_backends(config: Optional[AttentionConfig] = None) -> Dict[str, Optional[str]]:
     """Every registered backend (the built-in ones first, then others in registration order), mapped to None when it serves ``config`` (or,
     with no config, when its code is usable on this machine) and otherwise to the reason it does not."""
-    _ensure_builtin()
     names = [n for n in BUILTIN if n in _BACKENDS] + [n for n in _BACKENDS if n not in BUILTIN]
     if config is None:
         return {name: _BACKENDS[name].probe(None) for name in names}
@@ -381,7 +381,6 @@ def select(config: AttentionConfig, prefer=None) -> Backend:
     prefer: None or ``"auto"`` (walk the priority order), a backend name or a :class:`Backend` (forced:
     raises ``ValueError`` quoting its reason when it cannot serve ``config``).
     """
-    _ensure_builtin()
     if not isinstance(config, AttentionConfig):
         raise TypeError(f"config: expected an AttentionConfig, got {type(config).__name__}")
     forced = None
@@ -420,28 +419,30 @@ def select(config: AttentionConfig, prefer=None) -> Backend:
     return chosen
 
 
+_calls: Dict[tuple, Backend] = {}
+
+
+def select_call(mode: str, fmt: KVFormat, num_heads: int, topk: int, device: torch.device, kv_source: str,
+                capturing: bool, prefer) -> Backend:
+    """:func:`select` for a functional call, cached on plain values (no config object on a repeated call)."""
+    key = (mode, fmt, num_heads, topk, device.type, device.index, kv_source, capturing,
+           prefer if isinstance(prefer, str) or prefer is None else id(prefer))
+    hit = _calls.get(key)
+    if hit is None:
+        dev_type, cap = device_capability(device)
+        config = AttentionConfig(mode, fmt, num_heads, topk, dev_type, cap, kv_source, capturing, True)
+        hit = select(config, prefer)
+        with _select_lock:
+            _calls[key] = hit
+    return hit
+
+
 def clear_selection_cache() -> None:
     """Forget cached choices and probe results (tests; after installing a peer in a running process)."""
     with _select_lock:
         _selected.clear()
         _logged.clear()
+        _calls.clear()
     for b in _BACKENDS.values():
         with b._probe_lock:
             b._probe_cache.clear()
-
-
-_builtin_loaded = False
-
-
-def _ensure_builtin() -> None:
-    """Register the built-in backends on first use (their modules import this one)."""
-    global _builtin_loaded
-    if _builtin_loaded:
-        return
-    _builtin_loaded = True
-    from . import triton_native  # noqa: F401
-    from . import triton_staged  # noqa: F401
-    from . import reference  # noqa: F401
-    from . import peer_flashmla  # noqa: F401
-    from . import peer_flashinfer  # noqa: F401
-    from . import triton_fp8  # noqa: F401

@@ -1,7 +1,16 @@
-"""``triton``: the native kernels, which read every KV format straight from the paged cache.
+"""The library's own kernels behind the backend interface.
 
-Calls ``sparsemla.kernels.sparse_attention.sparse_mla_fwd``.  In a runner the split-KV partial buffers
-are preallocated once (:class:`SplitBuffers`), so a call launches kernels only and can be captured.
+- ``triton``: every KV format read natively; on Hopper the Gluon kernels where the plan takes them, the portable
+  Triton kernels elsewhere (and where a Gluon kernel did not build on the installed Triton).
+- ``triton-portable``: the portable Triton kernels only (any CUDA GPU, the CPU interpreter); a cross-check of the
+  Hopper kernels and the fallback a user can name.
+- ``triton-fp8qk``: the FP8-QK mode, opt-in (never chosen by ``auto``): on Hopper, fp8 / fp8_ds_mla rows, q split
+  into two e4m3 terms (a power of two per head; together exact for bf16 q but for its smallest elements) and QK on
+  e4m3 tensor cores straight from the gathered bytes.  Its error is that of e4m3 tensor-core accumulation (about
+  14 significant bits): outputs as close to float64 as the default path's, lse within ~1e-3 of |lse|.
+
+In a runner the split-KV partials live in one preallocated buffer (:class:`SplitBuffers`), so a call launches
+kernels only and can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -9,32 +18,18 @@ from typing import Optional
 
 import torch
 
-from ..kernels._runtime import interpreting
-from ._common import ensure_outputs, kv_rows
-from .registry import AttentionConfig, Backend, RunnerSpec, register
+from .._device import interpreting
+from ..kernels.attention import attention_fwd, plan_for, runner_split_elements
+from ..plan import unavailable_kernels
+from ._common import kv_rows
+from .registry import AttentionConfig, Backend, RunnerSpec
 
 # Formats whose rows hold e4m3 bytes: Triton converts e4m3 only on compute capability >= 8.9.
 _E4M3_FORMATS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")
 
 
-def _kernels():
-    from ..kernels import sparse_attention
-    return sparse_attention
-
-
-def probe_native(names) -> Optional[str]:
-    try:
-        mod = _kernels()
-    except Exception as exc:  # ImportError, or a Triton error at import
-        return f"the native kernel module sparsemla.kernels.sparse_attention does not import ({type(exc).__name__}: {exc})"
-    missing = [n for n in names if not callable(getattr(mod, n, None))]
-    if missing:
-        return f"sparsemla.kernels.sparse_attention has no {', '.join(missing)}"
-    return None
-
-
 def device_why_not(c: AttentionConfig) -> Optional[str]:
-    """Rules shared by both Triton backends."""
+    """Rules every Triton backend shares."""
     if c.device_type == "cpu" and not interpreting():
         return "it runs on CPU tensors only under the Triton interpreter (TRITON_INTERPRET=1)"
     if c.device_type == "cuda" and c.capability is not None and tuple(c.capability) < (8, 9) \
@@ -44,81 +39,63 @@ def device_why_not(c: AttentionConfig) -> Optional[str]:
 
 
 class SplitBuffers:
-    """Preallocated fp32 split-KV partials for every token count up to ``max_tokens``.
+    """One preallocated fp32 buffer for the split-KV partials of every call a runner can make (the largest
+    ``tokens x splits x heads x 513`` over its token counts, for the Hopper and the portable plans alike)."""
 
-    The split factor is a pure function of (tokens, heads, top-k), so the largest partial size over all
-    token counts is known at construction; a call takes views of the front of two flat buffers."""
-
-    def __init__(self, spec: RunnerSpec, kind: str = None):
-        k = _kernels()
-        self._plan = k.plan_splits
-        self.kind = kind or spec.fmt.name  # the kernel kind the split plan is for ("staged" for staged rows)
-        self._shapes = k.split_buffer_shapes
-        self.num_heads, self.topk, self.device = spec.num_heads, spec.topk, spec.device
-        cap_o = cap_l = 0
-        for t in _token_counts(spec.max_tokens):
-            s = self._plan(t, self.num_heads, self.topk, self.device, kind=self.kind)
-            if s > 1:
-                o, l = self._shapes(t, self.num_heads, s)
-                cap_o, cap_l = max(cap_o, _numel(o)), max(cap_l, _numel(l))
-        self.o_flat = torch.empty(cap_o, dtype=torch.float32, device=self.device)
-        self.l_flat = torch.empty(cap_l, dtype=torch.float32, device=self.device)
-
-    def for_tokens(self, t: int):
-        """(num_splits, (o_part, lse_part) or None) for a call on ``t`` tokens."""
-        s = self._plan(t, self.num_heads, self.topk, self.device, kind=self.kind)
-        while s > 1:
-            o, l = self._shapes(t, self.num_heads, s)
-            if _numel(o) <= self.o_flat.numel() and _numel(l) <= self.l_flat.numel():
-                return s, (self.o_flat[:_numel(o)].view(o), self.l_flat[:_numel(l)].view(l))
-            s -= 1  # only when t was not among the sampled counts and needs more room: fewer splits fit
-        return 1, None
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _token_counts(max_tokens: int):
-    """Every count up to 4096, then powers of two, then max_tokens (the split factor is 1 long before)."""
-    seen = set(range(1, min(max_tokens, 4096) + 1))
-    p = 4096
-    while p < max_tokens:
-        p *= 2
-        seen.add(min(p, max_tokens))
-    seen.add(max_tokens)
-    return sorted(seen)
+    def __init__(self, spec: RunnerSpec, *, fp8_qk: bool = False, portable: bool = False, staged: bool = False):
+        n = runner_split_elements(spec.fmt, spec.max_tokens, spec.num_heads, spec.topk, spec.device,
+                                  fp8_qk=fp8_qk, portable=portable, staged=staged)
+        self.buffer = torch.empty(max(n, 1), dtype=torch.float32, device=spec.device)
 
 
 class TritonNative(Backend):
     name = "triton"
-    description = "native Triton kernels: every KV format dequantized in registers, split-KV, any H 1..128"
+    description = "the library's kernels: every KV format dequantized in the kernel, split-KV, any H 1..128"
     device_types = ("cuda", "cpu")
     min_capability = (8, 0)
     max_topk = 32768
     graph_safe = True
     device_valid_counts = True
-    fp8_arith = False  # the opt-in FP8-arithmetic mode (the ``triton-fp8`` subclass)
+    fp8_qk = False
+    portable = False
 
     def _extra_why_not(self, c):
         return device_why_not(c)
 
-    def _probe(self, config):
-        return probe_native(("sparse_mla_fwd", "plan_splits", "split_buffer_shapes"))
-
     def forward(self, mode, q, kv, indices, sm_scale, valid_counts, k_scale, out, lse, workspace=None):
         rows, fmt = kv_rows(kv)
-        out, lse = ensure_outputs(q, out, lse)
-        num_splits, bufs = (None, None) if workspace is None else workspace.for_tokens(q.shape[0])
-        return _kernels().sparse_mla_fwd(q, rows, fmt, indices, sm_scale, valid_counts=valid_counts,
-                                         k_scale=k_scale, out=out, lse=lse, num_splits=num_splits,
-                                         split_buffers=bufs, fp8_arith=self.fp8_arith)
+        plan = plan_for(q, rows, fmt, indices.shape[1], fp8_qk=self.fp8_qk, portable=self.portable)
+        return attention_fwd(q, rows, fmt, indices, sm_scale, plan=plan, valid_counts=valid_counts, k_scale=k_scale,
+                             out=out, lse=lse, split_buffers=None if workspace is None else workspace.buffer)
 
     def make_workspace(self, spec):
-        return SplitBuffers(spec)
+        return SplitBuffers(spec, fp8_qk=self.fp8_qk, portable=self.portable)
 
 
-register(TritonNative())
+class TritonPortable(TritonNative):
+    name = "triton-portable"
+    description = "the portable Triton kernels only (any CUDA GPU with Triton, the CPU interpreter)"
+    portable = True
+
+
+class TritonFP8QK(TritonNative):
+    name = "triton-fp8qk"
+    description = ("opt-in FP8-QK mode (fp8 / fp8_ds_mla rows, Hopper): q as two e4m3 terms, QK on e4m3 tensor "
+                   "cores; lse within ~1e-3 x |lse| of the reference")
+    device_types = ("cuda",)
+    min_capability = (9, 0)
+    max_capability = (9, 0)
+    formats = ("fp8", "fp8-nope", "fp8_ds_mla", "fp8_ds_mla-nope")
+    kv_sources = ("cache",)
+    fp8_qk = True
+
+    def _extra_why_not(self, c):
+        broken = unavailable_kernels()
+        if "sm90-few" in broken or "sm90-wide" in broken:
+            return f"its Gluon kernels did not build on the installed Triton ({'; '.join(broken.values())})"
+        return device_why_not(c)
+
+    def tolerance(self, fmt):
+        """(out relative error, lse error) for the benchmark harness: the outputs meet the exact paths' bound;
+        the lse moves with |lse| (e4m3 tensor-core accumulation), so it is reported, not bounded."""
+        return (1e-2, float("inf"))

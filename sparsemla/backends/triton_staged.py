@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from ..formats import get_format
+from ..kernels.attention import attention_fwd, plan_for
+from ..kernels.staging import gather_topk_fp8
 from ._common import ensure_outputs, kv_rows
-from .registry import Backend, register
-from .triton_native import SplitBuffers, device_why_not, probe_native
+from .registry import Backend
+from .triton_native import SplitBuffers, device_why_not
 
 STAGING_BUDGET = 256 * 2 ** 20  # bytes of staged rows at once
 
@@ -21,7 +24,7 @@ def _chunk_tokens(topk: int, head_dim: int, num_tokens: int) -> int:
 
 class _StagedWorkspace:
     def __init__(self, spec):
-        self.splits = SplitBuffers(spec, kind="staged")
+        self.splits = SplitBuffers(spec, staged=True)
         self.chunk = _chunk_tokens(spec.topk, spec.fmt.head_dim, spec.max_tokens)
         self.staged = torch.empty((self.chunk, spec.topk, spec.fmt.head_dim), dtype=torch.float8_e4m3fn,
                                   device=spec.device)
@@ -39,22 +42,7 @@ class TritonStaged(Backend):
     def _extra_why_not(self, c):
         return device_why_not(c)
 
-    def _probe(self, config):
-        reason = probe_native(("sparse_mla_fwd_staged", "plan_splits", "split_buffer_shapes"))
-        if reason is not None:
-            return reason
-        try:
-            from ..kernels import staging
-        except Exception as exc:
-            return f"the staging kernel module sparsemla.kernels.staging does not import ({type(exc).__name__}: {exc})"
-        if not callable(getattr(staging, "gather_topk_fp8", None)):
-            return "sparsemla.kernels.staging has no gather_topk_fp8"
-        return None
-
     def forward(self, mode, q, kv, indices, sm_scale, valid_counts, k_scale, out, lse, workspace=None):
-        from ..kernels.sparse_attention import sparse_mla_fwd_staged
-        from ..kernels.staging import gather_topk_fp8
-
         rows, fmt = kv_rows(kv)
         out, lse = ensure_outputs(q, out, lse)
         t, k = q.shape[0], indices.shape[1]
@@ -64,13 +52,15 @@ class TritonStaged(Backend):
             vc = None if valid_counts is None else valid_counts[t0:t1]
             buf = None if workspace is None else workspace.staged[: t1 - t0]
             staged = gather_topk_fp8(rows, fmt, indices[t0:t1], vc, k_scale, out=buf)
-            ns, bufs = (None, None) if workspace is None else workspace.splits.for_tokens(t1 - t0)
-            sparse_mla_fwd_staged(q[t0:t1], staged, indices[t0:t1], sm_scale, valid_counts=vc, k_scale=k_scale,
-                                  out=out[t0:t1], lse=lse[t0:t1], num_splits=ns, split_buffers=bufs)
+            fp8 = get_format("fp8", fmt.rope_dim)
+            rows8 = staged.view(torch.uint8).view(-1, fmt.head_dim)
+            qt = q[t0:t1]
+            plan = plan_for(qt, rows8, fp8, k, staged=True)
+            attention_fwd(qt, rows8, fp8, indices[t0:t1], sm_scale, plan=plan, valid_counts=vc, k_scale=k_scale,
+                          out=out[t0:t1], lse=lse[t0:t1], staged=True,
+                          split_buffers=None if workspace is None else workspace.splits.buffer)
         return out, lse
 
     def make_workspace(self, spec):
         return _StagedWorkspace(spec)
 
-
-register(TritonStaged())

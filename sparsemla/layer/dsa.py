@@ -31,9 +31,11 @@ import torch
 from torch import nn
 
 from .._validate import check_positive_int, check_tensor
+from ..attention import sparse_mla_decode, sparse_mla_prefill
 from ..cache import PagedKVCache
 from ..formats import KV_LORA_RANK
 from ..indices import convert_indices
+from ..reference import sparse_mla
 from .indexer import IndexKeyCache, LightningIndexer
 from .rope import RMSNorm, apply_rope, rms_norm
 
@@ -177,19 +179,12 @@ class DSAMetadata:
 
 def sparse_attention(q: torch.Tensor, cache: PagedKVCache, indices: torch.Tensor, sm_scale: float,
                      valid_counts: Optional[torch.Tensor], k_scale: float, *, decode: bool, backend="auto"):
-    """The attention call of the layer: ``sparsemla.attention`` (decode or prefill, ``check=False`` so no
-    host sync), or the float64 reference (``backend="reference-direct"``, or if the functional API
-    cannot be imported)."""
-    if backend != "reference-direct":
-        try:
-            from ..attention import sparse_mla_decode, sparse_mla_prefill
-        except ImportError:  # pragma: no cover - the functional API is part of the library
-            backend = "reference-direct"
+    """The attention call of the layer: ``sparsemla.attention`` (decode or prefill; no host sync), or the float64
+    reference itself (``backend="reference-direct"``)."""
     if backend == "reference-direct":
-        from ..reference import sparse_mla
         return sparse_mla(q, cache, indices, sm_scale, valid_counts, k_scale)
     fn = sparse_mla_decode if decode else sparse_mla_prefill
-    return fn(q, cache, indices, sm_scale, valid_counts, k_scale, backend=backend, check=False)
+    return fn(q, cache, indices, sm_scale, valid_counts, k_scale, backend=backend)
 
 
 def _cache_rows(topk: torch.Tensor, meta: DSAMetadata, cache: PagedKVCache):
@@ -312,8 +307,6 @@ class DSAAttention(nn.Module):
 
         Returns ``(out float64 [Q, hidden], topk int32 [Q, width])``.
         """
-        from ..reference import sparse_mla
-
         c = self.config
         check_tensor("x_seq", x_seq, ndim=2)
         check_tensor("query_positions", query_positions, dtypes=_INT, ndim=1, device=x_seq.device)

@@ -20,8 +20,9 @@ import math
 import torch
 from torch import nn
 
+from .._device import triton_runs_on
 from .._validate import check_positive_int, check_tensor
-from ..kernels._runtime import triton_runs_on
+from ..indices import pooled_width
 from ..kernels.indexer import (INDEX_BYTES_PER_TOKEN, INDEX_HEAD_DIM, index_cache_write, index_scores, index_topk,
                                quantize_index_q)
 from ..reference import indexer as ref_indexer
@@ -124,7 +125,6 @@ class LightningIndexer(nn.Module):
     @property
     def width(self) -> int:
         """Width of the top-k rows this indexer emits."""
-        from ..indices import pooled_width
         return self.topk if self.kpool == 1 else pooled_width(self.topk, self.kpool)
 
     # --- projections (float32 on the fast path, float64 with ``f64=True`` for the reference) -------

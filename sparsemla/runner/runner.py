@@ -17,16 +17,15 @@ Every device buffer is allocated at construction, sized by the maxima given ther
 
 Prefill over a quantized cache (``prefill_workspace_tokens > 0``): ``run`` first dequantizes the contexts of
 the step's prefill requests into an owned bf16 workspace (``kernels.staging.upconvert_context``), points
-their tokens' indices at it, and the prefill kernel reads bf16 rows.  On the H200 the native FP8/FP4
-prefill reached 112-148 TFLOP/s against 224 for bf16 rows, while the upconvert of a 32K-token context
-costs ~17 us (BENCHMARKS.md): the workspace wins whenever a step has more than a handful of prefill
-tokens.  A step whose prefill contexts do not fit (or whose lengths the host does not know) reads the
+their tokens' indices at it, and the prefill kernel reads bf16 rows.  A context is dequantized once per step
+instead of once per query token that selects its rows, and the bf16 prefill kernel needs no conversions: the
+workspace wins whenever a step has more than a handful of prefill tokens.  A step whose prefill contexts do not fit (or whose lengths the host does not know) reads the
 cache natively.
 
 Engine loop (sketch)::
 
     attn = SparseMLA(max_tokens=256, max_requests=256, max_blocks_per_request=512, num_heads=16,
-                     head_dim=576, topk=2048, fmt="fp8_ds_mla", sm_scale=scale, device="cuda")
+                     head_dim=576, topk=2048, fmt="fp8_ds_mla", sm_scale=scale, device="cuda")  # the model's scale
     md = BatchMetadata.from_lists(query_lens, seq_lens, block_tables, device="cuda")
     attn.plan(md)                        # host side, every step, before the (captured) forward
     out, lse = attn.run(q, cache, topk)  # inside the model's forward, once per layer
@@ -34,13 +33,12 @@ Engine loop (sketch)::
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import math
 from typing import List, Optional, Sequence
 
 import torch
 
-from .._validate import (check_block_geometry, check_k_scale, check_positive_int, check_sm_scale,
-                         check_tensor, same_device)
+from .._validate import check_block_geometry, check_k_scale, check_positive_int, check_sm_scale, check_tensor
 from ..backends import registry
 from ..backends.registry import AttentionConfig, HostPlan, RunnerSpec
 from ..cache import PagedKVCache
@@ -50,17 +48,18 @@ from ..kernels.staging import upconvert_context
 from .metadata import BatchMetadata
 
 V_DIM = 512
+_BF16, _I32 = torch.bfloat16, torch.int32
+
+SM_SCALE_HELP = ("sm_scale: the model's softmax scale is required (there is no safe default: a DSA model's scale "
+                 "comes from its q/k head dim, not from the 576-dim absorbed key).  DeepSeek-V3.2: "
+                 "qk_head_dim = 128 + 64 = 192 and yarn rope scaling (factor 40, mscale_all_dim 1), so "
+                 "sm_scale = 192 ** -0.5 * (0.1 * ln(40) + 1) ** 2 ~= 0.1352; GLM-5.x: "
+                 "(qk_nope_head_dim + qk_rope_head_dim) ** -0.5 from its config, times its rope-scaling mscale "
+                 "squared if any.")
 
 
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _convert_takes_out() -> bool:
-    try:
-        return "out" in inspect.signature(convert_indices).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 class SparseMLA:
@@ -76,17 +75,23 @@ class SparseMLA:
         backend: ``"auto"`` or a backend name, for decode and prefill (``prefill_backend`` overrides prefill).
         block_size, block_stride_rows: the cache geometry (``PagedKVCache.block_size`` / ``.block_stride_rows``).
         device: where the buffers live.
-        sm_scale: softmax scale (default ``head_dim ** -0.5``; a model usually has its own: pass it).
+        sm_scale: the model's softmax scale (required; see :data:`SM_SCALE_HELP`).
         index_topk: the indexer's top-k (default ``topk``); kpool: its pool size (1 = not pooled).
+        num_blocks: the cache's number of blocks; when given, ``plan`` rejects block-table entries past it (for
+            block tables the host knows), naming the request and the block.  ``run`` checks them against the
+            cache it is given in any case (on the host, from what ``plan`` saw).
         graph_capture: whether ``run`` will be captured in CUDA graphs (default: on CUDA).  Only
             capturable backends are chosen then.
+        prefill_workspace_tokens: the most context tokens of one step's prefill requests to dequantize into a
+            bf16 workspace (quantized formats; 0 = read the cache natively).
     """
 
     def __init__(self, max_tokens: int, max_requests: int, max_blocks_per_request: int, num_heads: int,
                  head_dim: int, topk: int, fmt, backend="auto", block_size: int = 64, device=None, *,
-                 block_stride_rows: Optional[int] = None, sm_scale: Optional[float] = None,
+                 sm_scale: Optional[float] = None, block_stride_rows: Optional[int] = None,
                  index_topk: Optional[int] = None, kpool: int = 1, prefill_backend=None,
-                 graph_capture: Optional[bool] = None, prefill_workspace_tokens: int = 0):
+                 num_blocks: Optional[int] = None, graph_capture: Optional[bool] = None,
+                 prefill_workspace_tokens: int = 0):
         self.max_tokens = check_positive_int("max_tokens", max_tokens)
         self.max_requests = check_positive_int("max_requests", max_requests)
         self.max_blocks_per_request = check_positive_int("max_blocks_per_request", max_blocks_per_request)
@@ -97,15 +102,17 @@ class SparseMLA:
         if head_dim not in (576, 512):
             raise ValueError(f"head_dim: expected 576 (RoPE) or 512 (NoPE), got {head_dim}")
         self.topk = check_positive_int("topk", topk)
-        if isinstance(fmt, str) and not fmt.endswith("-nope"):
+        if isinstance(fmt, str) and not fmt.endswith("-nope") and "-nope-" not in fmt:
             fmt = get_format(fmt, head_dim - V_DIM)
         self.fmt: KVFormat = get_format(fmt)
         if self.fmt.head_dim != head_dim:
             raise ValueError(f"fmt: format {self.fmt.id} has head_dim {self.fmt.head_dim}, but head_dim is {head_dim}")
         self.head_dim = head_dim
+        if sm_scale is None:
+            raise TypeError(SM_SCALE_HELP)
+        self.sm_scale = check_sm_scale(sm_scale)
         self.block_size = check_positive_int("block_size", block_size)
         self.block_stride_rows = block_stride_rows = check_block_geometry(block_size, block_stride_rows)
-        self.sm_scale = check_sm_scale(head_dim ** -0.5 if sm_scale is None else sm_scale)
         self.index_topk = check_positive_int("index_topk", topk if index_topk is None else index_topk)
         self.kpool = check_positive_int("kpool", kpool)
         if self.index_topk % self.kpool:
@@ -113,6 +120,7 @@ class SparseMLA:
         if self.index_topk + self.kpool - 1 > topk:
             raise ValueError(f"topk: a row holds up to index_topk + kpool - 1 = {self.index_topk + self.kpool - 1} "
                              f"entries, so topk must be at least that, got {topk}")
+        self.num_blocks = None if num_blocks is None else check_positive_int("num_blocks", num_blocks)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -127,37 +135,54 @@ class SparseMLA:
             return AttentionConfig(mode, self.fmt, num_heads, topk, dev_type, cap, "cache", self.graph_capture,
                                    True, runner=True)
         self._decode_config = config("decode")
-        self._prefill_config = config("prefill")
         self.decode_backend = registry.select(self._decode_config, backend)
-        self.prefill_backend = registry.select(self._prefill_config,
+        self.prefill_backend = registry.select(config("prefill"),
                                                backend if prefill_backend is None else prefill_backend)
 
-        # --- buffers ------------------------------------------------------------------------------
-        i32 = dict(dtype=torch.int32, device=self.device)
-        self._query_start_loc = torch.zeros(max_requests + 1, **i32)
-        self._seq_lens = torch.zeros(max_requests, **i32)
-        self._block_table = torch.full((max_requests, max_blocks_per_request), -1, **i32)
-        self._req_id = torch.zeros(max_tokens, **i32)
-        self._valid_counts = torch.zeros(max_tokens, **i32)
-        self._rows = torch.full((max_tokens, topk), -1, **i32)
-        self._out = torch.zeros((max_tokens, num_heads, V_DIM), dtype=torch.bfloat16, device=self.device)
+        # --- device buffers, and their pinned host mirror --------------------------------------------
+        # One int32 buffer holds the step's metadata, block table last, so that a host-known batch is one copy of
+        # a prefix: [query_start_loc (R+1) | seq_lens (R) | req_id (T) | valid_counts (T) | block_table (R x B)].
+        r, t, b = max_requests, max_tokens, max_blocks_per_request
+        self._o_seq = r + 1
+        self._o_req = self._o_seq + r
+        self._o_vc = self._o_req + t
+        self._o_bt = self._o_vc + t
+        n = self._o_bt + r * b
+        self._meta = torch.zeros(n, dtype=_I32, device=self.device)
+        self._query_start_loc = self._meta[: r + 1]
+        self._seq_lens = self._meta[self._o_seq: self._o_req]
+        self._req_id = self._meta[self._o_req: self._o_vc]
+        self._valid_counts = self._meta[self._o_vc: self._o_bt]
+        self._block_table = self._meta[self._o_bt:].view(r, b)
+        self._block_table.fill_(-1)
+        pinned = self.device.type == "cuda"
+        # Two host buffers in turn: the host fills one while the previous step's copy may still be queued.
+        self._host = [torch.zeros(n, dtype=_I32, pin_memory=pinned) for _ in range(2 if pinned else 1)]
+        self._host_done = [None] * len(self._host)
+        self._turn = 0
+        self._rows = torch.full((max_tokens, topk), -1, dtype=_I32, device=self.device)
+        self._out = torch.zeros((max_tokens, num_heads, V_DIM), dtype=_BF16, device=self.device)
         self._lse = torch.zeros((max_tokens, num_heads), dtype=torch.float32, device=self.device)
-        self._token_ids = torch.arange(max_tokens, **i32)
+        self._token_ids = torch.arange(max_tokens, dtype=_I32, device=self.device)
         spec = RunnerSpec(max_tokens, num_heads, topk, self.fmt, self.device, block_size, block_stride_rows,
                           self.sm_scale)
         self._decode_ws = self.decode_backend.make_workspace(spec)
         self._prefill_ws = (self._decode_ws if self.prefill_backend is self.decode_backend
                             else self.prefill_backend.make_workspace(spec))
-        self._convert_out = _convert_takes_out()
         self._planned: Optional[HostPlan] = None
+        self._max_block = -1  # the largest block id of the planned batch's used blocks (-1: unknown to the host)
+        self._max_block_at = None  # (request, block) where it is
 
         # --- the bf16 prefill workspace (quantized formats, native prefill backend only) ---------------
-        cap = check_positive_int("prefill_workspace_tokens", prefill_workspace_tokens, minimum=0)
-        self.prefill_workspace_tokens = cap if (self.fmt.name != "bf16" and self.prefill_backend.name == "triton") else 0
-        self._ws_rows = (torch.empty((self.prefill_workspace_tokens, head_dim), dtype=torch.bfloat16,
-                                     device=self.device) if self.prefill_workspace_tokens else None)
-        self._ws_start = torch.full((max_requests,), -1, **i32)
+        ws_cap = check_positive_int("prefill_workspace_tokens", prefill_workspace_tokens, minimum=0)
+        self.prefill_workspace_tokens = ws_cap if (self.fmt.name != "bf16"
+                                                   and self.prefill_backend.name == "triton") else 0
+        self._ws_rows = (torch.empty((self.prefill_workspace_tokens, head_dim), dtype=_BF16, device=self.device)
+                         if self.prefill_workspace_tokens else None)
+        self._ws_start = torch.full((max_requests,), -1, dtype=_I32, device=self.device)
         self._ws_plan: Optional[int] = None  # requests to upconvert this step (None: read the cache natively)
+        self._same_backend = (self.decode_backend is self.prefill_backend
+                              and getattr(self.decode_backend, "mixed_batches", False))
 
     # ------------------------------------------------------------------------------------------------
     def plan(self, metadata: BatchMetadata, seq_lens_upper_bound: Optional[Sequence[int]] = None, *,
@@ -165,7 +190,8 @@ class SparseMLA:
         """Prepare one step (host side; never inside CUDA-graph capture).
 
         Args:
-            metadata: the step's :class:`BatchMetadata` (on the runner's device, or on the CPU).
+            metadata: the step's :class:`BatchMetadata` (on the runner's device, or on the CPU: a CPU batch is
+                packed on the host and sent in one asynchronous copy).
             seq_lens_upper_bound: with asynchronous scheduling, host upper bounds of ``seq_lens`` (R ints).
                 The exact valid counts are then computed on the device from ``metadata.seq_lens`` (no
                 device-to-host copy); backends that plan lengths on the host decline this.
@@ -186,8 +212,9 @@ class SparseMLA:
         if width > self.max_blocks_per_request:
             raise ValueError(f"metadata: block_table has {width} columns, more than max_blocks_per_request "
                              f"({self.max_blocks_per_request})")
-        if not (same_device(md.device, self.device) or md.device.type == "cpu"):
-            raise ValueError(f"metadata: expected tensors on {self.device} or the CPU, got {md.device}")
+        md_dev = md.device
+        if md_dev != self.device and md_dev.type != "cpu":
+            raise ValueError(f"metadata: expected tensors on {self.device} or the CPU, got {md_dev}")
         padded = t if num_tokens_padded is None else check_positive_int("num_tokens_padded", num_tokens_padded,
                                                                         minimum=0)
         if not t <= padded <= self.max_tokens:
@@ -203,21 +230,102 @@ class SparseMLA:
                 reason = b.why_not(dataclasses.replace(self._decode_config, exact_host_lengths=False))
                 if reason is not None:
                     raise ValueError(f"seq_lens_upper_bound: backend {b.name!r} cannot run from upper bounds: {reason}")
-        if md.query_lens_host is not None:
-            need = max([-(-s // self.block_size) for s in (md.seq_lens_host if exact else bounds)] + [0])
+        host_lens = md.seq_lens_host if exact else (bounds if md.query_lens_host is not None else None)
+        if host_lens is not None:
+            need = max([-(-s // self.block_size) for s in host_lens] + [0])
             if need > self.max_blocks_per_request:
                 raise ValueError(f"metadata: a context needs {need} blocks of {self.block_size} tokens, more than "
                                  f"max_blocks_per_request ({self.max_blocks_per_request})")
 
-        # --- the batch into owned buffers (async copies; pinned staging for host tensors) ------------
-        self._block_table.fill_(-1)
-        self._copy(self._block_table[:r, :width], md.block_table)
-        self._copy(self._query_start_loc[: r + 1], md.query_start_loc)
-        self._copy(self._seq_lens[:r], md.seq_lens)
-        self._req_id.zero_()
-        self._copy(self._req_id[:t], md.req_id_per_token)
+        host_counts = None
+        if md_dev.type == "cpu" and exact and md.seq_lens_host is not None:
+            host_counts = self._plan_from_host(md, t, r, width, padded)
+        else:
+            self._plan_on_device(md, t, r, width)
+        self._ws_plan = self._plan_workspace(md, r) if (exact and self._ws_rows is not None) else None
+        if host_counts is None and exact and self._needs_host_counts():
+            ctx = md.context_lens_host()
+            if ctx is not None:
+                host_counts = self._counts(ctx)
+        plan = HostPlan(t, padded, md.num_decode_tokens, host_counts, self._valid_counts)
+        self.decode_backend.plan(self._decode_ws, plan)
+        if self.prefill_backend is not self.decode_backend:
+            self.prefill_backend.plan(self._prefill_ws, plan)
+        self._planned = plan
 
-        # --- exact valid counts, on the device ------------------------------------------------------
+    def _needs_host_counts(self) -> bool:
+        return self.decode_backend.needs_host_counts or self.prefill_backend.needs_host_counts
+
+    def _counts(self, ctx: List[int]) -> List[int]:
+        """Valid count of each token from its context length: min(ctx, index_topk), or index_topk + ctx % kpool
+        past index_topk when pooled (kv-formats.md §7), at most topk."""
+        itk, kp, k = self.index_topk, self.kpool, self.topk
+        return [max(0, min(k, c if c <= itk else itk + c % kp)) for c in ctx]
+
+    def _plan_from_host(self, md: BatchMetadata, t: int, r: int, width: int, padded: int) -> List[int]:
+        """A CPU batch: pack it into the pinned host buffer and send it in one copy.  Returns the valid counts."""
+        i = self._turn
+        self._turn = (i + 1) % len(self._host)
+        if self._host_done[i] is not None:
+            self._host_done[i].synchronize()  # that buffer's copy (two steps back) has been read
+        h = self._host[i]
+        b = self.max_blocks_per_request
+        h[: r + 1].copy_(md.query_start_loc)
+        h[self._o_seq: self._o_seq + r].copy_(md.seq_lens)
+        # every token slot past the real ones: request 0, no valid entry (a padded or larger run reads nothing)
+        req = h[self._o_req: self._o_vc]
+        req[:t].copy_(md.req_id_per_token)
+        req[t:].zero_()
+        counts = self._counts(md.context_lens_host())
+        vc = h[self._o_vc: self._o_bt]
+        if t:
+            vc[:t].copy_(torch.tensor(counts, dtype=_I32))
+        vc[t:].zero_()
+        bt = h[self._o_bt: self._o_bt + r * b].view(r, b)
+        bt[:, width:].fill_(-1)
+        bt[:, :width].copy_(md.block_table)
+        self._check_blocks(md.block_table, md.seq_lens_host, r)
+        n = self._o_bt + r * b
+        if self.device.type == "cuda":
+            self._meta[:n].copy_(h[:n], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self._host_done[i] = ev
+        else:
+            self._meta[:n].copy_(h[:n])
+        return counts
+
+    def _check_blocks(self, block_table: torch.Tensor, seq_lens: List[int], r: int) -> None:
+        """Remember the largest block id each request uses (host values; no sync), and reject one past the cache
+        when the runner knows the cache's size."""
+        self._max_block, self._max_block_at = -1, None
+        if not r or block_table.numel() == 0:
+            return
+        need = torch.tensor([-(-s // self.block_size) for s in seq_lens], dtype=torch.int64)
+        cols = torch.arange(block_table.shape[1], dtype=torch.int64)
+        used = torch.where(cols[None, :] < need[:, None], block_table.to(torch.int64), torch.full_like(cols, -1))
+        flat = int(used.argmax())
+        self._max_block = int(used.view(-1)[flat])
+        self._max_block_at = divmod(flat, block_table.shape[1])
+        if self.num_blocks is not None:
+            self._raise_past(self.num_blocks, "num_blocks")
+
+    def _raise_past(self, num_blocks: int, what: str) -> None:
+        if self._max_block >= num_blocks:
+            req, col = self._max_block_at
+            raise ValueError(f"metadata: request {req} maps block-table entry {col} to block {self._max_block}, "
+                             f"past the cache's {num_blocks} blocks ({what})")
+
+    def _plan_on_device(self, md: BatchMetadata, t: int, r: int, width: int) -> None:
+        """A device batch (or asynchronous scheduling): copy on the device, valid counts from the device's
+        sequence lengths; nothing is read back."""
+        self._max_block, self._max_block_at = -1, None
+        self._block_table[:r].fill_(-1)
+        self._block_table[:r, :width].copy_(md.block_table, non_blocking=True)
+        self._query_start_loc[: r + 1].copy_(md.query_start_loc, non_blocking=True)
+        self._seq_lens[:r].copy_(md.seq_lens, non_blocking=True)
+        self._req_id.zero_()
+        self._req_id[:t].copy_(md.req_id_per_token, non_blocking=True)
         # Token i of request q sees ctx = seq_len - (query_end - 1 - i) tokens; its row holds
         # min(ctx, index_topk) entries, or index_topk + ctx % kpool past index_topk when pooled.
         self._valid_counts.zero_()
@@ -227,19 +335,8 @@ class SparseMLA:
             ctx = self._seq_lens[req] - (q_end - 1 - self._token_ids[:t])
             counts = torch.where(ctx <= self.index_topk, ctx, self.index_topk + ctx % self.kpool)
             self._valid_counts[:t].copy_(counts.clamp(0, self.topk))
-
-        host_counts = None
-        if exact:
-            ctx_host = md.context_lens_host()
-            if ctx_host is not None:
-                host_counts = [max(0, min(self.topk, c if c <= self.index_topk else self.index_topk + c % self.kpool))
-                               for c in ctx_host]
-        self._ws_plan = self._plan_workspace(md, r) if (exact and self._ws_rows is not None) else None
-        plan = HostPlan(t, padded, md.num_decode_tokens, host_counts, self._valid_counts)
-        self.decode_backend.plan(self._decode_ws, plan)
-        if self.prefill_backend is not self.decode_backend:
-            self.prefill_backend.plan(self._prefill_ws, plan)
-        self._planned = plan
+        if md.device.type == "cpu" and md.seq_lens_host is not None:
+            self._check_blocks(md.block_table, md.seq_lens_host, r)
 
     def _plan_workspace(self, md: BatchMetadata, r: int) -> Optional[int]:
         """Workspace starts of the prefill requests (decode requests get -1) when their contexts fit."""
@@ -255,20 +352,15 @@ class SparseMLA:
         if used > self.prefill_workspace_tokens:
             return None
         self._ws_start.fill_(-1)
-        self._copy(self._ws_start[:r], torch.tensor(starts, dtype=torch.int32))
+        src = torch.tensor(starts, dtype=_I32)
+        self._ws_start[:r].copy_(src.pin_memory() if self.device.type == "cuda" else src, non_blocking=True)
         return r
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if src.device.type == "cpu" and self.device.type == "cuda":
-            # Pinned memory makes the copy truly asynchronous; PyTorch's pinned allocator keeps the block
-            # alive until the copy has run, so the host may go on to plan the next step.
-            src = src.pin_memory()
-        dst.copy_(src, non_blocking=True)
 
     # ------------------------------------------------------------------------------------------------
     def run(self, q: torch.Tensor, cache: PagedKVCache, topk_local: torch.Tensor, k_scale: float = 1.0, *,
             out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None):
-        """Attention for the planned batch: device work only (capturable with the native backend).
+        """Attention for the planned batch: device work only (capturable with the native backend); no
+        allocation, no host sync.
 
         Args:
             q: bf16 ``[T, H, head_dim]`` (T = the planned token count, or ``num_tokens_padded``).
@@ -283,15 +375,71 @@ class SparseMLA:
         plan = self._planned
         if plan is None:
             raise RuntimeError("SparseMLA.run() before plan(): plan the step first")
-        check_tensor("q", q, dtype=torch.bfloat16, ndim=3, device=self.device)
-        t, h, d = q.shape
-        if h != self.num_heads or d != self.head_dim:
-            raise ValueError(f"q: expected [T, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}")
-        if q.stride(2) != 1:
-            raise ValueError(f"q: the last dim must be contiguous (strides {q.stride()})")
+        dev = self.device
+        if not (isinstance(q, torch.Tensor) and q.dtype is _BF16 and q.dim() == 3 and q.shape[1] == self.num_heads
+                and q.shape[2] == self.head_dim and q.stride(2) == 1 and q.device == dev):
+            self._explain_q(q)
+        t = q.shape[0]
         if not plan.num_tokens <= t <= self.max_tokens:
             raise ValueError(f"q: expected {plan.num_tokens}..{self.max_tokens} tokens (the planned batch, or "
                              f"padded to a captured size), got {t}")
+        if not (isinstance(cache, PagedKVCache) and cache.fmt == self.fmt and cache.block_size == self.block_size
+                and cache.block_stride_rows == self.block_stride_rows and cache.rows.device == dev):
+            self._explain_cache(cache)
+        if self._max_block >= cache.num_blocks:
+            self._raise_past(cache.num_blocks, "the cache given to run")
+        if not (isinstance(topk_local, torch.Tensor) and topk_local.dtype is _I32
+                and topk_local.shape == (t, self.topk) and topk_local.device == dev):
+            check_tensor("topk_local", topk_local, dtype=_I32, shape=(t, self.topk), device=dev)
+        if type(k_scale) is not float or not 0.0 < k_scale < math.inf:
+            if isinstance(k_scale, torch.Tensor):
+                raise TypeError("k_scale: expected a Python float (reading a tensor would sync with the host)")
+            k_scale = check_k_scale(k_scale)
+        if out is None:
+            out = self._out if t == self.max_tokens else self._out[:t]
+        else:
+            check_tensor("out", out, dtype=_BF16, shape=(t, self.num_heads, V_DIM), device=dev)
+        if lse is None:
+            lse = self._lse if t == self.max_tokens else self._lse[:t]
+        else:
+            check_tensor("lse", lse, dtype=torch.float32, shape=(t, self.num_heads), device=dev)
+
+        rows = self._rows if t == self.max_tokens else self._rows[:t]
+        req = self._req_id if t == self.max_tokens else self._req_id[:t]
+        use_ws = self._ws_plan is not None
+        ws_start = None
+        if use_ws:
+            # Prefill requests' contexts -> bf16 workspace; their tokens' indices -> workspace rows.
+            nr = self._ws_plan
+            upconvert_context(cache.rows, self.fmt, self._block_table[:nr], self._seq_lens[:nr], self.block_size,
+                              self.block_stride_rows, k_scale, out=self._ws_rows, workspace_start=self._ws_start[:nr],
+                              check=False)
+            ws_start = self._ws_start  # one entry per block-table row (-1: read the cache)
+        convert_indices(topk_local, req, self._block_table, self.block_size, self.block_stride_rows, check=False,
+                        out=rows, workspace_start=ws_start)
+        valid = self._valid_counts if t == self.max_tokens else self._valid_counts[:t]
+
+        # Decode tokens first; padding tokens (past the planned ones) join the last group.
+        nd = plan.num_decode_tokens if plan.num_tokens > plan.num_decode_tokens else t
+        if nd == t or (self._same_backend and not use_ws):
+            self.decode_backend.forward("decode", q, cache, rows, self.sm_scale, valid, k_scale, out, lse,
+                                        workspace=self._decode_ws)
+            return out, lse
+        if nd:
+            self.decode_backend.forward("decode", q[:nd], cache, rows[:nd], self.sm_scale, valid[:nd], k_scale,
+                                        out[:nd], lse[:nd], workspace=self._decode_ws)
+        kv, ks = (self._ws_rows, 1.0) if use_ws else (cache, k_scale)  # the workspace holds dequantized values
+        self.prefill_backend.forward("prefill", q[nd:], kv, rows[nd:], self.sm_scale, valid[nd:], ks, out[nd:],
+                                     lse[nd:], workspace=self._prefill_ws)
+        return out, lse
+
+    def _explain_q(self, q) -> None:
+        check_tensor("q", q, dtype=_BF16, ndim=3, device=self.device)
+        if q.shape[1] != self.num_heads or q.shape[2] != self.head_dim:
+            raise ValueError(f"q: expected [T, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}")
+        raise ValueError(f"q: the last dim must be contiguous (strides {q.stride()})")
+
+    def _explain_cache(self, cache) -> None:
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
         if cache.fmt != self.fmt:
@@ -299,55 +447,7 @@ class SparseMLA:
         if (cache.block_size, cache.block_stride_rows) != (self.block_size, self.block_stride_rows):
             raise ValueError(f"cache: expected block_size {self.block_size} and block_stride_rows "
                              f"{self.block_stride_rows}, got {cache.block_size} and {cache.block_stride_rows}")
-        if not same_device(cache.device, self.device):
-            raise ValueError(f"cache: expected it on {self.device}, got {cache.device}")
-        check_tensor("topk_local", topk_local, dtype=torch.int32, shape=(t, self.topk), device=self.device)
-        if isinstance(k_scale, torch.Tensor):
-            raise TypeError("k_scale: expected a Python float (reading a tensor would sync with the host)")
-        k_scale = check_k_scale(k_scale)
-        if out is None:
-            out = self._out[:t]
-        else:
-            check_tensor("out", out, dtype=torch.bfloat16, shape=(t, h, V_DIM), device=self.device)
-        if lse is None:
-            lse = self._lse[:t]
-        else:
-            check_tensor("lse", lse, dtype=torch.float32, shape=(t, h), device=self.device)
-
-        rows = self._rows[:t]
-        use_ws = self._ws_plan is not None
-        ws_kw = {}
-        if use_ws:
-            # Prefill requests' contexts -> bf16 workspace; their tokens' indices -> workspace rows.
-            r = self._ws_plan
-            upconvert_context(cache.rows, self.fmt, self._block_table[:r], self._seq_lens[:r], self.block_size,
-                              self.block_stride_rows, k_scale, out=self._ws_rows, workspace_start=self._ws_start[:r],
-                              check=False)
-            ws_kw = {"workspace_start": self._ws_start}  # one entry per block-table row (-1: read the cache)
-        if self._convert_out:
-            convert_indices(topk_local, self._req_id[:t], self._block_table, self.block_size,
-                            self.block_stride_rows, check=False, out=rows, **ws_kw)
-        else:  # until convert_indices takes out=: one temporary (served by the graph pool under capture)
-            rows.copy_(convert_indices(topk_local, self._req_id[:t], self._block_table, self.block_size,
-                                       self.block_stride_rows, check=False, **ws_kw))
-        valid = self._valid_counts[:t]
-
-        # Decode tokens first; padding tokens (past the planned ones) join the last group.
-        nd = plan.num_decode_tokens if plan.num_tokens > plan.num_decode_tokens else t
-        same = (self.decode_backend is self.prefill_backend and getattr(self.decode_backend, "mixed_batches", False)
-                and not use_ws)
-        parts = [("decode", 0, t)] if same else [("decode", 0, nd), ("prefill", nd, t)]
-        for mode, a, b in parts:
-            if a == b:
-                continue
-            backend, ws = ((self.decode_backend, self._decode_ws) if mode == "decode"
-                           else (self.prefill_backend, self._prefill_ws))
-            kv, ks = cache, k_scale
-            if use_ws and mode == "prefill":
-                kv, ks = self._ws_rows, 1.0  # the workspace holds dequantized values (k_scale applied)
-            backend.forward(mode, q[a:b], kv, rows[a:b], self.sm_scale, valid[a:b], ks, out[a:b], lse[a:b],
-                            workspace=ws)
-        return out, lse
+        raise ValueError(f"cache: expected it on {self.device}, got {cache.rows.device}")
 
     # ------------------------------------------------------------------------------------------------
     @property
@@ -363,7 +463,6 @@ class SparseMLA:
     def __repr__(self) -> str:
         return (f"SparseMLA({self.fmt.id}, H={self.num_heads}, topk={self.topk}, max_tokens={self.max_tokens}, "
                 f"decode={self.decode_backend.name}, prefill={self.prefill_backend.name}, device={self.device})")
-
 
 def _host_ints(name: str, v, n: int) -> List[int]:
     if isinstance(v, torch.Tensor):

@@ -2,7 +2,8 @@
 
 - decode: ``flash_mla_with_kvcache`` on an ``fp8_ds_mla`` cache (656-byte rows; the 528-byte NoPE rows too
   where the installed build takes ``kv_format="V32_NO_ROPE"``).
-- prefill: ``flash_mla_sparse_fwd`` on bf16 rows with RoPE (a bf16 cache, or a bf16 workspace).
+- prefill: ``flash_mla_sparse_fwd`` on bf16 rows with RoPE (a bf16 cache, or a bf16 workspace); on Hopper
+  with ``use_legacy=True`` where the installed build has it (its default path is SM100-only).
 - its kernels have 64 or 128 heads: smaller head counts are padded with zero heads (the cost engines pay).
 
 Index convention: FlashMLA names a token ``block * page_block_size + offset`` of its ``k_cache`` tensor.
@@ -23,8 +24,10 @@ from typing import Dict, Optional
 
 import torch
 
-from ._common import device_index, ensure_outputs, mask_past_counts
-from .registry import AttentionConfig, Backend, register
+from ...cache import PagedKVCache
+from ...reference import sparse_mla
+from .._common import device_index, ensure_outputs, mask_past_counts
+from ..registry import AttentionConfig, Backend
 
 LN2 = math.log(2.0)
 
@@ -109,9 +112,6 @@ class FlashMLAPeer(Backend):
 
     def _tiny_call(self, config: AttentionConfig, device=None) -> Optional[str]:
         """Run 2 tokens x 64 heads x top-k 64 on random data against the float64 reference; learn the lse base."""
-        from ..cache import PagedKVCache
-        from ..reference import sparse_mla
-
         device = self._probe_device if device is None else device
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         g = torch.Generator(device="cpu").manual_seed(1234)
@@ -204,8 +204,6 @@ class FlashMLAPeer(Backend):
         return o.view(t, hp, 512), l.reshape(t, hp)
 
     def _prefill(self, feats, q, kv, indices, sm_scale, valid_counts, hp):
-        from ..cache import PagedKVCache
-
         t, _, d = q.shape
         k = indices.shape[1]
         if isinstance(kv, PagedKVCache):
@@ -213,6 +211,8 @@ class FlashMLAPeer(Backend):
         else:
             kv_b = kv
         kwargs = {}
+        if "use_legacy" in feats["prefill_kwargs"]:
+            kwargs["use_legacy"] = True  # the Hopper kernel (the default path is SM100-only)
         idx = indices
         if valid_counts is not None:
             if "topk_length" in feats["prefill_kwargs"]:
@@ -225,5 +225,3 @@ class FlashMLAPeer(Backend):
         o, l = res[0], res[2]  # (out [T, Hp, 512], max_logits, lse [T, Hp], ...)
         return o, l
 
-
-register(FlashMLAPeer())

@@ -26,8 +26,10 @@ from typing import Dict, Optional
 
 import torch
 
-from ._common import device_index, ensure_outputs, kv_rows
-from .registry import AttentionConfig, Backend, register
+from ...cache import PagedKVCache
+from ...reference import sparse_mla
+from .._common import device_index, ensure_outputs, kv_rows
+from ..registry import AttentionConfig, Backend
 
 LN2 = math.log(2.0)
 FLOAT_WORKSPACE_BYTES = 128 * 2 ** 20
@@ -82,6 +84,7 @@ class FlashInferPeer(Backend):
     graph_safe = True  # the runner path; the functional path declines capture in _extra_why_not
     device_valid_counts = False
     mixed_batches = True
+    needs_host_counts = True
 
     def __init__(self):
         super().__init__()
@@ -119,9 +122,6 @@ class FlashInferPeer(Backend):
         return self._tiny_call(config)
 
     def _tiny_call(self, config: AttentionConfig, device=None) -> Optional[str]:
-        from ..cache import PagedKVCache
-        from ..reference import sparse_mla
-
         device = self._probe_device if device is None else device
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         g = torch.Generator(device="cpu").manual_seed(4321)
@@ -274,5 +274,3 @@ class FlashInferPeer(Backend):
         self._launch(state.wrappers[t], q, kv, out, lse, k_scale, is_fp8, key, state.empty[:t])
         return out, lse
 
-
-register(FlashInferPeer())

@@ -1,0 +1,249 @@
+"""The attention launcher: executes a :class:`~sparsemla.plan.KernelPlan` (no policy here).
+
+Math, per query token ``t`` and head ``h`` over the valid entries ``r`` of ``indices[t]``::
+
+    s_r = sm_scale * q[t, h, :D] . K[r, :D]      lse = log sum_r exp(s_r)      out = sum_r exp(s_r - lse) V[r]
+
+with ``V[r] = K[r, :512]`` (one KV head; absorbed MLA).  Rows are read straight out of the paged cache
+(``PagedKVCache.rows``, uint8 ``[num_rows, bytes_per_token]``) and dequantized in the kernel.
+
+Every kernel takes the same runtime arguments (``k_scale`` only where the rows can be plain fp8)::
+
+    q, stride_qt, stride_qh, rows, indices, stride_it, valid_counts,
+    o, stride_ot, stride_os, stride_oh, lse, stride_lt, stride_ls, stride_lh,
+    sm_scale * log2(e), [k_scale,] H, K, rows_per_split, num_splits
+
+and runs ``tokens * num_splits * num_groups`` programs (head groups fastest, so programs reading the same rows run
+side by side).  With more than one split the kernel writes normalized fp32 partials ``[T, S, H, 512]`` /
+``[T, S, H]`` and :mod:`.combine` merges them into ``out`` / ``lse``.
+
+A Hopper (Gluon) kernel that fails to build on the installed Triton is recorded
+(:func:`sparsemla.plan.unavailable_kernels`) and the call, and every later one, runs the portable kernels.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .. import plan as _plan
+from .._device import capability, interpreting, num_sms
+from ..formats import get_format
+from .combine import combine_kernel
+from .launch import Launch
+from .portable.bf16_few import bf16_few_kernel
+from .portable.fp8_few import fp8_few_kernel
+from .portable.nvfp4_few import nvfp4_few_kernel
+from .portable.wide import KIND_OF, wide_kernel
+
+LOG2E = 1.4426950408889634
+V_DIM = 512
+
+# Kernels whose runtime arguments include k_scale (rows that may be plain fp8, which hold value / k_scale).
+_TAKES_K_SCALE = ("portable-fp8", "portable-wide", "sm90-few", "sm90-wide")
+
+_LAUNCHES: dict = {}
+
+
+def _sm90_launch(plan, fmt, has_vc: bool) -> Launch:
+    # Imported on first use: the Gluon modules need triton.experimental.gluon, and a Triton where they fail to
+    # import must still serve every call with the portable kernels.
+    options = dict(num_warps=4, maxnreg=168)  # 12 warps at launch (4 here + two 4-warp workers), then setmaxnreg
+    common = dict(BPT=fmt.bytes_per_token, ROPE=fmt.rope_dim, NG=plan.num_groups, HAS_VC=has_vc)
+    if plan.kernel == "sm90-few":
+        from .ws_few import ws_few_kernel
+        return Launch(ws_few_kernel, dict(DS=plan.kind == "fp8_ds_mla", FP4=plan.kind == "nvfp4_ds_mla",
+                                          F8=plan.fp8_qk, **common), options)
+    if plan.kernel == "sm90-wide":
+        from .ws_wide import ws_wide_kernel
+        return Launch(ws_wide_kernel, dict(DS=plan.kind == "fp8_ds_mla", F8=plan.fp8_qk, **common), options)
+    from .ws_pair import ws_pair_kernel
+    return Launch(ws_pair_kernel, common, options)
+
+
+def _portable_launch(plan, fmt, has_vc: bool, interp: bool) -> Launch:
+    lay = fmt.layout
+    offs = dict(SCALE_OFF=max(lay.scale_offset, 0), ROPE_OFF=max(lay.rope_offset, 0))
+    common = dict(HB=plan.heads_per_program, BN=plan.block_n, NG=plan.num_groups, HAS_VC=has_vc, INTERP=interp)
+    options = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
+    k, staged = plan.kernel, plan.kind == "staged"
+    if k == "portable-wide":
+        return Launch(wide_kernel, dict(BPT=fmt.bytes_per_token, KIND=KIND_OF[plan.kind], STAGED=staged,
+                                        ROPE=fmt.rope_dim, **offs, **common), options)
+    if k == "portable-fp8":
+        return Launch(fp8_few_kernel, dict(BPT=fmt.bytes_per_token, DS=plan.kind == "fp8_ds_mla", STAGED=staged,
+                                           ROPE=fmt.rope_dim, **offs, **common), options)
+    if k == "portable-nvfp4":
+        return Launch(nvfp4_few_kernel, dict(BPT=fmt.bytes_per_token, ROPE=fmt.rope_dim, **offs, **common), options)
+    return Launch(bf16_few_kernel, dict(ROPE=fmt.rope_dim, **common), options)
+
+
+def _launch_for(plan, fmt, has_vc: bool) -> Launch:
+    key = (plan.kernel, plan.kind, plan.heads_per_program, plan.num_groups, plan.block_n, plan.num_warps,
+           plan.num_stages, plan.fp8_qk, fmt.id, has_vc)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        if plan.kernel in _plan.SM90_KERNELS:
+            launch = _sm90_launch(plan, fmt, has_vc)
+        else:
+            launch = _portable_launch(plan, fmt, has_vc, interpreting())
+        _LAUNCHES[key] = launch
+    return launch
+
+
+def _combine_launch(num_splits: int, pdl: bool) -> Launch:
+    sp = 1 << max(0, (num_splits - 1).bit_length())
+    warps = 4 if num_splits > 8 else 2
+    key = ("combine", sp, pdl, warps)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        options = dict(num_warps=warps)
+        if pdl:
+            options["launch_pdl"] = True
+        launch = _LAUNCHES[key] = Launch(combine_kernel, dict(SP=sp, PDL=pdl), options)
+    return launch
+
+
+def plan_for(q: torch.Tensor, rows: torch.Tensor, fmt, topk: int, *, fp8_qk: bool = False, portable: bool = False,
+             staged: bool = False, kernel: Optional[str] = None, num_splits: Optional[int] = None) -> _plan.KernelPlan:
+    """The plan of a call on these tensors: :func:`sparsemla.plan.plan_attention` with the device's facts, the
+    tensors' alignment and the kernels unavailable here (``kernel`` / ``num_splits``: forced, for tests)."""
+    dev = q.device
+    facts = _FACTS.get(dev)
+    if facts is None:
+        cuda = dev.type == "cuda"
+        facts = _FACTS[dev] = ((capability(dev), num_sms(dev)) if cuda else ((0, 0), 132))
+    q_aligned = (q.data_ptr() & 15) == 0 and (q.stride(0) & 7) == 0 and (q.stride(1) & 7) == 0
+    return _plan._plan("staged" if staged else fmt.name, q.shape[0], q.shape[1], topk, facts[0], facts[1], fp8_qk,
+                       portable, interpreting(), q_aligned, (rows.data_ptr() & 15) == 0, kernel, None,
+                       _plan.unavailable_set(), num_splits)
+
+
+_FACTS: dict = {}  # device -> (capability, SM count)
+
+
+def attention_fwd(q: torch.Tensor, rows: torch.Tensor, fmt, indices: torch.Tensor, sm_scale: float, *,
+                  plan: Optional[_plan.KernelPlan] = None, valid_counts: Optional[torch.Tensor] = None,
+                  k_scale: float = 1.0, out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+                  split_buffers: Optional[torch.Tensor] = None, staged: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA forward over rows of any KV format (arguments are not checked here: the public API does that).
+
+    Args:
+        q: bf16 ``[T, H, D]`` (D = ``fmt.head_dim``), last dim contiguous.
+        rows: uint8 ``[num_rows, fmt.bytes_per_token]`` (``PagedKVCache.rows``; a bf16 workspace ``[rows, D]`` as
+            ``ws.view(torch.uint8)`` with the ``bf16`` format), or with ``staged`` the FP8 rows ``[T, K, D]`` viewed
+            as uint8 ``[T * K, D]`` (``fmt`` then the ``fp8`` format).
+        fmt: the rows' :class:`~sparsemla.formats.KVFormat` (or id).
+        indices: int32 ``[T, K]`` rows, -1 = no token, contiguous rows; entries at or past ``valid_counts[t]`` are
+            never read.
+        sm_scale: softmax scale; k_scale: the plain ``fp8`` format's per-tensor scale (others ignore it).
+        plan: the call's plan (default: :func:`plan_for`).
+        valid_counts: optional int32 ``[T]``.
+        out, lse: bf16 ``[T, H, 512]`` (last dim contiguous) and fp32 ``[T, H]``; allocated when None.
+        split_buffers: a flat fp32 buffer of at least ``T * S * H * 513`` elements for the split partials (a
+            runner's, for CUDA-graph capture); allocated per call when None and the plan splits.
+
+    Returns ``(out, lse)``: lse is the natural log including sm_scale; an empty row gives 0 / -inf.
+    """
+    fmt = get_format(fmt)
+    t, h = q.shape[0], q.shape[1]
+    if out is None:
+        out = torch.empty((t, h, V_DIM), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
+    if t == 0:
+        return out, lse
+    if plan is None:
+        plan = plan_for(q, rows, fmt, indices.shape[1], staged=staged)
+    _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers)
+    return out, lse
+
+
+def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers) -> None:
+    t, h = q.shape[0], q.shape[1]
+    ns = plan.num_splits
+    if ns > 1:
+        n_o = t * ns * h * V_DIM
+        n_all = n_o + t * ns * h
+        if split_buffers is None:
+            split_buffers = torch.empty(n_all, dtype=torch.float32, device=q.device)
+        elif split_buffers.numel() < n_all:
+            raise ValueError(f"split_buffers: {split_buffers.numel()} fp32 elements, this call needs {n_all}")
+        o_dst, l_dst = split_buffers[:n_o], split_buffers[n_o:n_all]
+        o_strides = (ns * h * V_DIM, h * V_DIM, V_DIM)
+        l_strides = (ns * h, h, 1)
+    else:
+        o_dst, l_dst = out, lse
+        o_strides = (out.stride(0), 0, out.stride(1))
+        l_strides = (lse.stride(0), 0, lse.stride(1))
+    has_vc = valid_counts is not None
+    vc = valid_counts if has_vc else indices  # a dummy pointer when absent
+    args = (q, q.stride(0), q.stride(1), rows, indices, indices.stride(0), vc,
+            o_dst, *o_strides, l_dst, *l_strides, float(sm_scale) * LOG2E)
+    tail = (h, indices.shape[1], plan.rows_per_split, ns)
+    if plan.kernel in _TAKES_K_SCALE:
+        args = args + (float(k_scale),) + tail
+    else:
+        args = args + tail
+    launch = _launch_for(plan, fmt, has_vc)
+    grid = (t * plan.grid,)
+    if launch.built:
+        launch(grid, args)
+    else:
+        try:
+            launch(grid, args)
+        except Exception as exc:  # a first launch that raises did not build: fall back, remember why
+            if plan.kernel not in _plan.SM90_KERNELS:
+                raise
+            _plan.mark_unavailable(plan.kernel, f"{type(exc).__name__}: {_first_line(exc)}")
+            fallback = _plan.plan_attention(fmt, t, h, indices.shape[1], capability=capability(q.device),
+                                            num_sms=num_sms(q.device), unavailable=_plan.unavailable_set(),
+                                            staged=plan.kind == "staged")
+            _run(fallback, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers)
+            return
+    if ns > 1:
+        pdl = q.device.type == "cuda" and not interpreting() and capability(q.device) >= (9, 0)
+        _combine_launch(ns, pdl)((t, h, V_DIM // 128),
+                                 (o_dst, l_dst, out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
+                                  h, ns))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1][:300] if text else ""
+
+
+def split_elements(plan: _plan.KernelPlan, num_tokens: int, num_heads: int) -> int:
+    """fp32 elements of the split partials a call of this plan needs (0 without splits)."""
+    if plan.num_splits <= 1:
+        return 0
+    return num_tokens * plan.num_splits * num_heads * (V_DIM + 1)
+
+
+def runner_split_elements(fmt, max_tokens: int, num_heads: int, topk: int, device, *, fp8_qk: bool = False,
+                          portable: bool = False, staged: bool = False) -> int:
+    """fp32 elements that cover the split partials of every call of up to ``max_tokens`` tokens on ``device``:
+    the Hopper plans and the portable ones (a Gluon kernel may turn out unavailable at its first launch), q
+    aligned or not.  Past two programs per SM no plan splits, so the scan stops there."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    cap = capability(device) if cuda else (0, 0)
+    sms = num_sms(device) if cuda else 132
+    variants = [dict(portable=True, fp8_qk=False)]
+    if not portable:
+        variants += [dict(portable=False, fp8_qk=fp8_qk, q_aligned=a) for a in (True, False)]
+    best = 0
+    for v in variants:
+        for t in range(1, max_tokens + 1):
+            try:
+                p = _plan.plan_attention(fmt, t, num_heads, topk, capability=cap, num_sms=sms,
+                                         interpret=interpreting(), staged=staged, **v)
+            except ValueError:  # fp8_qk where it cannot apply: that call raises, it needs no buffer
+                break
+            best = max(best, split_elements(p, t, num_heads))
+            if t * p.num_groups > 2 * sms:
+                break
+    return best
+
+
+__all__ = ["attention_fwd", "plan_for", "runner_split_elements", "split_elements"]

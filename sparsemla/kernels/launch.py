@@ -1,0 +1,116 @@
+"""Kernel launches with little host time.
+
+``kernel[grid](*args, **meta)`` binds and specializes every argument in Python on every call: for the attention
+kernels (~21 runtime arguments, ~10 compile-time ones) that is most of a call's host time.  :class:`Launch`
+holds one kernel with its compile-time arguments fixed.  Its first call for a given specialization goes through
+Triton (compiling if needed) and keeps the compiled kernel; later calls compute the specialization key the way
+Triton does -- per pointer its dtype and whether it is 16-byte aligned, per integer whether it is 1, divisible
+by 16 and within int32 -- and call the compiled kernel's launcher directly.
+
+The direct path is used only where it is the same launch Triton would make: not under the interpreter, not while
+a launch hook is installed (profilers), and only for kernels whose compile-time parameters all come after the
+runtime ones (so the launcher's argument list is ``args`` followed by those values).
+"""
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import torch
+
+from .._device import interpreting
+
+
+class Launch:
+    """One Triton / Gluon kernel with fixed compile-time arguments.
+
+    Args:
+        fn: the ``@triton.jit`` / ``@gluon.jit`` function.
+        constexprs: its compile-time arguments by name (those not given take their defaults).
+        options: launch options (``num_warps``, ``num_stages``, ``maxnreg``, ``launch_pdl``).
+    """
+
+    def __init__(self, fn, constexprs: Dict[str, object], options: Dict[str, object]):
+        self.fn = fn
+        self.meta = dict(constexprs, **options)
+        self._compiled: dict = {}
+        self.built = False  # a launch went through (the kernel compiled on this Triton)
+        self._direct = not interpreting() and _direct_ok()
+        params = getattr(fn, "params", None)
+        if self._direct and params is not None:
+            flags = [p.is_constexpr for p in params]
+            n_rt = flags.index(True) if True in flags else len(flags)
+            if any(not f for f in flags[n_rt:]):
+                self._direct = False  # a runtime parameter after a compile-time one: no fixed argument order
+            self._n_runtime = n_rt
+            self._tail = tuple(constexprs.get(p.name, p.default) for p in params[n_rt:])
+        else:
+            self._direct = False
+
+    def __call__(self, grid: Sequence[int], args: Sequence[object]) -> None:
+        if not self._direct or _hooks():
+            self.fn[grid](*args, **self.meta)
+            self.built = True
+            return
+        key = _spec_key(args)
+        k = self._compiled.get(key)
+        if k is None:
+            k = self.fn[grid](*args, **self.meta)
+            self.built = True
+            if len(args) == self._n_runtime and k is not None and hasattr(k, "packed_metadata"):
+                self._compiled[key] = k
+            return
+        dev = _get_device()
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        k.run(grid[0], g1, g2, _get_stream(dev), k.function, k.packed_metadata, None, None, None, *args, *self._tail)
+
+
+def _spec_key(args) -> tuple:
+    """What Triton specializes a compiled kernel on (``native_specialize_impl``): pointers by dtype and 16-byte
+    alignment, integers by ``== 1``, divisibility by 16 and the int32 range; floats and bools not at all.  The
+    device is part of the key too (a compiled kernel is loaded per device)."""
+    key = [_get_device()]
+    for a in args:
+        if type(a) is int:
+            key.append(1 if a == 1 else (2 if -0x80000000 <= a <= 0x7FFFFFFF else 4) + ((a & 15) == 0))
+        elif isinstance(a, torch.Tensor):
+            key.append((a.dtype, (a.data_ptr() & 15) == 0))
+        else:
+            key.append(0)
+    return tuple(key)
+
+
+# --- Triton's runtime, bound once -------------------------------------------------------------------------------
+def _direct_ok() -> bool:
+    try:
+        from triton.runtime.driver import driver  # noqa: F401
+        from triton import knobs  # noqa: F401
+    except Exception:  # an older Triton without these: always the regular launch
+        return False
+    return torch.cuda.is_available()
+
+
+def _get_device() -> int:
+    from triton.runtime.driver import driver
+    global _get_device
+    _get_device = driver.active.get_current_device
+    return _get_device()
+
+
+def _get_stream(dev: int):
+    from triton.runtime.driver import driver
+    global _get_stream
+    _get_stream = driver.active.get_current_stream
+    return _get_stream(dev)
+
+
+def _hooks() -> bool:
+    from triton import knobs
+    rt = knobs.runtime
+
+    def hooks() -> bool:
+        return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+
+    global _hooks
+    _hooks = hooks
+    return hooks()
