@@ -104,8 +104,8 @@ class KernelPlan:
 
 
 def row_kind(fmt, staged: bool = False) -> str:
-    """The row kind of a format (``"staged"`` for FP8 rows staged per query)."""
-    return "staged" if staged else get_format(fmt).name
+    """The row kind of a format (``"staged"`` for FP8 rows staged per query, or given as ``fmt="staged"``)."""
+    return "staged" if staged or fmt == "staged" else get_format(fmt).name
 
 
 def head_block(num_heads: int) -> int:

@@ -53,7 +53,8 @@ def random_rows(cache, t, k, seed=1):
 # --------------------------------------------------------------------------------------------------------
 def test_builtin_backends_listed_in_order():
     names = list(list_backends())
-    assert names[:5] == ["triton", "triton-staged", "reference", "flashmla", "flashinfer"]
+    assert names[:7] == ["triton", "triton-portable", "triton-staged", "reference", "flashmla", "flashinfer",
+                         "triton-fp8qk"]
     assert list_backends()["reference"] is None  # always usable
 
 
@@ -78,10 +79,11 @@ def test_unknown_backend_name_lists_known_ones():
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    import sparsemla._device as d
+    monkeypatch.setattr(d, "_INTERPRET", False)
     reason = get_backend("triton").why_not(cfg(cap=None))
     assert "TRITON_INTERPRET" in reason
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(d, "_INTERPRET", True)
     assert get_backend("triton").why_not(cfg(cap=None)) is None
 
 
@@ -96,8 +98,8 @@ def test_triton_declared_capabilities():
     assert t.why_not(cfg(graph_capture=True)) is None
 
 
-def test_triton_fp8_is_opt_in_and_declares_its_rules():
-    f = get_backend("triton-fp8")
+def test_triton_fp8qk_is_opt_in_and_declares_its_rules():
+    f = get_backend("triton-fp8qk")
     assert "reads only fp8" in f.why_not(cfg("nvfp4_ds_mla"))
     assert "reads only fp8" in f.why_not(cfg("bf16"))
     assert "compute capability <= 9.0" in f.why_not(cfg(cap=SM100))
@@ -105,9 +107,9 @@ def test_triton_fp8_is_opt_in_and_declares_its_rules():
     assert "bf16 workspace" in f.why_not(cfg("fp8", "prefill", kv_source="workspace"))
     # never in a priority list: the default path stays the default
     for order in list(registry.PRIORITY.values()) + list(registry.FORMAT_PRIORITY.values()):
-        assert "triton-fp8" not in order
+        assert "triton-fp8qk" not in order
     for fmt in ("fp8", "fp8_ds_mla", "fp8_ds_mla-nope"):
-        assert select(cfg(fmt, cap=SM90)).name != "triton-fp8"
+        assert select(cfg(fmt, cap=SM90)).name != "triton-fp8qk"
 
 
 def test_reference_serves_everything_but_capture():
@@ -310,8 +312,17 @@ def _args(cache=None, **over):
     (dict(backend="nope"), ValueError, "unknown backend 'nope'"),
 ])
 def test_decode_argument_errors_name_the_argument(over, exc, pattern):
+    # index values are checked only with the debug option (a device sync); everything else always
     with pytest.raises(exc, match=pattern):
-        sparse_mla_decode(**_args(**over))
+        sparse_mla_decode(**_args(**over), check=True)
+
+
+def test_index_values_are_not_read_by_default():
+    """A default call reads nothing back from the device: out-of-range rows go unchecked (the debug option
+    finds them); the kernels still never read past the cache for -1 or rows past the valid count."""
+    a = _args(indices=torch.full((2, 64), -2, dtype=torch.int32), valid_counts=torch.zeros(2, dtype=torch.int32))
+    o, l = sparse_mla_decode(**a)
+    assert torch.all(l == float("-inf"))
 
 
 def test_out_of_range_rows_past_the_valid_count_are_accepted():
@@ -345,8 +356,8 @@ import math  # noqa: E402
 import sys  # noqa: E402
 import types  # noqa: E402
 
-from sparsemla.backends.peer_flashinfer import FlashInferPeer  # noqa: E402
-from sparsemla.backends.peer_flashmla import FlashMLAPeer  # noqa: E402
+from sparsemla.backends.peers.flashinfer import FlashInferPeer  # noqa: E402
+from sparsemla.backends.peers.flashmla import FlashMLAPeer  # noqa: E402
 from sparsemla.formats import get_format as _gf  # noqa: E402
 
 LN2 = math.log(2.0)
@@ -497,7 +508,7 @@ def fake_flashinfer(monkeypatch):
     pkg, mla = _fake_flashinfer()
     monkeypatch.setitem(sys.modules, "flashinfer", pkg)
     monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
-    monkeypatch.setattr("sparsemla.backends.peer_flashinfer.FLOAT_WORKSPACE_BYTES", 1024)
+    monkeypatch.setattr("sparsemla.backends.peers.flashinfer.FLOAT_WORKSPACE_BYTES", 1024)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8-nope"])

@@ -150,7 +150,7 @@ def test_pooled_valid_counts():
     cache = make_cache("fp8_ds_mla", 40)
     topk, index_topk, kpool = 24, 20, 4
     runner = SparseMLA(8, 4, 8, 4, 576, topk, "fp8_ds_mla", block_size=BS, block_stride_rows=STRIDE,
-                       index_topk=index_topk, kpool=kpool, device="cpu")
+                       index_topk=index_topk, kpool=kpool, sm_scale=576 ** -0.5, device="cpu")
     md, topk_local, counts = random_batch([1, 1, 2], 90, 40, topk, index_topk, kpool, seed=5)
     runner.plan(md)
     ctx = md.context_lens_host()
@@ -163,7 +163,8 @@ def test_pooled_valid_counts():
 
 
 def test_upper_bounds_give_the_same_counts_from_device_lengths():
-    runner = SparseMLA(8, 4, 8, 4, 576, 32, "fp8_ds_mla", block_size=BS, block_stride_rows=STRIDE, device="cpu")
+    runner = SparseMLA(8, 4, 8, 4, 576, 32, "fp8_ds_mla", block_size=BS, block_stride_rows=STRIDE, sm_scale=0.1,
+                       device="cpu")
     md, _, counts = random_batch([1, 1, 3], 60, 20, 32, 32, 1, seed=7)
     dev_md = BatchMetadata.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, num_tokens=md.num_tokens,
                                         num_decode_tokens=2, num_decode_requests=2)
@@ -177,7 +178,8 @@ def test_upper_bounds_give_the_same_counts_from_device_lengths():
 
 def test_padded_tokens_have_no_entries_and_outputs_are_owned_buffers():
     cache = make_cache("bf16", 20)
-    runner = SparseMLA(8, 4, 8, 3, 576, 16, "bf16", block_size=BS, block_stride_rows=STRIDE, device="cpu")
+    runner = SparseMLA(8, 4, 8, 3, 576, 16, "bf16", block_size=BS, block_stride_rows=STRIDE, sm_scale=576 ** -0.5,
+                       device="cpu")
     md, topk_local, counts = random_batch([1, 1], 50, 20, 16, 16, 1, seed=11)
     runner.plan(md, num_tokens_padded=5)
     q = torch.randn(5, 3, 576).bfloat16()
@@ -196,7 +198,7 @@ def test_padded_tokens_have_no_entries_and_outputs_are_owned_buffers():
 
 def test_runner_construction_errors():
     base = dict(max_tokens=8, max_requests=4, max_blocks_per_request=8, num_heads=4, head_dim=576, topk=32,
-                fmt="fp8_ds_mla", device="cpu")
+                fmt="fp8_ds_mla", sm_scale=0.1, device="cpu")
     for over, exc, pattern in [
         (dict(head_dim=500), ValueError, "head_dim: expected 576"),
         (dict(fmt="fp8_ds_mla-nope"), ValueError, "fmt: format fp8_ds_mla-nope has head_dim 512"),
@@ -207,6 +209,7 @@ def test_runner_construction_errors():
         (dict(block_stride_rows=8, block_size=16), ValueError, "block_stride_rows: expected >= block_size"),
         (dict(backend="flashmla"), ValueError, "backend 'flashmla' cannot serve"),
         (dict(sm_scale=0.0), ValueError, "sm_scale"),
+        (dict(sm_scale=None), TypeError, r"sm_scale: the model's softmax scale is required.*DeepSeek-V3.2.*GLM-5"),
     ]:
         with pytest.raises(exc, match=pattern):
             SparseMLA(**{**base, **over})
@@ -214,7 +217,8 @@ def test_runner_construction_errors():
 
 def test_plan_and_run_errors():
     cache = make_cache("fp8_ds_mla", 8)
-    runner = SparseMLA(4, 2, 4, 4, 576, 16, "fp8_ds_mla", block_size=BS, block_stride_rows=STRIDE, device="cpu")
+    runner = SparseMLA(4, 2, 4, 4, 576, 16, "fp8_ds_mla", block_size=BS, block_stride_rows=STRIDE, sm_scale=0.1,
+                       device="cpu")
     q = torch.zeros(2, 4, 576, dtype=torch.bfloat16)
     tk = torch.zeros(2, 16, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="before plan"):
@@ -283,4 +287,23 @@ def test_prefill_through_the_bf16_workspace(fmt, k_scale):
         assert err < 1e-2, (cap, err)
         assert torch.allclose(l, rl, atol=1e-2, rtol=0)
     with pytest.raises(ValueError, match="prefill_workspace_tokens"):
-        SparseMLA(3, 2, 4, 2, 576, 64, fmt, backend="triton", device="cpu", prefill_workspace_tokens=-1)
+        SparseMLA(3, 2, 4, 2, 576, 64, fmt, backend="triton", sm_scale=0.05, device="cpu", prefill_workspace_tokens=-1)
+
+
+def test_block_tables_past_the_cache_are_rejected_on_the_host():
+    """A block-table entry past the cache: plan() rejects it when the runner knows the cache's size, run() in any
+    case, naming the request and the block, with nothing read back from the device."""
+    cache = make_cache("fp8_ds_mla", 8)  # 8 blocks
+    md = BatchMetadata.from_lists([1, 1], [20, 20], [[1, 2], [3, 99]])
+    runner = SparseMLA(4, 2, 4, 4, 576, 16, "fp8_ds_mla", block_size=BS, block_stride_rows=STRIDE, sm_scale=0.1,
+                       num_blocks=cache.num_blocks, device="cpu")
+    with pytest.raises(ValueError, match=r"request 1 maps block-table entry 1 to block 99, past the cache's 8 blocks"):
+        runner.plan(md)
+    runner = SparseMLA(4, 2, 4, 4, 576, 16, "fp8_ds_mla", block_size=BS, block_stride_rows=STRIDE, sm_scale=0.1,
+                       device="cpu")
+    runner.plan(md)
+    q = torch.zeros(2, 4, 576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="request 1 maps block-table entry 1 to block 99"):
+        runner.run(q, cache, torch.zeros(2, 16, dtype=torch.int32))
+    # an entry past the context (not used) is not an error
+    runner.plan(BatchMetadata.from_lists([1, 1], [10, 10], [[1, 99], [3, 99]]))

@@ -1,0 +1,119 @@
+"""The dispatch table: which kernel, tiling and split count every kind of call gets (sparsemla.plan)."""
+import pytest
+
+from sparsemla import plan as P
+from sparsemla.plan import explain, plan_attention
+
+H200 = dict(capability=(9, 0), num_sms=132)
+ADA = dict(capability=(8, 9), num_sms=128)
+
+
+# (kind, tokens, heads) -> kernel on an H200, every kind of rows and the head counts that switch kernels
+@pytest.mark.parametrize("kind, tokens, heads, kernel", [
+    ("fp8_ds_mla", 128, 16, "sm90-few"), ("fp8_ds_mla", 128, 32, "sm90-few"), ("fp8_ds_mla", 128, 33, "sm90-wide"),
+    ("fp8_ds_mla", 128, 128, "sm90-wide"), ("fp8_ds_mla", 1, 128, "sm90-few"), ("fp8_ds_mla", 16, 128, "sm90-few"),
+    ("fp8_ds_mla", 17, 128, "sm90-wide"),  # 17 x 8 = 136 programs > one wave of 132
+    ("fp8", 128, 16, "sm90-few"), ("fp8", 128, 64, "sm90-wide"), ("fp8", 33, 64, "sm90-few"),
+    ("fp8", 34, 64, "sm90-wide"),
+    ("nvfp4_ds_mla", 128, 16, "sm90-few"), ("nvfp4_ds_mla", 128, 32, "sm90-few"),
+    ("nvfp4_ds_mla", 128, 64, "sm90-few"),  # four waves: 128 x 4 = 512 <= 528
+    ("nvfp4_ds_mla", 133, 64, "portable-wide"), ("nvfp4_ds_mla", 128, 128, "portable-wide"),
+    ("bf16", 128, 16, "portable-bf16"), ("bf16", 128, 32, "portable-bf16"), ("bf16", 128, 33, "sm90-bf16"),
+    ("bf16", 4096, 128, "sm90-bf16"),
+    ("fp8_ds_mla-nope", 128, 16, "sm90-few"), ("nvfp4_ds_mla-nope", 128, 16, "sm90-few"),
+    ("bf16-nope", 128, 64, "sm90-bf16"), ("fp8-nope", 128, 128, "sm90-wide"),
+])
+def test_hopper_table(kind, tokens, heads, kernel):
+    assert plan_attention(kind, tokens, heads, 2048, **H200).kernel == kernel
+
+
+@pytest.mark.parametrize("kind, heads, kernel, hpp", [
+    ("bf16", 16, "portable-bf16", 16), ("bf16", 20, "portable-bf16", 32), ("bf16", 33, "portable-wide", 64),
+    ("fp8", 5, "portable-fp8", 16), ("fp8_ds_mla", 32, "portable-fp8", 32), ("fp8_ds_mla", 40, "portable-wide", 64),
+    ("nvfp4_ds_mla", 16, "portable-nvfp4", 16), ("nvfp4_ds_mla", 17, "portable-wide", 64),
+])
+def test_portable_table(kind, heads, kernel, hpp):
+    for opts in (ADA, dict(H200, portable=True), dict(H200, interpret=True), dict(H200, kv_aligned=False)):
+        p = plan_attention(kind, 128, heads, 2048, **opts)
+        assert (p.kernel, p.heads_per_program) == (kernel, hpp), opts
+    assert plan_attention("staged", 8, 40, 256, **ADA).kernel == "portable-wide"
+    assert plan_attention("fp8", 8, 40, 256, staged=True, **H200).kernel == "portable-wide"  # staged rows
+
+
+def test_bf16_needs_aligned_q_on_hopper():
+    assert plan_attention("bf16", 128, 64, 2048, q_aligned=False, **H200).kernel == "portable-wide"
+    assert plan_attention("fp8", 128, 64, 2048, q_aligned=False, **H200).kernel == "sm90-wide"
+
+
+def test_unavailable_kernels_fall_back():
+    for kernel, kind, heads in [("sm90-few", "fp8_ds_mla", 16), ("sm90-wide", "fp8", 64), ("sm90-bf16", "bf16", 64)]:
+        p = plan_attention(kind, 128, heads, 2048, unavailable=frozenset({kernel}), **H200)
+        assert p.kernel.startswith("portable-"), (kernel, p)
+
+
+@pytest.mark.parametrize("tokens, heads, kind, splits", [
+    # the portable kernels: about two programs per SM, splits of >= 2 tiles (up to 32)
+    (128, 16, "fp8", 2), (128, 128, "bf16", 1), (4, 16, "fp8", 32), (4, 128, "bf16", 16),
+    # one or two programs of work: splits of one 32-row tile, up to 64
+    (1, 16, "fp8", 64), (1, 128, "bf16", 32),  # capped at one 64-row block per split
+])
+def test_portable_splits(tokens, heads, kind, splits):
+    assert plan_attention(kind, tokens, heads, 2048, **ADA).num_splits == splits
+
+
+@pytest.mark.parametrize("tokens, heads, kind, splits", [
+    (128, 16, "fp8_ds_mla", 1), (64, 16, "fp8_ds_mla", 2), (1, 16, "fp8_ds_mla", 16), (1, 128, "fp8_ds_mla", 16),
+    (4, 128, "fp8", 4), (128, 64, "fp8", 1),
+])
+def test_hopper_splits(tokens, heads, kind, splits):
+    """At most one warp-specialized program per SM, each split at least two 64-row blocks (128 positions)."""
+    p = plan_attention(kind, tokens, heads, 2048, **H200)
+    assert p.num_splits == splits
+    assert p.rows_per_split % 64 == 0 and p.rows_per_split * p.num_splits >= 2048
+
+
+def test_splits_never_exceed_the_blocks_and_cover_topk():
+    for k in (1, 8, 63, 64, 65, 2051, 2176):
+        for t in (1, 3, 128):
+            for kind in ("bf16", "fp8_ds_mla", "nvfp4_ds_mla"):
+                for opts in (H200, ADA):
+                    p = plan_attention(kind, t, 16, k, **opts)
+                    assert p.rows_per_split % p.block_n == 0
+                    assert (p.num_splits - 1) * p.rows_per_split < k <= p.num_splits * p.rows_per_split
+
+
+def test_small_topk_one_split():
+    assert plan_attention("bf16", 1, 16, 8, **ADA).num_splits == 1
+    assert plan_attention("fp8", 1, 16, 64, **ADA).num_splits == 2  # two 32-row tiles
+
+
+def test_fp8_qk_only_where_it_applies():
+    assert plan_attention("fp8", 128, 16, 2048, fp8_qk=True, **H200).fp8_qk
+    assert plan_attention("fp8_ds_mla", 128, 128, 2048, fp8_qk=True, **H200).kernel == "sm90-wide"
+    with pytest.raises(ValueError, match="fp8_qk: the FP8-QK mode reads only fp8 or fp8_ds_mla rows, not nvfp4"):
+        plan_attention("nvfp4_ds_mla", 128, 16, 2048, fp8_qk=True, **H200)
+    with pytest.raises(ValueError, match="fp8_qk: .*built for sm_90"):
+        plan_attention("fp8", 128, 16, 2048, fp8_qk=True, **ADA)
+
+
+def test_forced_kernels_and_tiling():
+    assert plan_attention("fp8_ds_mla", 1, 128, 2048, kernel="sm90-wide", **H200).kernel == "sm90-wide"
+    with pytest.raises(ValueError, match="kernel: sm90-wide cannot serve 16 heads of fp8_ds_mla rows"):
+        plan_attention("fp8_ds_mla", 1, 16, 2048, kernel="sm90-wide", **H200)
+    with pytest.raises(ValueError, match="kernel: expected one of"):
+        plan_attention("bf16", 1, 16, 2048, kernel="flash")
+    p = plan_attention("bf16", 8, 16, 256, tiling=(32, 4, 2), **ADA)
+    assert (p.block_n, p.num_warps, p.num_stages) == (32, 4, 2)
+    with pytest.raises(ValueError, match="tiling: sm90-few has a fixed tiling"):
+        plan_attention("fp8", 8, 16, 256, tiling=(32, 4, 2), **H200)
+    assert plan_attention("bf16", 1, 16, 2048, num_splits=3, **ADA).num_splits == 3
+
+
+def test_plans_are_cached_and_explained():
+    a = plan_attention("fp8_ds_mla", 128, 128, 2048, **H200)
+    assert plan_attention("fp8_ds_mla", 128, 128, 2048, **H200) is a
+    text = explain("nvfp4_ds_mla", 128, 128, 2048, **H200)
+    assert "portable-wide" in text.splitlines()[0]
+    assert "not sm90-few: 128 heads x 128 tokens need more than 4 wave(s)" in text
+    assert "not sm90-wide: it reads fp8, fp8_ds_mla rows, not nvfp4_ds_mla" in text
+    assert "did not build" in explain("bf16", 1, 64, 2048, unavailable=frozenset({"sm90-bf16"}), **H200)
