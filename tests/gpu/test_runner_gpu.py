@@ -147,7 +147,7 @@ def test_capture_one_decode_step_and_replay_100_random_batches(fmt):
 def test_plan_during_capture_raises():
     gen = torch.Generator(device=DEV).manual_seed(1)
     cache = filled_cache("fp8_ds_mla", 64, gen)
-    runner = SparseMLA(8, 8, 8, 16, 576, 256, "fp8_ds_mla", device=DEV)
+    runner = SparseMLA(8, 8, 8, 16, 576, 256, "fp8_ds_mla", sm_scale=0.07, device=DEV)
     batch = Batch(gen, 4, 400, cache.num_blocks, 256)
     runner.plan(batch.md)
     q = torch.randn(batch.num_tokens, 16, 576, device=DEV).to(torch.bfloat16)
@@ -167,7 +167,7 @@ def test_plan_during_capture_raises():
 def test_async_upper_bounds_plan_and_run_without_any_sync():
     gen = torch.Generator(device=DEV).manual_seed(2)
     cache = filled_cache("nvfp4_ds_mla", 512, gen)
-    runner = SparseMLA(32, 32, 16, 16, 576, 1024, "nvfp4_ds_mla", device=DEV)
+    runner = SparseMLA(32, 32, 16, 16, 576, 1024, "nvfp4_ds_mla", sm_scale=0.07, device=DEV)
     batch = Batch(gen, 20, 1000, cache.num_blocks, 1024)
     md = batch.md
     q = torch.randn(batch.num_tokens, 16, 576, device=DEV, generator=gen).to(torch.bfloat16)
@@ -295,10 +295,10 @@ def test_flashinfer_decode_agrees_with_native(fmt, heads):
     assert_close_lse(l_f, l_n)
 
 
-# triton-fp8 (the opt-in FP8-arithmetic mode): its lse is ~1e-3 x |lse| from the reference (e4m3 tensor-core
+# triton-fp8qk (the opt-in FP8-QK mode): its lse is ~1e-3 x |lse| from the reference (e4m3 tensor-core
 # accumulation), hence the looser lse tolerance (0.3 x max(1, |lse| / 100))
 @pytest.mark.parametrize("backend,fmt,lse_tol", [("flashinfer", "bf16", 1e-2), ("flashinfer", "fp8", 1e-2),
-                                                 ("triton-fp8", "fp8", 0.3), ("triton-fp8", "fp8_ds_mla", 0.3)])
+                                                 ("triton-fp8qk", "fp8", 0.3), ("triton-fp8qk", "fp8_ds_mla", 0.3)])
 def test_runner_capture_and_replay_against_native(backend, fmt, lse_tol):
     _skip_unless(backend, _config("decode", fmt, 16, 2048, graph_capture=True, runner=True))
     gen = torch.Generator(device=DEV).manual_seed(11)

@@ -6,13 +6,16 @@ with garbage past them, empty rows, poisoned outputs, fresh heavy-tailed data ea
 import pytest
 import torch
 
-from sparsemla.kernels.sparse_attention import sparse_mla_fwd, sparse_mla_fwd_staged
+import sparsemla
+from sparsemla import plan as plan_mod
+from sparsemla.formats import get_format
+from sparsemla.kernels import attention as attn_mod
 from sparsemla.kernels.staging import gather_topk_fp8
 from sparsemla.reference import sparse_mla
 
 import sys, os  # noqa: E401
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from attn_cases import SEED, lse_err, make_case, rel_err  # noqa: E402
+from attn_cases import SEED, lse_err, make_case, rel_err, run_kernel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 FORMATS = ["bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16-nope", "fp8-nope", "fp8_ds_mla-nope",
@@ -20,11 +23,7 @@ FORMATS = ["bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16-nope", "fp8-nope",
 
 
 def _native(c, sm_scale, k_scale=1.0, **kw):
-    t, h = c["q"].shape[:2]
-    out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    lse = torch.full((t, h), float("nan"), dtype=torch.float32, device="cuda")
-    return sparse_mla_fwd(c["q"], c["cache"].rows, c["fmt"], c["indices"], sm_scale, c["valid_counts"], k_scale,
-                          out=out, lse=lse, **kw)
+    return run_kernel(c["q"], c["cache"].rows, c["fmt"], c["indices"], sm_scale, c["valid_counts"], k_scale, **kw)
 
 
 def _check(out, lse, c, sm_scale, k_scale=1.0, tol=1e-2):
@@ -39,10 +38,41 @@ def _check(out, lse, c, sm_scale, k_scale=1.0, tol=1e-2):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("heads", [1, 16, 20, 64, 128])
 @pytest.mark.parametrize("topk", [64, 2048])
-def test_native_gpu(fmt, heads, topk):
+@pytest.mark.parametrize("portable", [False, True])
+def test_native_gpu(fmt, heads, topk, portable):
     c = make_case(fmt, 6, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda")
-    out, lse = _native(c, 576 ** -0.5)
+    out, lse = _native(c, 576 ** -0.5, portable=portable)
     _check(out, lse, c, 576 ** -0.5)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16", "nvfp4_ds_mla"])
+def test_a_kernel_that_does_not_build_falls_back(fmt, monkeypatch):
+    """A Hopper kernel whose build fails (simulated) is recorded as unavailable, the call runs the portable kernels
+    with the same result, and later plans skip it."""
+    from triton.compiler.errors import CompilationError
+
+    heads = 64 if fmt == "bf16" else 16
+    c = make_case(fmt, 6, heads, 512, ctx=2048, block_size=64, device="cuda")
+    want = plan_mod.plan_attention(fmt, 6, heads, 512).kernel
+    assert want.startswith("sm90-")
+
+    class Broken:
+        built = False
+
+        def __call__(self, grid, args):
+            raise CompilationError("simulated", None, "the installed Triton cannot build this kernel")
+
+    monkeypatch.setattr(attn_mod, "_sm90_launch", lambda plan, fmt, has_vc: Broken())
+    monkeypatch.setattr(attn_mod, "_LAUNCHES", {})
+    plan_mod.clear_unavailable()
+    try:
+        out, lse = sparsemla.sparse_mla_decode(c["q"], c["cache"], c["indices"], 0.05, c["valid_counts"])
+        _check(out, lse, c, 0.05)
+        assert want in plan_mod.unavailable_kernels()
+        assert "simulated" in plan_mod.unavailable_kernels()[want] or "CompilationError" in plan_mod.unavailable_kernels()[want]
+        assert attn_mod.plan_for(c["q"], c["cache"].rows, c["fmt"], 512).kernel.startswith("portable-")
+    finally:
+        plan_mod.clear_unavailable()
 
 
 @pytest.mark.parametrize("splits", [1, 4, 16])
@@ -72,7 +102,9 @@ def test_staged_gpu(fmt):
     """Staged path exact on the staged values at real size; equal to native for plain fp8 (a byte copy)."""
     c = make_case(fmt, 6, 16, 2048, ctx=4096, block_size=64, device="cuda")
     staged = gather_topk_fp8(c["cache"].rows, c["fmt"], c["indices"], c["valid_counts"], 1.0)
-    o_s, l_s = sparse_mla_fwd_staged(c["q"], staged, c["indices"], 0.05, c["valid_counts"], 1.0)
+    fp8 = get_format("fp8", c["fmt"].rope_dim)
+    o_s, l_s = run_kernel(c["q"], staged.view(torch.uint8).view(-1, staged.shape[2]), fp8, c["indices"], 0.05,
+                          c["valid_counts"], 1.0, staged=True)
     t, k, d = staged.shape
     ws = staged.to(torch.float64).reshape(t * k, d)
     rows = torch.arange(t * k, device="cuda").view(t, k)
