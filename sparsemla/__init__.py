@@ -33,7 +33,8 @@ __all__ = sorted(_EXPORTS) + ["reference", "__version__"]
 def __getattr__(name):
     if name in _EXPORTS:
         mod = importlib.import_module(f".{_EXPORTS[name]}", __name__)
-        return getattr(mod, name)
+        value = globals()[name] = getattr(mod, name)  # later lookups skip this function
+        return value
     if name == "reference":
         return importlib.import_module(".reference", __name__)
     raise AttributeError(f"module 'sparsemla' has no attribute {name!r}")

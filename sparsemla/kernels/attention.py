@@ -79,6 +79,10 @@ def _portable_launch(plan, fmt, has_vc: bool, interp: bool) -> Launch:
 
 
 def _launch_for(plan, fmt, has_vc: bool) -> Launch:
+    # Plans are cached objects: look them up by identity first (hashing a plan hashes all of its fields).
+    hit = _BY_PLAN.get((id(plan), fmt, has_vc))
+    if hit is not None and hit[0] is plan:
+        return hit[1]
     key = (plan.kernel, plan.kind, plan.heads_per_program, plan.num_groups, plan.block_n, plan.num_warps,
            plan.num_stages, plan.fp8_qk, fmt.id, has_vc)
     launch = _LAUNCHES.get(key)
@@ -88,7 +92,11 @@ def _launch_for(plan, fmt, has_vc: bool) -> Launch:
         else:
             launch = _portable_launch(plan, fmt, has_vc, interpreting())
         _LAUNCHES[key] = launch
+    _BY_PLAN[(id(plan), fmt, has_vc)] = (plan, launch)
     return launch
+
+
+_BY_PLAN: dict = {}
 
 
 def _combine_launch(num_splits: int, pdl: bool) -> Launch:
@@ -108,18 +116,22 @@ def plan_for(q: torch.Tensor, rows: torch.Tensor, fmt, topk: int, *, fp8_qk: boo
              staged: bool = False, kernel: Optional[str] = None, num_splits: Optional[int] = None) -> _plan.KernelPlan:
     """The plan of a call on these tensors: :func:`sparsemla.plan.plan_attention` with the device's facts, the
     tensors' alignment and the kernels unavailable here (``kernel`` / ``num_splits``: forced, for tests)."""
-    dev = q.device
-    facts = _FACTS.get(dev)
-    if facts is None:
-        cuda = dev.type == "cuda"
-        facts = _FACTS[dev] = ((capability(dev), num_sms(dev)) if cuda else ((0, 0), 132))
+    facts = _device_facts(q.device)
     q_aligned = (q.data_ptr() & 15) == 0 and (q.stride(0) & 7) == 0 and (q.stride(1) & 7) == 0
     return _plan._plan("staged" if staged else fmt.name, q.shape[0], q.shape[1], topk, facts[0], facts[1], fp8_qk,
                        portable, interpreting(), q_aligned, (rows.data_ptr() & 15) == 0, kernel, None,
                        _plan.unavailable_set(), num_splits)
 
 
-_FACTS: dict = {}  # device -> (capability, SM count)
+def _device_facts(dev: torch.device):
+    """(capability, SM count) of a device, cached ((0, 0) and 132 for the CPU interpreter)."""
+    facts = _FACTS.get(dev)
+    if facts is None:
+        facts = _FACTS[dev] = (capability(dev), num_sms(dev)) if dev.type == "cuda" else ((0, 0), 132)
+    return facts
+
+
+_FACTS: dict = {}
 
 
 def attention_fwd(q: torch.Tensor, rows: torch.Tensor, fmt, indices: torch.Tensor, sm_scale: float, *,
@@ -159,6 +171,24 @@ def attention_fwd(q: torch.Tensor, rows: torch.Tensor, fmt, indices: torch.Tenso
     return out, lse
 
 
+def _scratch(device: torch.device, n: int) -> torch.Tensor:
+    """fp32 split partials for a call without a runner: one grow-only buffer per (device, stream), reused call
+    after call (a call's combine reads its partials before the next call on that stream writes them).  Under
+    CUDA-graph capture, and for a large buffer, a fresh allocation instead."""
+    if device.type != "cuda" or n > _SCRATCH_MAX or torch.cuda.is_current_stream_capturing():
+        return torch.empty(n, dtype=torch.float32, device=device)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (idx, torch._C._cuda_getCurrentRawStream(idx))
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _SCRATCH[key] = torch.empty(max(n, 1 << 20), dtype=torch.float32, device=device)
+    return buf
+
+
+_SCRATCH: dict = {}
+_SCRATCH_MAX = 1 << 24  # fp32 elements (64 MB); a call needing more allocates its own
+
+
 def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers) -> None:
     t, h = q.shape[0], q.shape[1]
     ns = plan.num_splits
@@ -166,7 +196,7 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
         n_o = t * ns * h * V_DIM
         n_all = n_o + t * ns * h
         if split_buffers is None:
-            split_buffers = torch.empty(n_all, dtype=torch.float32, device=q.device)
+            split_buffers = _scratch(q.device, n_all)
         elif split_buffers.numel() < n_all:
             raise ValueError(f"split_buffers: {split_buffers.numel()} fp32 elements, this call needs {n_all}")
         o_dst, l_dst = split_buffers[:n_o], split_buffers[n_o:n_all]
@@ -174,11 +204,13 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
         l_strides = (ns * h, h, 1)
     else:
         o_dst, l_dst = out, lse
-        o_strides = (out.stride(0), 0, out.stride(1))
-        l_strides = (lse.stride(0), 0, lse.stride(1))
+        os_, ls_ = out.stride(), lse.stride()
+        o_strides = (os_[0], 0, os_[1])
+        l_strides = (ls_[0], 0, ls_[1])
     has_vc = valid_counts is not None
     vc = valid_counts if has_vc else indices  # a dummy pointer when absent
-    args = (q, q.stride(0), q.stride(1), rows, indices, indices.stride(0), vc,
+    qs = q.stride()
+    args = (q, qs[0], qs[1], rows, indices, indices.stride(0), vc,
             o_dst, *o_strides, l_dst, *l_strides, float(sm_scale) * LOG2E)
     tail = (h, indices.shape[1], plan.rows_per_split, ns)
     if plan.kernel in _TAKES_K_SCALE:
@@ -202,10 +234,10 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
             _run(fallback, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers)
             return
     if ns > 1:
-        pdl = q.device.type == "cuda" and not interpreting() and capability(q.device) >= (9, 0)
-        _combine_launch(ns, pdl)((t, h, V_DIM // 128),
-                                 (o_dst, l_dst, out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1),
-                                  h, ns))
+        # programmatic dependent launch on sm_90+: the combine's launch overlaps the attention kernel's tail
+        pdl = q.device.type == "cuda" and not interpreting() and _device_facts(q.device)[0] >= (9, 0)
+        os_, ls_ = out.stride(), lse.stride()
+        _combine_launch(ns, pdl)((t, h, V_DIM // 128), (o_dst, l_dst, out, os_[0], os_[1], lse, ls_[0], ls_[1], h, ns))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -108,8 +108,12 @@ def _hooks() -> bool:
     from triton import knobs
     rt = knobs.runtime
 
+    def installed(h) -> bool:
+        # a HookChain (Triton >= 3.5: never None, empty when nothing is installed) or a plain callable / None
+        return bool(h.calls) if hasattr(h, "calls") else h is not None
+
     def hooks() -> bool:
-        return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+        return installed(rt.launch_enter_hook) or installed(rt.launch_exit_hook)
 
     global _hooks
     _hooks = hooks
