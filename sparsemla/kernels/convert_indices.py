@@ -37,11 +37,13 @@ def _rows_of_chunk(topk_row, stride_tk, k, K, bt_row, stride_bb, max_blocks, req
                    BLOCK_SIZE: tl.constexpr, HAS_WS: tl.constexpr):
     """Rows (int64, -1 = none) of the entries ``k`` (a chunk of column indices) of one token, whose
     top-k row starts at ``topk_row`` and whose block-table row starts at ``bt_row`` (``req_ok``: the
-    token's request is a row of the table; otherwise nothing is read from it)."""
+    token's request is a row of the table; otherwise every entry reads as -1)."""
     in_k = k < K
     pos = tl.load(topk_row + k * stride_tk, mask=in_k, other=-1).to(tl.int64)
+    # (a tensor compare instead of ``& req_ok``: some interpreters mishandle tensor & scalar masks)
+    pos = tl.where(pos < tl.where(req_ok, 1 << 62, 0), pos, -1)
     blk = pos // BLOCK_SIZE
-    in_table = (pos >= 0) & (blk < max_blocks) & req_ok
+    in_table = (pos >= 0) & (blk < max_blocks)
     phys = tl.load(bt_row + blk * stride_bb, mask=in_table, other=-1).to(tl.int64)
     ok = in_table & (phys >= 0)
     rows = tl.where(ok, phys * block_stride_rows + pos % BLOCK_SIZE, -1)

@@ -343,12 +343,14 @@ def _upconvert_kernel(
     seq = tl.load(seq_ptr + r).to(tl.int64)
     ws = tl.load(ws_ptr + r).to(tl.int64)
     blk = pos // BLOCK_SIZE
-    live = (pos < seq) & (blk < max_blocks) & (ws >= 0) & (ws + pos < W)
+    wpos = ws + pos                            # workspace row of each position
+    # (wpos >= pos is ws >= 0 as a tensor compare: some interpreters mishandle tensor & scalar masks)
+    live = (pos < seq) & (blk < max_blocks) & (wpos >= pos) & (wpos < W)
     phys = tl.load(bt_ptr + r * stride_br + blk * stride_bb, mask=live, other=-1).to(tl.int64)
     ok = live & (phys >= 0) & (phys < num_blocks)   # a missing block or one outside the cache: zero rows
     base = tl.where(ok, phys * block_stride_rows + pos % BLOCK_SIZE, 0) * BPT
     o16 = out_ptr.to(tl.pointer_type(tl.uint16))
-    obase = (ws + pos) * HEAD_DIM              # int64 element offset of each workspace row
+    obase = wpos * HEAD_DIM                    # int64 element offset of each workspace row
     m2 = ok[:, None]
     mo = live[:, None]
     col = tl.arange(0, D)
