@@ -5,7 +5,10 @@ Row rule (``kv-formats.md`` §7): ``row = block_table[req, pos // block_size] * 
 block_table.shape[1]``, or a negative table entry) becomes -1.
 
 ``convert_indices`` runs one Triton kernel on CUDA tensors (``kernels/convert_indices.py``) and the
-PyTorch code below elsewhere; both give identical results.
+PyTorch code below elsewhere; both give identical results.  It runs every layer of every step, so a
+default call checks only what the host knows (shapes, dtypes, devices: no sync), writes into the
+caller's buffers when given (``out=``, ``counts_out=``: no allocation) and is capturable in a CUDA graph;
+``check=True`` is a debug option that also checks index values (a device sync).
 """
 from __future__ import annotations
 
@@ -19,70 +22,100 @@ from .kernels._runtime import triton_runs_on
 _INT = (torch.int32, torch.int64)
 
 
-def _check_convert_args(topk_local, req_id_per_token, block_table, block_size, block_stride_rows, workspace_start):
+def _check_convert_args(topk_local, req_id_per_token, block_table, block_size, block_stride_rows, workspace_start,
+                        out, counts_out, return_valid_counts):
     check_tensor("topk_local", topk_local, dtypes=_INT, ndim=2)
     dev = topk_local.device
-    t = topk_local.shape[0]
+    t, k = topk_local.shape
     check_tensor("req_id_per_token", req_id_per_token, dtypes=_INT, shape=(t,), device=dev)
     check_tensor("block_table", block_table, dtypes=_INT, ndim=2, device=dev)
     block_stride_rows = check_block_geometry(block_size, block_stride_rows)
     if workspace_start is not None:
         check_tensor("workspace_start", workspace_start, dtypes=_INT, shape=(block_table.shape[0],), device=dev)
+    if out is not None:
+        check_tensor("out", out, dtype=torch.int32, shape=(t, k), device=dev)
+        if k > 1 and out.stride(1) != 1:
+            raise ValueError(f"out: expected unit column stride, got strides {out.stride()}")
+    if counts_out is not None:
+        if not return_valid_counts:
+            raise ValueError("counts_out: given without return_valid_counts=True")
+        check_tensor("counts_out", counts_out, dtype=torch.int32, shape=(t,), device=dev, contiguous=True)
     return block_stride_rows
 
 
 def convert_indices(topk_local: torch.Tensor, req_id_per_token: torch.Tensor, block_table: torch.Tensor,
                     block_size: int = 64, block_stride_rows: Optional[int] = None,
                     return_valid_counts: bool = False, *, compact: bool = False,
-                    workspace_start: Optional[torch.Tensor] = None, check: bool = True):
+                    workspace_start: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                    counts_out: Optional[torch.Tensor] = None, check: bool = False):
     """Convert request-local top-k positions to cache rows.
 
     Args:
-        topk_local: int32 ``[T, K]`` positions in ``[0, seq_len)`` of the token's request, -1 padded.
-        req_id_per_token: int32 ``[T]`` request of each query token (row of ``block_table``).
-        block_table: int32 ``[R, max_blocks]`` physical block ids per request (negative = none).
+        topk_local: int32 / int64 ``[T, K]`` positions in ``[0, seq_len)`` of the token's request, -1 padded.
+        req_id_per_token: int32 / int64 ``[T]`` request of each query token (row of ``block_table``).
+        block_table: int32 / int64 ``[R, max_blocks]`` physical block ids per request (negative = none).
         block_size, block_stride_rows: cache geometry (``PagedKVCache.block_size`` / ``.block_stride_rows``).
         return_valid_counts: also return int32 ``[T]``, the length of the shortest prefix that holds
             every valid entry (0 for a row with none).  Without ``compact`` a -1 may sit inside it.
         compact: move the valid entries of each row to a prefix, keeping their order (-1 after).
         workspace_start: optional int ``[R]``; a request ``r`` with ``workspace_start[r] >= 0`` is staged
             contiguously in a prefill workspace and its tokens get ``workspace_start[r] + pos``.
-        check: validate value ranges (reads the tensors on the host; pass False on a hot path).
+        out: optional int32 ``[T, K]`` (unit column stride), the rows written in place.
+        counts_out: optional int32 ``[T]`` contiguous, the valid counts written in place (with
+            ``return_valid_counts``).
+        check: debug option: raise for a position below -1 or a request id outside the block table
+            (reads the tensors on the host: one device sync).  Default False: no sync; a request id
+            outside the table is the caller's contract (the runner checks it on the host at plan time).
 
     Returns:
-        int32 ``[T, K]`` rows (and int32 ``[T]`` valid counts when asked).
+        int32 ``[T, K]`` rows (``out`` when given), and int32 ``[T]`` valid counts when asked.
     """
     block_stride_rows = _check_convert_args(topk_local, req_id_per_token, block_table, block_size,
-                                            block_stride_rows, workspace_start)
-    if check and topk_local.numel():
+                                            block_stride_rows, workspace_start, out, counts_out, return_valid_counts)
+    if check:
+        _check_values(topk_local, req_id_per_token, block_table)
+    if triton_runs_on(topk_local.device):
+        from .kernels.convert_indices import convert_indices_triton
+        return convert_indices_triton(topk_local, req_id_per_token, block_table, block_size, block_stride_rows,
+                                      return_valid_counts, compact, workspace_start, out, counts_out)
+    res = convert_indices_torch(topk_local, req_id_per_token, block_table, block_size, block_stride_rows,
+                                return_valid_counts, compact, workspace_start)
+    rows, counts = res if return_valid_counts else (res, None)
+    if out is not None:
+        rows = out.copy_(rows)
+    if counts_out is not None:
+        counts = counts_out.copy_(counts)
+    return (rows, counts) if return_valid_counts else rows
+
+
+def _check_values(topk_local, req_id_per_token, block_table) -> None:
+    if topk_local.numel():
         lo = int(topk_local.min())
         if lo < -1:
             raise ValueError(f"topk_local: entries must be -1 (padding) or >= 0, found {lo}")
-    if check and req_id_per_token.numel():
+    if req_id_per_token.numel():
         lo, hi = int(req_id_per_token.min()), int(req_id_per_token.max())
         if lo < 0 or hi >= block_table.shape[0]:
             raise ValueError(f"req_id_per_token: entries must be in [0, {block_table.shape[0]}) "
                              f"(rows of block_table), found range [{lo}, {hi}]")
-    if triton_runs_on(topk_local.device) and topk_local.numel():
-        from .kernels.convert_indices import convert_indices_triton
-        return convert_indices_triton(topk_local, req_id_per_token, block_table, block_size, block_stride_rows,
-                                      return_valid_counts, compact, workspace_start)
-    return convert_indices_torch(topk_local, req_id_per_token, block_table, block_size, block_stride_rows,
-                                 return_valid_counts, compact, workspace_start)
 
 
 def convert_indices_torch(topk_local, req_id_per_token, block_table, block_size=64, block_stride_rows=None,
                           return_valid_counts=False, compact=False, workspace_start=None):
-    """The PyTorch implementation (the reference for the kernel).  Same arguments as ``convert_indices``."""
+    """The PyTorch implementation (the reference for the kernel).  Same arguments as ``convert_indices``
+    (without the output buffers); a token whose request id is not a row of ``block_table`` gets -1 rows,
+    as in the kernel."""
     if block_stride_rows is None:
         block_stride_rows = block_size
     pos = topk_local.to(torch.int64)
+    n_req, max_blocks = block_table.shape
     req = req_id_per_token.to(torch.int64)
-    max_blocks = block_table.shape[1]
+    req_ok = ((req >= 0) & (req < n_req))[:, None]
+    req = torch.where(req_ok[:, 0], req, torch.zeros_like(req))
     blk_idx = torch.div(pos, block_size, rounding_mode="floor")
-    in_table = (pos >= 0) & (blk_idx < max_blocks)
+    in_table = (pos >= 0) & (blk_idx < max_blocks) & req_ok
     safe_blk_idx = torch.where(in_table, blk_idx, torch.zeros_like(blk_idx))
-    if max_blocks:
+    if max_blocks and n_req:
         phys = block_table.to(torch.int64)[req[:, None], safe_blk_idx]
     else:
         phys = torch.full_like(pos, -1)
@@ -90,8 +123,8 @@ def convert_indices_torch(topk_local, req_id_per_token, block_table, block_size=
     rows = phys * block_stride_rows + (pos % block_size)
     rows = torch.where(ok, rows, torch.full_like(rows, -1))
     if workspace_start is not None:
-        ws = workspace_start.to(torch.int64)[req][:, None]
-        staged = ws >= 0
+        ws = workspace_start.to(torch.int64)[req][:, None] if n_req else torch.full_like(pos[:, :1], -1)
+        staged = (ws >= 0) & req_ok
         rows = torch.where(staged, torch.where(pos >= 0, ws + pos, torch.full_like(pos, -1)), rows)
     valid = rows >= 0
     if compact:

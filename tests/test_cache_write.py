@@ -1,7 +1,9 @@
 """Cache-write kernel (kernels/cache_write.py) under the Triton interpreter: the bytes written must be
-IDENTICAL to ``fmt.encode`` for every format, input dtype and k_scale, on heavy-tailed data and on
-hand-picked hard values (ties, saturation, subnormals, every nvfp4 decision point of every e4m3
-scale); slot -1 is skipped; strided, shuffled blocks; nothing outside the written rows changes.
+IDENTICAL to ``fmt.encode`` for every format (vLLM's NoPE rows with their zero RoPE slot, and the compact
+ones), input dtype and k_scale, on heavy-tailed data and on hand-picked hard values (ties, saturation,
+subnormals, every nvfp4 decision point of every e4m3 scale) and on non-finite input (the format's
+non-finite row); slot -1 and slots outside the cache are skipped; strided, shuffled blocks; nothing
+outside the written rows changes.
 
 Small shapes (a few dozen tokens) keep each kernel run under a second in the interpreter.  The GPU
 suite (tests/gpu/test_movement_gpu.py) repeats this at realistic sizes, on both conversion paths.
@@ -17,7 +19,7 @@ from sparsemla.kernels._runtime import interpreting
 
 from conversion_probe import every_bf16_amax, probe_conversions, probe_nvfp4_scales
 
-ALL = all_formats()
+ALL = all_formats(compact=True)
 ALL_IDS = [f.id for f in ALL]
 POISON = 0xA5
 
@@ -44,7 +46,8 @@ def write_and_expect(fmt, kv, pe, slots, k_scale, num_rows, block_size, stride_r
     rows = torch.full((num_rows, fmt.bytes_per_token), poison, dtype=torch.uint8, device=device)
     cache_write(rows, fmt, kv, pe, slots, block_size, stride_rows, k_scale, _config=config)
     expect = torch.full_like(rows, poison)
-    keep = slots >= 0
+    num_slots = ((num_rows - block_size) // stride_rows + 1) * block_size
+    keep = (slots >= 0) & (slots < num_slots)
     s = slots[keep].to(torch.int64)
     target = (s // block_size) * stride_rows + s % block_size
     expect[target] = fmt.encode(kv[keep], None if pe is None else pe[keep], k_scale)
@@ -68,7 +71,7 @@ def test_bytes_equal_encode(fid, dtype, k_scale, device):
     fmt = get_format(fid)
     n, bs, stride = 40, 8, 11                       # strided blocks: 3 rows between blocks belong to nobody
     nb = 7
-    kv = heavy_tailed(n, 512, seed=hash(fid) % 1000, dtype=dtype, device=device)
+    kv = heavy_tailed(n, 512, seed=sum(map(ord, fid)), dtype=dtype, device=device)
     if dtype == torch.float16:
         kv = kv.clamp(-6e4, 6e4)
     pe = heavy_tailed(n, 64, seed=7, dtype=dtype, device=device) if fmt.rope_dim else None
@@ -76,8 +79,76 @@ def test_bytes_equal_encode(fid, dtype, k_scale, device):
     slots = torch.randperm(nb * bs, generator=g)[:n]          # shuffled slots over shuffled blocks
     slots[[0, 5, 17]] = -1                                     # skipped tokens
     slots = slots.to(torch.int32).to(device)
-    rows, expect = write_and_expect(fmt, kv, pe, slots, k_scale, nb * stride, bs, stride, device)
+    rows, expect = write_and_expect(fmt, kv, pe, slots, k_scale, (nb - 1) * stride + bs, bs, stride, device)
     assert first_mismatch(rows, expect) is None, first_mismatch(rows, expect)
+
+
+@pytest.mark.parametrize("fid", ["fp8_ds_mla-nope", "nvfp4_ds_mla-nope"])
+def test_nope_rows_zero_the_rope_slot(fid, device):
+    """vLLM's NoPE rows: the RoPE slot is written as zeros over whatever the cache held, and every other
+    byte equals the rope format's row for the same kv_c with k_pe = 0."""
+    fmt = get_format(fid)
+    rope = get_format(fmt.name)
+    n = 12
+    kv = heavy_tailed(n, 512, seed=21, dtype=torch.bfloat16, device=device)
+    slots = torch.arange(n, dtype=torch.int32, device=device).flip(0)
+    rows, expect = write_and_expect(fmt, kv, None, slots, 1.0, 16, 4, 4, device)
+    assert first_mismatch(rows, expect) is None, first_mismatch(rows, expect)
+    lay = fmt.layout
+    got = rows[slots.long()]
+    assert bool((got[:, lay.zero_offset:lay.zero_offset + lay.zero_bytes] == 0).all())
+    full = rope.encode(kv, torch.zeros(n, 64, device=device))
+    keep = torch.ones(fmt.bytes_per_token, dtype=torch.bool)
+    keep[lay.zero_offset:lay.zero_offset + lay.zero_bytes] = False
+    assert torch.equal(got[:, keep.to(device)], full[:, keep.to(device)])
+
+
+@pytest.mark.parametrize("fid", ALL_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_nonfinite_tokens_match_encode(fid, dtype, device):
+    """NaN / +inf / -inf in kv_c (in any 128-dim tile or 16-dim block, a whole token) or k_pe: the kernel
+    writes the format's non-finite row for exactly those tokens, as fmt.encode does (bf16 input takes the
+    nvfp4 pair path, fp32 / fp16 the other)."""
+    fmt = get_format(fid)
+    n = 14
+    kv = heavy_tailed(n, 512, seed=23, dtype=torch.float32)
+    pe = heavy_tailed(n, 64, seed=24, dtype=torch.float32) if fmt.rope_dim else None
+    if dtype == torch.float16:
+        kv, pe = kv.clamp(-6e4, 6e4), None if pe is None else pe.clamp(-6e4, 6e4)
+    kv[1, 0] = float("nan")
+    kv[2, 140] = float("inf")
+    kv[3, 511] = -float("inf")
+    kv[4] = float("nan")
+    kv[5, 17] = -float("nan")
+    bad = [1, 2, 3, 4, 5]
+    if pe is not None:
+        pe[7, 0] = float("nan")
+        pe[8, 63] = float("inf")
+        pe[9, 5] = -float("inf")
+        bad += [7, 8, 9]
+    kv, pe = kv.to(dtype).to(device), None if pe is None else pe.to(dtype).to(device)
+    slots = torch.arange(n, dtype=torch.int32, device=device)
+    rows, expect = write_and_expect(fmt, kv, pe, slots, 0.5, 16, 8, 8, device)
+    assert first_mismatch(rows, expect) is None, first_mismatch(rows, expect)
+    want = fmt.nonfinite_row(device)
+    for i in range(n):
+        assert torch.equal(rows[i], want) == (i in bad), i
+
+
+def test_slots_outside_the_cache_are_skipped(device):
+    """A slot past the last block (or below -1) is never written: the kernel stays inside ``rows``."""
+    fmt = get_format("fp8_ds_mla")
+    bs, stride, nb = 4, 6, 3
+    backing = torch.full((nb * stride + 8, fmt.bytes_per_token), POISON, dtype=torch.uint8, device=device)
+    rows = backing[: (nb - 1) * stride + bs]
+    kv = heavy_tailed(5, 512, seed=25, device=device)
+    pe = torch.randn(5, 64, device=device)
+    slots = torch.tensor([nb * bs, 5, -7, 10 ** 6, 0], dtype=torch.int64, device=device)
+    cache_write(rows, fmt, kv, pe, slots, bs, stride)
+    expect = torch.full_like(backing, POISON)
+    ok = torch.tensor([1, 4])
+    expect[torch.tensor([stride + 1, 0])] = fmt.encode(kv[ok.to(device)], pe[ok.to(device)]).to(expect.device)
+    assert first_mismatch(backing, expect) is None, first_mismatch(backing, expect)
 
 
 @pytest.mark.parametrize("fid", ["fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16-nope"])
@@ -92,18 +163,18 @@ def test_int64_slots_and_row_strided_input(fid, device):
     assert first_mismatch(rows, expect) is None, first_mismatch(rows, expect)
 
 
-@pytest.mark.parametrize("fid", ["nvfp4_ds_mla", "nvfp4_ds_mla-nope"])
-@pytest.mark.parametrize("aligned", [True, False])
-def test_nvfp4_aligned_rows_option(fid, aligned, device):
-    """The 16-byte-aligned read of bf16 pairs (default) and the unhinted one (``_config={"aligned": False}``)
-    write the same bytes, for contiguous input and for the row-strided slice of a fused [N, 576] tensor."""
+@pytest.mark.parametrize("fid", ["nvfp4_ds_mla", "nvfp4_ds_mla-nope", "nvfp4_ds_mla-nope-compact"])
+def test_nvfp4_aligned_and_unaligned_pairs(fid, device):
+    """bf16 pairs read with the 16-byte alignment hint (contiguous rows, or the row-strided slice of a fused
+    [N, 576] tensor) and without it (rows starting 4 bytes into a 16-byte line): the same bytes."""
     fmt = get_format(fid)
     n = 21
     fused = heavy_tailed(n, 576, seed=5, dtype=torch.bfloat16, device=device)
-    for kv in (fused[:, :512].contiguous(), fused[:, :512]):
+    shifted = heavy_tailed(n, 516, seed=5, dtype=torch.bfloat16, device=device)[:, 2:514]   # stride 516, +4 B
+    for kv in (fused[:, :512].contiguous(), fused[:, :512], shifted):
         pe = fused[:, 512:] if fmt.rope_dim else None
         slots = torch.arange(n, dtype=torch.int32, device=device).flip(0)
-        rows, expect = write_and_expect(fmt, kv, pe, slots, 1.0, 32, 8, 8, device, config={"aligned": aligned})
+        rows, expect = write_and_expect(fmt, kv, pe, slots, 1.0, 32, 8, 8, device)
         assert first_mismatch(rows, expect) is None, first_mismatch(rows, expect)
 
 
@@ -219,7 +290,8 @@ def test_nothing_outside_written_rows_changes(device):
     kv = heavy_tailed(n, 512, seed=12, dtype=torch.bfloat16)
     pe = torch.randn(n, 64).to(torch.bfloat16)
     cache.write(kv.to(device), pe.to(device), slots.to(device))
-    after = cache.rows.cpu()
+    assert cache.num_rows == (nb - 1) * stride + bs
+    after = storage.cpu()
     written = (slots // bs).long() * stride + (slots % bs).long()
     mask = torch.ones(after.shape[0], dtype=torch.bool)
     mask[written] = False

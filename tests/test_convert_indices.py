@@ -124,3 +124,99 @@ def test_public_dispatch_uses_kernel(device, monkeypatch):
     got = convert_indices(pos, req, table, 8, 8, return_valid_counts=True, compact=True)
     assert calls == [1]
     assert_same(got, convert_indices_torch(pos, req, table, 8, 8, True, True))
+
+
+# --------------------------------------------------------------------------------------------
+# out=, the debug check, no host reads
+# --------------------------------------------------------------------------------------------
+class _NoHostRead(Exception):
+    pass
+
+
+def forbid_host_reads(monkeypatch):
+    """Make every way of reading a tensor value on the host (a device sync on CUDA) raise."""
+    def boom(*a, **k):
+        raise _NoHostRead("a tensor value was read on the host")
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+
+
+@pytest.mark.parametrize("counts", [False, True])
+@pytest.mark.parametrize("compact", [False, True])
+def test_out_buffers_are_written_in_place(counts, compact, device):
+    """``out`` (a row slice of a wider buffer: a row stride other than K) and ``counts_out`` are the
+    returned tensors, filled with the reference's values."""
+    pos, req, table = make_case(6, 37, 3, 5, 16, seed=8, device=device)
+    wide = torch.full((8, 50), -9, dtype=torch.int32, device=device)
+    out = wide[1:7, :37]
+    cnt = torch.full((6,), -9, dtype=torch.int32, device=device)
+    kw = {"counts_out": cnt} if counts else {}
+    got = convert_indices(pos, req, table, 16, 16, counts, compact=compact, out=out, **kw)
+    want = convert_indices_torch(pos, req, table, 16, 16, counts, compact)
+    rows = got[0] if counts else got
+    assert rows.data_ptr() == out.data_ptr()
+    if counts:
+        assert got[1].data_ptr() == cnt.data_ptr()
+    assert_same(got, want)
+    assert bool((wide[0] == -9).all()) and bool((wide[:, 37:] == -9).all())
+
+
+def test_default_call_reads_nothing_on_the_host(device, monkeypatch):
+    """A default call (given outputs) validates shapes and dtypes only: no tensor value is read on the
+    host, which on CUDA would synchronize (the launch itself is replaced by a stub here)."""
+    import sparsemla.kernels.convert_indices as ci
+    pos, req, table = make_case(4, 20, 2, 3, 8, seed=9, device=device)
+    ws = torch.tensor([0, -1], dtype=torch.int32, device=device)
+    out = torch.empty(4, 20, dtype=torch.int32, device=device)
+    cnt = torch.empty(4, dtype=torch.int32, device=device)
+    launches = []
+
+    class Stub:
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append(grid)
+
+    monkeypatch.setattr(ci, "_convert_indices_kernel", Stub())
+    forbid_host_reads(monkeypatch)
+    convert_indices(pos, req, table, 8, 8, True, compact=True, workspace_start=ws, out=out, counts_out=cnt)
+    assert launches == [(4,)]
+
+
+def test_bad_request_ids_give_empty_rows(device):
+    """A request id that is not a row of the block table reads nothing from it: every entry of that token
+    is -1 (kernel and reference agree); ``check=True`` raises instead."""
+    pos, req, table = make_case(5, 30, 3, 4, 8, seed=10, device=device)
+    req = req.clone()
+    req[0], req[3] = 3, -2
+    ws = torch.tensor([5, -1, 40], dtype=torch.int32, device=device)
+    for kw in ({}, {"workspace_start": ws}):
+        want = convert_indices_torch(pos, req, table, 8, 8, True, True, kw.get("workspace_start"))
+        assert bool((want[0][[0, 3]] == -1).all()) and want[1][[0, 3]].tolist() == [0, 0]
+        assert_same(convert_indices_triton(pos, req, table, 8, 8, True, True, kw.get("workspace_start")), want)
+        assert_same(convert_indices(pos, req, table, 8, 8, True, compact=True, **kw), want)
+    with pytest.raises(ValueError, match="req_id_per_token"):
+        convert_indices(pos, req, table, 8, 8, check=True)
+    bad = pos.clone()
+    bad[2, 0] = -3
+    with pytest.raises(ValueError, match="topk_local"):
+        convert_indices(bad, req.clamp(0, 2), table, 8, 8, check=True)
+
+
+def test_argument_errors(device):
+    pos, req, table = make_case(4, 10, 2, 3, 8, seed=11, device=device)
+    with pytest.raises(TypeError, match="out"):
+        convert_indices(pos, req, table, 8, out=torch.empty(4, 10, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="out"):
+        convert_indices(pos, req, table, 8, out=torch.empty(4, 11, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="out.*stride"):
+        convert_indices(pos, req, table, 8, out=torch.empty(10, 4, dtype=torch.int32, device=device).t())
+    with pytest.raises(ValueError, match="counts_out"):
+        convert_indices(pos, req, table, 8, counts_out=torch.empty(4, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="counts_out"):
+        convert_indices(pos, req, table, 8, return_valid_counts=True,
+                        counts_out=torch.empty(5, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="req_id_per_token"):
+        convert_indices(pos, req[:3], table, 8)
+    with pytest.raises(TypeError, match="topk_local"):
+        convert_indices(pos.float(), req, table, 8)
+    with pytest.raises(ValueError, match="block_stride_rows"):
+        convert_indices(pos, req, table, 8, 4)

@@ -152,13 +152,42 @@ def test_scores_kernel_checks_arguments(device):
     ctx = torch.tensor([5, 10], dtype=torch.int32, device=device)
     args = (q8.to(device), qs.to(device), cache, bt, req, ctx)
     with pytest.raises(ValueError, match="context_lens"):
-        K.index_scores(*args, 8)
+        K.index_scores(*args, 8, check=True)
     with pytest.raises(TypeError, match="q_fp8"):
         K.index_scores(q8.float().to(device), *args[1:], 16)
     with pytest.raises(ValueError, match="index_cache"):
         K.index_scores(args[0], args[1], cache[:, :, :128], *args[3:], 16)
     with pytest.raises(ValueError, match="slot_mapping"):
-        K.index_cache_write(cache, torch.randn(1, 128, device=device), torch.tensor([10 ** 6], device=device))
+        K.index_cache_write(cache, torch.randn(1, 128, device=device), torch.tensor([10 ** 6], device=device),
+                            check=True)
+    with pytest.raises(ValueError, match="req_id"):
+        K.index_scores(args[0], args[1], cache, bt, req + 5, ctx, 16, check=True)
+
+
+def test_kernels_stay_inside_their_tensors_by_default(device):
+    """Without the debug check: a slot outside the cache is skipped; keys past the block table, in a
+    block id outside the cache or of a request id outside the table score -inf (nothing read there)."""
+    gen = torch.Generator().manual_seed(7)
+    cache, bt, _ = _setup(device, gen, lens=[10])
+    before = cache.clone()
+    K.index_cache_write(cache, torch.randn(2, 128, device=device),
+                        torch.tensor([10 ** 6, -5], dtype=torch.int64, device=device))
+    assert torch.equal(cache, before)
+    q8, qs = K.quantize_index_q(torch.randn(3, 2, 128))
+    bad_bt = bt.clone()
+    bad_bt[0, 0] = cache.shape[0] + 7
+    req = torch.tensor([0, 0, 3], dtype=torch.int32, device=device)
+    ctx = torch.tensor([bt.shape[1] * cache.shape[1] + 9, 5, 5], dtype=torch.int32, device=device)
+    width = bt.shape[1] * cache.shape[1] + 16
+    got = K.index_scores(q8.to(device), qs.to(device), cache, bad_bt, req, ctx, width).cpu()
+    bs, table = cache.shape[1], bt.shape[1] * cache.shape[1]
+    good = K.index_scores(q8.to(device), qs.to(device), cache, bt, torch.zeros_like(req),
+                          torch.full_like(ctx, table), width).cpu()
+    assert bool((got[0, :bs] == float("-inf")).all())                 # block id outside the cache
+    assert torch.equal(got[0, bs:table], good[0, bs:table])            # the other blocks read as usual
+    assert bool((got[0, table:] == float("-inf")).all())               # past the block table
+    assert bool((got[1] == float("-inf")).all())                       # its 5 keys sit in the bad block
+    assert bool((got[2] == float("-inf")).all())
 
 
 def test_topk_matches_reference_and_pads():

@@ -1,8 +1,10 @@
 """Staging kernels (kernels/staging.py) under the Triton interpreter.
 
 (a) top-k gather to FP8: ``out[t, k] == e4m3_RNE_sat(fmt.decode(row) / k_scale)`` byte for byte, for
-    every format and k_scale 1, 0.5 and 0.37; -1 entries and entries past the valid count are zero
-    rows; the fp8 format is a byte copy and the nvfp4 rope is copied bit-exactly at k_scale 1.
+    every format (vLLM's NoPE rows and the compact ones) and k_scale 1, 0.5 and 0.37; -1 entries,
+    entries past the valid count and, without ``check``, entries outside the cache are zero rows; the
+    fp8 format is a byte copy and the nvfp4 rope is copied bit-exactly at k_scale 1; a non-finite row
+    stages as NaN codes.
 (b) context upconvert: the bf16 workspace equals ``fmt.decode(rows).to(bf16)`` for each request in
     position order, at the default (back to back) or given workspace starts; rows of ``out`` no
     request maps to are left alone; it composes with ``convert_indices(workspace_start=...)``.
@@ -16,7 +18,7 @@ from sparsemla.formats import _numerics as nm
 from sparsemla.indices import convert_indices_torch
 from sparsemla.kernels.staging import gather_topk_fp8, upconvert_context
 
-ALL_IDS = [f.id for f in all_formats()]
+ALL_IDS = [f.id for f in all_formats(compact=True)]
 
 
 def heavy_tailed(n, dim, seed):
@@ -99,7 +101,32 @@ def test_gather_ignores_garbage_past_the_valid_count(device):
     want = staged_reference(fmt, cache.rows, idx.clamp(min=-1, max=int(w.max())), vc, 1.0)
     assert torch.equal(got.view(torch.uint8).cpu(), want)
     with pytest.raises(ValueError, match="indices"):
-        gather_topk_fp8(cache.rows, fmt, idx.to(device), (vc + 1).to(device))
+        gather_topk_fp8(cache.rows, fmt, idx.to(device), (vc + 1).to(device), check=True)
+    # without the debug check an entry outside the cache stages as a zero row and reads nothing
+    got = gather_topk_fp8(cache.rows, fmt, idx.to(device), (vc + 2).to(device))
+    want = staged_reference(fmt, cache.rows, torch.where((idx >= 0) & (idx < cache.num_rows), idx, -1), vc + 2, 1.0)
+    assert torch.equal(got.view(torch.uint8).cpu(), want)
+
+
+@pytest.mark.parametrize("fid", ALL_IDS)
+def test_nonfinite_rows_stage_as_nan(fid, device):
+    """A row written from non-finite input stages as e4m3 NaN (0x7F) in every dim and upconverts to bf16
+    NaN; the rows next to it are unaffected."""
+    fmt = get_format(fid)
+    cache = PagedKVCache(fmt, 2, 4, device=device)
+    kv = heavy_tailed(8, 512, seed=30)
+    kv[3, 7] = float("nan")
+    kv[5, 500] = -float("inf")
+    pe = heavy_tailed(8, 64, seed=31) * 0.1 if fmt.rope_dim else None
+    cache.write(kv.to(device), None if pe is None else pe.to(device), torch.arange(8, dtype=torch.int32, device=device))
+    idx = torch.arange(8, dtype=torch.int32, device=device)[None]
+    got = gather_topk_fp8(cache.rows, fmt, idx, k_scale=0.5).view(torch.uint8).cpu()[0]
+    assert bool((got[[3, 5]] == 0x7F).all())
+    assert torch.equal(got, staged_reference(fmt, cache.rows, idx.cpu(), None, 0.5)[0])
+    out, _ = upconvert_context(cache.rows, fmt, torch.tensor([[0, 1]], dtype=torch.int32, device=device),
+                               torch.tensor([8], dtype=torch.int32, device=device), 4)
+    out = out.float().cpu()
+    assert bool(torch.isnan(out[[3, 5]]).all()) and not bool(torch.isnan(out[[0, 1, 2, 4, 6, 7]]).any())
 
 
 def test_fp8_gather_is_a_byte_copy_and_nvfp4_rope_is_copied(device):
@@ -170,12 +197,25 @@ def test_upconvert_errors(device):
     cache, _ = filled_cache("fp8_ds_mla", 16, 4, 4, seed=9, device=device, spare_blocks=0)
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="seq_lens"):
-        upconvert_context(cache.rows, fmt, table, torch.tensor([9, 1], dtype=torch.int32, device=device), 4)
+        upconvert_context(cache.rows, fmt, table, torch.tensor([9, 1], dtype=torch.int32, device=device), 4, check=True)
     with pytest.raises(ValueError, match="seq_lens"):
-        upconvert_context(cache.rows, fmt, table, torch.tensor([-1, 1], dtype=torch.int32, device=device), 4)
+        upconvert_context(cache.rows, fmt, table, torch.tensor([-1, 1], dtype=torch.int32, device=device), 4,
+                          check=True)
     bad = torch.tensor([[0, 99], [2, 3]], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="block_table"):
-        upconvert_context(cache.rows, fmt, bad, torch.tensor([8, 1], dtype=torch.int32, device=device), 4)
+        upconvert_context(cache.rows, fmt, bad, torch.tensor([8, 1], dtype=torch.int32, device=device), 4, check=True)
+    # without the debug check: the block past the cache gives zero rows, the context past the table is
+    # not read, and nothing is written past out's last row
+    out, _ = upconvert_context(cache.rows, fmt, bad, torch.tensor([8, 1], dtype=torch.int32, device=device), 4)
+    assert bool((out[4:8].float() == 0).all())
+    assert torch.equal(out[:4].cpu().view(torch.int16),
+                       fmt.decode(cache.rows[:4].cpu()).to(torch.bfloat16).view(torch.int16))
+    small = torch.full((12, fmt.head_dim), 3.0, dtype=torch.bfloat16, device=device)
+    backing = torch.full((16, fmt.head_dim), 3.0, dtype=torch.bfloat16, device=device)
+    backing[:12] = small
+    upconvert_context(cache.rows, fmt, table, torch.tensor([9, 8], dtype=torch.int32, device=device), 4,
+                      out=backing[:12], workspace_start=torch.tensor([0, 8], dtype=torch.int32, device=device))
+    assert bool((backing[12:].float() == 3.0).all())
     # a missing block (-1) inside the context is allowed: its positions become zero rows
     holes = torch.tensor([[0, -1], [2, 3]], dtype=torch.int32, device=device)
     out, _ = upconvert_context(cache.rows, fmt, holes, torch.tensor([8, 2], dtype=torch.int32, device=device), 4)
@@ -184,7 +224,7 @@ def test_upconvert_errors(device):
                        fmt.decode(cache.rows[:4].cpu()).to(torch.bfloat16).view(torch.int16))
     with pytest.raises(ValueError, match="out"):
         upconvert_context(cache.rows, fmt, table, torch.tensor([8, 8], dtype=torch.int32, device=device), 4,
-                          out=torch.zeros(10, fmt.head_dim, dtype=torch.bfloat16, device=device))
+                          out=torch.zeros(10, fmt.head_dim, dtype=torch.bfloat16, device=device), check=True)
     with pytest.raises(TypeError, match="out"):
         upconvert_context(cache.rows, fmt, table, torch.tensor([8, 8], dtype=torch.int32, device=device), 4,
                           out=torch.zeros(16, fmt.head_dim, device=device))
@@ -195,9 +235,9 @@ def test_gather_errors(device):
     rows = torch.zeros(8, fmt.bytes_per_token, dtype=torch.uint8, device=device)
     idx = torch.zeros(2, 3, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="indices"):
-        gather_topk_fp8(rows, fmt, idx + 8)
+        gather_topk_fp8(rows, fmt, idx + 8, check=True)
     with pytest.raises(ValueError, match="indices"):
-        gather_topk_fp8(rows, fmt, idx - 2)
+        gather_topk_fp8(rows, fmt, idx - 2, check=True)
     with pytest.raises(TypeError, match="indices"):
         gather_topk_fp8(rows, fmt, idx.float())
     with pytest.raises(ValueError, match="rows"):

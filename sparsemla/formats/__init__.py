@@ -1,53 +1,26 @@
 """KV-cache formats (the byte contract of ``docs/kv-formats.md``).
 
-``get_format(name, rope_dim=64)`` returns the format object for ``bf16``, ``fp8``, ``fp8_ds_mla``
-or ``nvfp4_ds_mla`` with rope_dim 64 (DeepSeek-V3.2 / GLM-5.x) or 0 (NoPE models).  A name
-ending in ``-nope`` (e.g. ``fp8_ds_mla-nope``) selects rope_dim 0.
+Format ids: ``bf16``, ``fp8``, ``fp8_ds_mla``, ``nvfp4_ds_mla`` (rope_dim 64: DeepSeek-V3.2 / GLM-5.x)
+and their ``-nope`` variants (rope_dim 0, 512-dim keys).  A ``-nope`` id always means vLLM's row:
+``bf16-nope`` 1024 B, ``fp8-nope`` 512 B, ``fp8_ds_mla-nope`` 656 B and ``nvfp4_ds_mla-nope`` 352 B
+(the DS rows keep their RoPE slot, zero-filled).  ``fp8_ds_mla-nope-compact`` (528 B) and
+``nvfp4_ds_mla-nope-compact`` (288 B) are this library's own rows without the slot; no engine writes them.
+
+* ``get_format(name, rope_dim=None)``: the format object of an id, or of a base name and a rope dim
+  (``get_format("fp8_ds_mla", 0)`` is vLLM's 656-byte NoPE row).
+* ``format_for(name, bytes_per_token, rope_dim)``: the format of a base name whose row has that size
+  (the compact layouts included), or ``UnsupportedFormat`` saying why none fits.
+* ``from_vllm(kv_cache_dtype, head_size, bytes_per_token)``: the format of a vLLM cache (``vllm.py``).
 """
 from __future__ import annotations
 
 from .base import KV_LORA_RANK, KVFormat, Layout
 from .bf16 import BF16Format
+from .catalog import FORMAT_NAMES, UnsupportedFormat, all_formats, format_for, get_format
 from .fp8 import FP8Format
 from .fp8_ds_mla import FP8DSMLAFormat
 from .nvfp4_ds_mla import NVFP4DSMLAFormat
+from .vllm import from_vllm
 
-FORMAT_NAMES = ("bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla")
-_CLASSES = {
-    "bf16": BF16Format,
-    "fp8": FP8Format,
-    "fp8_ds_mla": FP8DSMLAFormat,
-    "nvfp4_ds_mla": NVFP4DSMLAFormat,
-}
-_CACHE: dict = {}
-
-
-def get_format(name, rope_dim: int = 64) -> KVFormat:
-    """Return the (shared, immutable) format object for ``name`` and ``rope_dim``.
-
-    ``name`` may already be a :class:`KVFormat`, which is returned unchanged.
-    """
-    if isinstance(name, KVFormat):
-        return name
-    if not isinstance(name, str):
-        raise TypeError(f"name: expected a format name (str) or KVFormat, got {type(name).__name__}")
-    base = name
-    if name.endswith("-nope"):
-        base, rope_dim = name[: -len("-nope")], 0
-    if base not in _CLASSES:
-        raise ValueError(f"name: expected one of {list(FORMAT_NAMES)} (optionally with '-nope'), got {name!r}")
-    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int):
-        raise TypeError(f"rope_dim: expected an int (64 or 0), got {type(rope_dim).__name__}")
-    key = (base, rope_dim)
-    if key not in _CACHE:
-        _CACHE[key] = _CLASSES[base](rope_dim)
-    return _CACHE[key]
-
-
-def all_formats():
-    """Every format, rope and NoPE: 8 objects."""
-    return [get_format(n, r) for r in (64, 0) for n in FORMAT_NAMES]
-
-
-__all__ = ["KVFormat", "Layout", "KV_LORA_RANK", "FORMAT_NAMES", "get_format", "all_formats",
-           "BF16Format", "FP8Format", "FP8DSMLAFormat", "NVFP4DSMLAFormat"]
+__all__ = ["KVFormat", "Layout", "KV_LORA_RANK", "FORMAT_NAMES", "UnsupportedFormat", "get_format", "all_formats",
+           "format_for", "from_vllm", "BF16Format", "FP8Format", "FP8DSMLAFormat", "NVFP4DSMLAFormat"]

@@ -81,8 +81,8 @@ def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
     saturating in every version; the clamp leaves NaN as NaN); cast (RNE, subnormals included);
     NaN of either sign becomes the canonical code 0x7F.  For finite inputs this is what PTX
     ``cvt.rn.satfinite.e4m3x2.f32`` computes (Triton's fp32 -> float8e4nv cast on sm_90), so a
-    Triton kernel can use that cast.  (The format encoders reject NaN / inf inputs, so the NaN
-    convention only matters to direct callers.)
+    Triton kernel can use that cast.  (The format encoders store a token with a NaN / inf input as
+    the format's non-finite row, so this NaN convention only matters to direct callers.)
     """
     y = torch.clamp(x.to(torch.float32), -E4M3_MAX, E4M3_MAX)
     codes = y.to(torch.float8_e4m3fn).view(torch.uint8)
@@ -136,7 +136,8 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     + #{t in (0.75, 1.75, 3.5): |x| >= t}``: nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6 with ties
     0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4 (the even code); above 5 -> 6.
     The sign comes from the sign bit, so -0.0 and small negatives that round to 0 give code 8 (-0).
-    NaN input is not defined (the format encoders reject non-finite values).
+    NaN input gives some code (the format encoders never pass one: a token with a non-finite input is
+    stored as the format's non-finite row).
     """
     x = x.to(torch.float32)
     a = x.abs()

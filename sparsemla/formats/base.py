@@ -1,12 +1,24 @@
 """The KV-format interface: bytes per token, byte layout, and a pure-PyTorch encoder/decoder.
 
-A format object is the executable form of one section of ``docs/kv-formats.md`` (copied from the
-shared contract).  Kernels read the layout constants below; tests and the reference read
-``encode``/``decode``.  Everything else in the library trusts these objects.
+A format object is the executable form of one section of ``docs/kv-formats.md``.  Kernels read the
+byte offsets of :class:`Layout` (passed to them as constexprs); tests and the float64 reference read
+``encode`` / ``decode``.  Everything else in the library trusts these objects.
+
+Non-finite input (one rule for every writer: ``encode`` here, the Triton cache-write kernel on CUDA
+and under the interpreter).  A token whose ``kv_c`` or ``k_pe`` holds a NaN or an infinity is
+stored as the format's *non-finite row* (:attr:`KVFormat.nonfinite_row`): bytes chosen so that every
+one of its ``head_dim`` values decodes to NaN in every reader (bf16 NaN, e4m3 NaN codes, NaN scales),
+with the RoPE slot of a NoPE row still zero.  Nothing is raised and nothing is synchronized: a query
+that selects the row gets NaN, every other query is unaffected, and the bytes are the same on every
+device.  The token is the unit because a scaled format has no per-value encoding of NaN or inf (the
+scale of a 128- or 16-value group is shared).  Finite values outside a format's range saturate as the
+recipes say.  ``PagedKVCache.write(check=True)`` raises on non-finite input instead (a debug option:
+it reads the inputs on the host).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -19,34 +31,66 @@ _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @dataclass(frozen=True)
 class Layout:
-    """Byte offsets inside one token row (all ``-1`` when a part is absent).
+    """Byte offsets inside one token row; an offset is ``-1`` (and its size 0) when the part is absent.
 
-    value_offset:  start of the 512 latent values (bf16 / e4m3 / packed e2m1)
-    rope_offset:   start of the ``rope_dim`` RoPE values (bf16 / e4m3), -1 when rope_dim == 0
-    scale_offset:  start of the per-group scales (fp32 x4 or e4m3 x32), -1 when there are none
+    bytes_per_token:  row size; rows are packed at this stride inside a block.
+    value_offset, value_bytes:  the 512 latent values (bf16 / e4m3 / packed e2m1).
+    scale_offset, scale_bytes:  the per-group scales (4 fp32 or 32 permuted e4m3).
+    rope_offset, rope_bytes:    the ``rope_dim`` RoPE values a reader uses (bf16 / e4m3); -1 for NoPE.
+    rope_slot_offset, rope_slot_bytes:  where the row keeps a RoPE slot, whether it holds the RoPE
+        values (rope_dim 64: the same as rope_offset) or zeros (a NoPE row in vLLM's layout of a DS
+        format); -1 when the row has no slot.
+
+    ``zero_offset`` / ``zero_bytes`` name the bytes a writer zero-fills (the slot of a NoPE row).
     """
 
+    bytes_per_token: int
     value_offset: int
-    rope_offset: int
+    value_bytes: int
     scale_offset: int
+    scale_bytes: int
+    rope_offset: int
+    rope_bytes: int
+    rope_slot_offset: int
+    rope_slot_bytes: int
+
+    @property
+    def zero_offset(self) -> int:
+        """Start of the bytes every writer stores as zero (-1: none)."""
+        return self.rope_slot_offset if self.rope_offset < 0 else -1
+
+    @property
+    def zero_bytes(self) -> int:
+        return self.rope_slot_bytes if self.rope_offset < 0 else 0
 
 
 class KVFormat:
     """Base class of every KV format.
 
-    Attributes: ``name`` (``bf16``, ``fp8``, ``fp8_ds_mla``, ``nvfp4_ds_mla``), ``rope_dim`` (64 or 0),
-    ``kv_lora_rank`` (512), ``head_dim`` (512 + rope_dim), ``bytes_per_token``, ``layout``,
-    ``uses_k_scale`` (True only for the plain ``fp8`` format, where k_scale changes the values).
+    Attributes:
+        name: ``bf16``, ``fp8``, ``fp8_ds_mla`` or ``nvfp4_ds_mla``.
+        rope_dim: 64 (DeepSeek-V3.2 / GLM-5.x) or 0 (NoPE models: 512-dim keys).
+        compact: only for a NoPE DS format: True selects this library's own rows without a RoPE slot
+            (528 / 288 B; not vLLM's), False vLLM's rows (656 / 352 B, the slot zero-filled).
+        kv_lora_rank: 512; head_dim: ``512 + rope_dim``; bytes_per_token; layout (:class:`Layout`).
+        uses_k_scale: True only for the plain ``fp8`` format, where k_scale changes the values.
     """
 
     name: str = ""
     kv_lora_rank: int = KV_LORA_RANK
     uses_k_scale: bool = False
+    has_compact_nope: bool = False  # a DS format: its NoPE rows exist with and without the RoPE slot
 
-    def __init__(self, rope_dim: int = 64):
+    def __init__(self, rope_dim: int = 64, compact: bool = False):
         if rope_dim not in SUPPORTED_ROPE_DIMS:
             raise ValueError(f"rope_dim: expected 64 or 0 for format {self.name!r}, got {rope_dim}")
+        if compact and (rope_dim or not self.has_compact_nope):
+            raise ValueError(f"compact: only the NoPE rows of fp8_ds_mla and nvfp4_ds_mla have a compact layout, "
+                             f"not {self.name!r} with rope_dim {rope_dim}")
         self.rope_dim = rope_dim
+        self.compact = bool(compact)
+        self._layout = self._make_layout()
+        self._nonfinite: Dict[torch.device, torch.Tensor] = {}
 
     # --- geometry -------------------------------------------------------------------------
     @property
@@ -54,25 +98,72 @@ class KVFormat:
         return self.kv_lora_rank + self.rope_dim
 
     @property
-    def bytes_per_token(self) -> int:  # pragma: no cover - every subclass defines it
-        raise NotImplementedError
+    def layout(self) -> Layout:
+        return self._layout
 
     @property
-    def layout(self) -> Layout:  # pragma: no cover
-        raise NotImplementedError
+    def bytes_per_token(self) -> int:
+        return self._layout.bytes_per_token
 
     @property
     def id(self) -> str:
-        """Unique short name: ``fp8_ds_mla`` or ``fp8_ds_mla-nope``."""
-        return self.name if self.rope_dim else f"{self.name}-nope"
+        """Unique short name: ``fp8_ds_mla``, ``fp8_ds_mla-nope`` or ``fp8_ds_mla-nope-compact``."""
+        if self.rope_dim:
+            return self.name
+        return f"{self.name}-nope-compact" if self.compact else f"{self.name}-nope"
+
+    def _make_layout(self) -> Layout:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    # --- non-finite tokens ----------------------------------------------------------------
+    def _nonfinite_parts(self) -> Dict[str, Tuple[int, int]]:  # pragma: no cover
+        """The non-finite row per part (``"value"``, ``"scale"``, ``"rope"``): ``(pattern, width)``, a
+        ``width``-byte little-endian pattern repeated over the part (bf16 NaN: ``(0x7FC0, 2)``)."""
+        raise NotImplementedError
+
+    def nonfinite_row(self, device=None) -> torch.Tensor:
+        """uint8 ``[bytes_per_token]``: the row stored for a token with a non-finite input (see the
+        module docstring).  Every value decodes to NaN; the RoPE slot of a NoPE row is zero."""
+        device = torch.device("cpu") if device is None else torch.device(device)
+        row = self._nonfinite.get(device)
+        if row is None:
+            lay = self._layout
+            cpu = torch.zeros(lay.bytes_per_token, dtype=torch.uint8)
+            spans = {"value": (lay.value_offset, lay.value_bytes), "scale": (lay.scale_offset, lay.scale_bytes),
+                     "rope": (lay.rope_offset, lay.rope_bytes)}
+            for part, (pattern, width) in self._nonfinite_parts().items():
+                off, size = spans[part]
+                if size:
+                    pat = torch.tensor([(pattern >> (8 * i)) & 0xFF for i in range(width)], dtype=torch.uint8)
+                    cpu[off:off + size] = pat.repeat(size // width)
+            row = self._nonfinite[device] = cpu.to(device)
+        return row
 
     # --- codec ----------------------------------------------------------------------------
-    def encode(self, kv_c: torch.Tensor, k_pe: torch.Tensor | None = None, k_scale: float = 1.0) -> torch.Tensor:
-        """kv_c ``[N, 512]`` and k_pe ``[N, rope_dim]`` (any float dtype) -> uint8 ``[N, bytes_per_token]``."""
+    def encode(self, kv_c: torch.Tensor, k_pe: Optional[torch.Tensor] = None, k_scale: float = 1.0) -> torch.Tensor:
+        """kv_c ``[N, 512]`` and k_pe ``[N, rope_dim]`` (fp16 / bf16 / fp32; k_pe None for NoPE) ->
+        uint8 ``[N, bytes_per_token]``.  A token with a NaN or inf input gets :meth:`nonfinite_row`.
+        Runs on the inputs' device with no host synchronization."""
+        x, r, ks = self._check_encode_args(kv_c, k_pe, k_scale)
+        bad = ~torch.isfinite(x).all(dim=1)
+        if r is not None:
+            bad |= ~torch.isfinite(r).all(dim=1)
+        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        x = torch.where(bad[:, None], zero, x)
+        if r is not None:
+            r = torch.where(bad[:, None], zero, r)
+        rows = torch.zeros((x.shape[0], self.bytes_per_token), dtype=torch.uint8, device=x.device)
+        for off, part in self._encode_parts(x, r, ks):
+            rows[:, off:off + part.shape[1]] = part
+        return torch.where(bad[:, None], self.nonfinite_row(x.device), rows)
+
+    def _encode_parts(self, x: torch.Tensor, r: Optional[torch.Tensor], ks: torch.Tensor):  # pragma: no cover
+        """Finite fp32 ``x [N, 512]``, ``r [N, rope_dim]`` or None -> ``[(byte offset, uint8 [N, n])]``."""
         raise NotImplementedError
 
     def decode(self, rows: torch.Tensor, k_scale: float = 1.0) -> torch.Tensor:
-        """uint8 ``[N, bytes_per_token]`` -> float32 ``[N, head_dim]`` (the exact dequantized values)."""
+        """uint8 ``[N, bytes_per_token]`` (any strides) -> float32 ``[N, head_dim]`` (the exact
+        dequantized values; the RoPE slot of a NoPE row is not read)."""
         raise NotImplementedError
 
     # --- shared argument checks for encode / decode (helpers for subclasses) ------------------
@@ -80,9 +171,8 @@ class KVFormat:
         """Validate ``encode`` arguments; returns ``(kv_c_fp32 [N, 512], k_pe_fp32 [N, rope_dim] or
         None, k_scale_fp32 0-d tensor on kv_c's device)``.
 
-        kv_c / k_pe: fp16, bf16 or fp32, same device, finite (NaN / inf are rejected rather than
-        given some arbitrary encoding).  k_pe must be None (or an empty ``[N, 0]`` tensor) for
-        NoPE formats.  k_scale: positive, finite, and still so after rounding to fp32.
+        kv_c / k_pe: fp16, bf16 or fp32, same device.  k_pe must be None (or an empty ``[N, 0]``
+        tensor) for NoPE formats.  k_scale: positive, finite, and still so after rounding to fp32.
         """
         k_scale = check_k_scale(k_scale)
         check_tensor("kv_c", kv_c, dtypes=_INPUT_DTYPES, ndim=2)
@@ -101,11 +191,7 @@ class KVFormat:
             k_pe = None
         ks = _k_scale_fp32(k_scale).to(kv_c.device)
         x = kv_c.to(torch.float32)
-        _check_finite("kv_c", x)
-        r = None
-        if k_pe is not None:
-            r = k_pe.to(torch.float32)
-            _check_finite("k_pe", r)
+        r = None if k_pe is None else k_pe.to(torch.float32)
         return x, r, ks
 
     def _check_decode_args(self, rows, k_scale):
@@ -122,20 +208,10 @@ class KVFormat:
         return f"<KVFormat {self.id}: {self.bytes_per_token} B/token, head_dim {self.head_dim}>"
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, KVFormat) and (self.name, self.rope_dim) == (other.name, other.rope_dim)
+        return isinstance(other, KVFormat) and self.id == other.id
 
     def __hash__(self) -> int:
-        return hash((self.name, self.rope_dim))
-
-
-def _check_finite(name: str, x: torch.Tensor) -> None:
-    """Raise if ``x`` holds NaN or +-inf.  max / min propagate NaN, and two reductions without a
-    temporary are much cheaper than ``isfinite(x).all()`` (one host sync on CUDA)."""
-    if x.numel() == 0:
-        return
-    lo, hi = torch.aminmax(x)
-    if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
-        raise ValueError(f"{name}: expected finite values, found NaN or inf")
+        return hash(self.id)
 
 
 def _k_scale_fp32(k_scale: float) -> torch.Tensor:

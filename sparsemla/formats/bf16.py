@@ -2,9 +2,10 @@
 
 Row (little-endian bf16, 2 bytes per value):
     rope_dim 64: bytes [0, 1024) kv_c[0:512], bytes [1024, 1152) k_pe[0:64]   -> 1152 B/token
-    rope_dim 0:  bytes [0, 1024) kv_c[0:512]                                   -> 1024 B/token
-Encode: ``x.to(bfloat16)`` (round to nearest even from fp32 / fp16).  Decode: ``float(bf16)``.
-k_scale is validated but does not change anything.
+    rope_dim 0:  bytes [0, 1024) kv_c[0:512]                                   -> 1024 B/token (vLLM, head size 512)
+Encode: ``x.to(bfloat16)`` (round to nearest even from fp32 / fp16; an fp32 beyond the largest bf16
+rounds to inf).  Decode: ``float(bf16)``.  k_scale is validated but does not change anything.
+Non-finite token (``base`` module docstring): every value 0x7FC0 (bf16 NaN).
 """
 from __future__ import annotations
 
@@ -13,24 +14,27 @@ import torch
 from ._numerics import bf16_to_bytes, bytes_to_bf16
 from .base import KVFormat, Layout
 
+BF16_NAN = 0x7FC0
+
 
 class BF16Format(KVFormat):
     name = "bf16"
 
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.head_dim
+    def _make_layout(self) -> Layout:
+        values = 2 * self.kv_lora_rank
+        rope = values if self.rope_dim else -1
+        return Layout(bytes_per_token=2 * self.head_dim, value_offset=0, value_bytes=values,
+                      scale_offset=-1, scale_bytes=0, rope_offset=rope, rope_bytes=2 * self.rope_dim,
+                      rope_slot_offset=rope, rope_slot_bytes=2 * self.rope_dim)
 
-    @property
-    def layout(self) -> Layout:
-        return Layout(value_offset=0, rope_offset=2 * self.kv_lora_rank if self.rope_dim else -1, scale_offset=-1)
+    def _nonfinite_parts(self):
+        return {"value": (BF16_NAN, 2), "rope": (BF16_NAN, 2)}
 
-    def encode(self, kv_c: torch.Tensor, k_pe: torch.Tensor | None = None, k_scale: float = 1.0) -> torch.Tensor:
-        """kv_c ``[N, 512]``, k_pe ``[N, rope_dim]`` (fp16/bf16/fp32) -> uint8 ``[N, bytes_per_token]``."""
-        x, r, _ = self._check_encode_args(kv_c, k_pe, k_scale)
+    def _encode_parts(self, x, r, ks):
+        parts = [(0, bf16_to_bytes(x.to(torch.bfloat16)))]
         if r is not None:
-            x = torch.cat((x, r), dim=1)
-        return bf16_to_bytes(x.to(torch.bfloat16))
+            parts.append((self.layout.rope_offset, bf16_to_bytes(r.to(torch.bfloat16))))
+        return parts
 
     def decode(self, rows: torch.Tensor, k_scale: float = 1.0) -> torch.Tensor:
         """uint8 ``[N, bytes_per_token]`` -> float32 ``[N, head_dim]`` (exact)."""

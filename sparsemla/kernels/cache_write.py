@@ -1,28 +1,33 @@
 """Cache write: quantize ``N`` tokens and scatter them into a paged KV cache, one Triton launch.
 
-For every format of ``docs/kv-formats.md`` (bf16, fp8, fp8_ds_mla, nvfp4_ds_mla; rope 64 or NoPE) the
-bytes written are identical to ``fmt.encode`` (``formats/_numerics.py`` gives the exact fp32 recipe).
+For every format of ``docs/kv-formats.md`` (bf16, fp8, fp8_ds_mla, nvfp4_ds_mla; rope 64, NoPE in vLLM's
+rows and the compact ones) the bytes written are identical to ``fmt.encode`` (``formats/_numerics.py``
+gives the exact fp32 recipe), on CUDA and under the interpreter:
 
-Tiling: one program = ``TOK`` (8) tokens, each a whole row, 4 warps (per-format overrides:
-``WRITE_TUNED``).  A token's 512 latent values are
-one ``[TOK, 512]`` load (per-tile / per-block amax = a reduction over a reshaped view, no per-element
-loop), its RoPE one ``[TOK, 64]`` load, and its row is written with 16-byte stores at byte offset
-``row * bytes_per_token`` computed in int64 (caches above 2^31 bytes).  The slot -> row division is by
-a constexpr block size (a shift for 64), not a 64-bit divide.
+* the RoPE slot of a NoPE DS row (``fmt.layout.zero_offset`` / ``zero_bytes``) is written as zeros;
+* a token with a NaN or inf in kv_c or k_pe is written as ``fmt.nonfinite_row`` (``formats/base.py``):
+  found with NaN-propagating maxima (the per-group amax the recipe needs anyway) or an exponent-bits
+  test, selected per token, no host round trip;
+* a slot outside ``[0, num_slots)`` (-1 included) skips the token: the kernel never writes outside ``rows``.
 
-Why this should run near copy bandwidth: per token it reads 1152 B (bf16 kv_c + k_pe) and writes
-288..1152 B, so 65,536 tokens are 98..151 MB, 23..36 us at the H200's ~4.2 TB/s; bf16, fp8 and
-fp8_ds_mla (rope and NoPE) measured 80-94 % of copy bandwidth (BENCHMARKS.md).  nvfp4 is the expensive
-one (76-77 %, NoPE 69.8-72.6 %, fifth session): the recipe's ``e2m1(x / sf)`` is done without dividing (``|x|``
-against the exact decision points ``t * sf``, see ``_e2m1_codes``), and for bf16 input two values at a
-time in bf16x2 (``_e2m1_bytes_bf16x2``); fp32 / fp16 input takes the one-value-at-a-time path.  The kernel
-was bound by the ALU pipe (Nsight Compute, H200).  What paid (fourth session): the block scale of a bf16
-amax without a division (``_nvfp4_scale_bf16``) and one thread per 16-value block (two half-block loads of
-one layout), 44 -> 35.5 us, 65 %; (fifth session) the pair decisions as bf16x2 arithmetic on the FMA pipe
-(``_e2m1_bytes_bf16x2_fma``, the GPU default) and 4 tokens / 2 warps per program, 76-77 %.  What did not,
-alone: the alignment hint on 16-byte-aligned bf16 rows (on by default, ``_config={"aligned": False}``
-turns it off) and 32-bit word stores.  ``_config={"fma": False}`` keeps the bit-mask form of the
-decisions (``set.*.bf16x2`` masks and LOP3 selects) for comparison.
+Tiling: one program = ``TOK`` tokens (8; per-format overrides in ``WRITE_TUNED``), each a whole row.  A
+token's 512 latent values are one ``[TOK, 512]`` load (per-tile / per-block amax = a reduction over a
+reshaped view, no per-element loop), its RoPE one ``[TOK, 64]`` load, and its row is written with wide
+stores at byte offset ``row * bytes_per_token`` computed in int64 (caches above 2^31 bytes).  The slot ->
+row division is by a constexpr block size (a shift for 64), not a 64-bit divide.  Every byte offset comes
+from ``fmt.layout`` as a constexpr.
+
+Bound: per token it reads 1152 B (bf16 kv_c + k_pe) and writes 288..1152 B, so 65,536 tokens move
+98..151 MB, 23..36 us at the H200's ~4.2 TB/s.  bf16, fp8 and fp8_ds_mla need a few instructions per
+element and stay under that; nvfp4 needs the most, so its code avoids divisions and works on bf16 pairs:
+
+* ``e2m1(x / sf)`` without dividing: ``|x|`` against the exact decision points ``t * sf``
+  (``_e2m1_codes``; the fp32 / fp16 input path);
+* bf16 input, two values at a time in bf16x2 (``_e2m1_bytes_bf16x2_fma`` on the GPU: the three decisions
+  and the code as bf16x2 compares and fmas, which issue on the FMA pipe rather than the integer one);
+* the block scale of a bf16 amax without a division (``_nvfp4_scale_bf16``);
+* one thread per 16-value block (two half-block loads of one layout), so the block's amax, scale and
+  thresholds are computed once; bytes leave as 32-bit words.
 
 Number conversions, and why there are two code paths (``EMULATE``):
   On the GPU, Triton lowers fp32 -> float8e4nv to ``cvt.rn.satfinite.e4m3x2.f32`` (round to nearest
@@ -34,12 +39,14 @@ Number conversions, and why there are two code paths (``EMULATE``):
 Divisions are correctly rounded (``tl.math.div_rn``; plain ``/`` on fp32 is approximate), as the
 recipes require.  Division by a power of two is done as an exact multiply.
 
-The fp32 helpers here (``e4m3_codes``, ``bf16_bits``, ``k_scale_mode``, ``apply_inv_k_scale``) are also
-used by the staging kernels (``staging.py``).
+The fp32 helpers here (``e4m3_codes``, ``bf16_bits``, ``f32_from_e4m3``, ``apply_inv_k_scale``,
+``k_scale_mode``, the ``FMT_*`` ids) are also used by the staging kernels (``staging.py``).
 """
 from __future__ import annotations
 
+import functools
 import math
+import struct
 from typing import Optional
 
 import torch
@@ -51,27 +58,33 @@ from ..formats import KVFormat, get_format
 from ._runtime import interpreting
 
 # Format ids seen by the kernels (a constexpr selects the code of one format).
-FMT_BF16, FMT_FP8, FMT_FP8_DS_MLA, FMT_NVFP4_DS_MLA = 0, 1, 2, 3
-_FMT_IDS = {"bf16": FMT_BF16, "fp8": FMT_FP8, "fp8_ds_mla": FMT_FP8_DS_MLA, "nvfp4_ds_mla": FMT_NVFP4_DS_MLA}
+FMT_BF16 = tl.constexpr(0)
+FMT_FP8 = tl.constexpr(1)
+FMT_FP8_DS_MLA = tl.constexpr(2)
+FMT_NVFP4_DS_MLA = tl.constexpr(3)
+_FMT_IDS = {"bf16": FMT_BF16.value, "fp8": FMT_FP8.value, "fp8_ds_mla": FMT_FP8_DS_MLA.value,
+            "nvfp4_ds_mla": FMT_NVFP4_DS_MLA.value}
 
 # How ``x / k_scale`` is computed (constexpr): identity, an exact multiply by a power-of-two reciprocal,
 # or a correctly rounded division.  All three give the correctly rounded fp32 quotient.
-KS_ONE, KS_POW2, KS_DIV = 0, 1, 2
+KS_ONE = tl.constexpr(0)
+KS_POW2 = tl.constexpr(1)
+KS_DIV = tl.constexpr(2)
+
+# Bit patterns of the non-finite row (``formats/base.py``)
+BF16_NAN = tl.constexpr(0x7FC0)
+FP32_NAN = tl.constexpr(0x7FC00000)
+E4M3_NAN = tl.constexpr(0x7F)
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Default tiling (see the module docstring).  8 tokens x 512 values with 4 warps is 32 values
-# per thread, which keeps registers low enough for many programs per SM (loads in flight).
+# Default tiling: 8 tokens x 512 values with 4 warps is 32 values per thread, which keeps registers low
+# enough for many programs per SM (loads in flight).
 WRITE_TOKENS_PER_PROGRAM = 8
 WRITE_NUM_WARPS = 4
-# Per-format overrides chosen with ``benchmarks/bench_movement.py --sweep`` on the H200 (2026-11-29, % of
-# copy bandwidth, default -> tuned, first session's flush): fp8 52 -> 77 % (8 warps: more stores in flight
-# for the short rows), nvfp4 33 -> 46 % and nvfp4-nope 24 -> 51 % (16 tokens per program).  The fourth
-# session's NVFP4 kernel was timed at 16 tokens / 4 warps (65 %) against 8/2, 8/4, 16/8 and 32/8 (within
-# noise or slower).  Fifth session, with the pair decisions on the FMA pipe (bench_movement's cvt_tok*
-# comparison, three processes): 4 tokens / 2 warps was best for both -- nvfp4 76.7-77.0 %, nvfp4-nope
-# 70.3-72.6 % (16 / 4: 69.9-70.3 % and 65-66 %; 8 / 4: 72.7-74.2 % and 66-68 %).  Looked up by format id
-# first (the NoPE variant), then by name.
+# Per-format tiling picked by the movement benchmark's sweep on the H200 (looked up by format id first,
+# then by name): fp8's short rows want more stores in flight (8 warps); nvfp4's ALU-heavy code wants
+# small programs (4 tokens, 2 warps) so that more of them hide each other's latency.
 WRITE_TUNED = {"fp8": {"num_warps": 8}, "nvfp4_ds_mla": {"TOK": 4, "num_warps": 2}}
 
 
@@ -79,17 +92,19 @@ def format_id(fmt: KVFormat) -> int:
     return _FMT_IDS[fmt.name]
 
 
+@functools.lru_cache(maxsize=256)
 def k_scale_mode(k_scale: float):
-    """``(mode, k_scale_fp32, inv_k_scale)`` for dividing by ``k_scale`` in a kernel (see KS_*)."""
-    ks = float(torch.tensor(k_scale, dtype=torch.float32))
+    """``(mode, k_scale_fp32, inv_k_scale)`` for dividing by ``k_scale`` in a kernel (see KS_*); cached
+    (one layer's k_scale is the same every step)."""
+    ks = struct.unpack("<f", struct.pack("<f", k_scale))[0]   # round to fp32
     if ks == 1.0:
-        return KS_ONE, ks, 1.0
+        return KS_ONE.value, ks, 1.0
     mant, exp = math.frexp(ks)
     inv = 1.0 / ks
     # 1/ks is exact (and normal) for a power of two in this range; x * inv is then the rounded x / ks.
     if mant == 0.5 and -125 <= exp <= 126:
-        return KS_POW2, ks, inv
-    return KS_DIV, ks, inv
+        return KS_POW2.value, ks, inv
+    return KS_DIV.value, ks, inv
 
 
 def use_emulation(emulate: Optional[bool]) -> bool:
@@ -152,14 +167,37 @@ def f32_from_e4m3(code, EMULATE: tl.constexpr):
 @triton.jit
 def apply_inv_k_scale(x, k_scale, inv_k_scale, KS_MODE: tl.constexpr):
     """The correctly rounded fp32 ``x / k_scale`` (``KS_MODE`` picks the cheapest exact way)."""
-    if KS_MODE == 0:
+    if KS_MODE == KS_ONE:
         return x
-    elif KS_MODE == 1:
+    elif KS_MODE == KS_POW2:
         return x * inv_k_scale
     else:
         return tl.math.div_rn(x, tl.zeros_like(x) + k_scale)
 
 
+@triton.jit
+def nonfinite_rows(x):
+    """fp32 ``[R, D]`` -> int1 ``[R]``: the row holds a NaN or an inf (all exponent bits set; an
+    integer test, so no compiler or device treats NaN differently)."""
+    e = (x.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
+    return tl.max(e.to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _max_nan(a, b):
+    """max that propagates NaN (a reduction combiner; ``tl.max`` drops NaN on the GPU)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _amax_nan(x, axis: tl.constexpr):
+    """max |x| over ``axis`` (fp32), NaN if any element is NaN, inf if any is infinite."""
+    return tl.reduce(tl.abs(x), axis, _max_nan)
+
+
+# --------------------------------------------------------------------------------------------------
+# nvfp4 helpers
+# --------------------------------------------------------------------------------------------------
 @triton.jit
 def _e2m1_codes(x, sf):
     """e2m1 codes 0..15 (int32) of ``RNE_saturating(x / sf)`` for fp32 ``x [TOK, NB, 16]`` and e4m3 scale
@@ -186,76 +224,23 @@ def _e2m1_codes(x, sf):
 
 
 @triton.jit
-def _bf16x2_mask(a, t, STRICT: tl.constexpr, EMULATE: tl.constexpr):
+def _bf16x2_mask(a, t, STRICT: tl.constexpr):
     """uint32 words each holding two NON-NEGATIVE bf16 values (``a``, ``t``) -> per 16-bit half 0xFFFF
-    where ``a >= t`` (``a > t`` when STRICT), else 0."""
-    if EMULATE:
-        # Non-negative floats order like their bit patterns.  SWAR compare: with the top bit of each
-        # half of ``a`` set, ``a - t`` cannot borrow across halves and that bit survives iff a >= t.
-        if STRICT:
-            t = t + 0x00010001
-        f = ((a | 0x80008000) - t) & 0x80008000
-        return (f >> 15) * 0xFFFF
-    else:
-        if STRICT:
-            return tl.inline_asm_elementwise("set.gt.u32.bf16x2 $0, $1, $2;", "=r,r,r", [a, t],
-                                             dtype=tl.uint32, is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise("set.ge.u32.bf16x2 $0, $1, $2;", "=r,r,r", [a, t],
-                                             dtype=tl.uint32, is_pure=True, pack=1)
+    where ``a >= t`` (``a > t`` when STRICT), else 0.  Non-negative floats order like their bit
+    patterns; SWAR compare: with the top bit of each half of ``a`` set, ``a - t`` cannot borrow across
+    halves and that bit survives iff a >= t."""
+    if STRICT:
+        t = t + 0x00010001
+    f = ((a | 0x80008000) - t) & 0x80008000
+    return (f >> 15) * 0xFFFF
 
 
 @triton.jit
 def _bf16x2_max(a, b):
-    """Per-half max of two uint32 words of two NON-NEGATIVE bf16 values each (a reduction combiner).
-
-    On the GPU one ``max.bf16x2`` (the FMA pipe); the integer form is 6 ALU-pipe instructions, and the
-    NVFP4 write is bound by the ALU pipe (Nsight Compute: 85 % busy, fourth session)."""
-    return tl.inline_asm_elementwise("max.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.uint32, is_pure=True,
-                                     pack=1)
-
-
-@triton.jit
-def _pair_threshold(sf, t: tl.constexpr, T2: tl.constexpr, EMULATE: tl.constexpr):
-    """``t * sf`` (exact, at most 7 significant bits, so exact in bf16 too) as a bf16 pair: uint32
-    ``[TOK, NB, 1]`` with the same bf16 in both halves.  ``T2`` is ``t`` as such a pair; on the GPU the
-    product is one ``mul.rn.bf16x2`` of the pair of ``sf`` (exact in bf16: 4 significant bits) by ``T2``
-    (the FMA pipe; the write is bound by the ALU pipe)."""
-    if EMULATE:
-        b = (sf * t).to(tl.uint32, bitcast=True) >> 16
-        return (b | (b << 16))[:, :, None]
-    else:
-        b = sf.to(tl.uint32, bitcast=True) >> 16
-        return _bf16x2_mul(b | (b << 16), tl.full(b.shape, T2, tl.uint32))[:, :, None]
-
-
-@triton.jit
-def _e2m1_bytes_bf16x2(w, sf, EMULATE: tl.constexpr):
-    """Packed nvfp4 bytes from bf16 pairs: ``w`` uint32 ``[TOK, NB, 8]`` (dims 2k, 2k+1 of a 16-dim block
-    in the low / high half), ``sf`` fp32 ``[TOK, NB]`` -> int32 ``[TOK, NB, 8]``, byte value
-    ``code(2k) | code(2k+1) << 4``.
-
-    The same decision points as ``_e2m1_codes`` (see there why ``|x|`` vs ``t * sf`` is exact), but
-    both values of a pair are compared at once in bf16x2 (a bf16 input and the thresholds are exact
-    in bf16), and the thresholds of the binary search are chosen with bit masks: ~18 instead of ~31
-    instructions per element for the whole kernel (sm_90 SASS).  The write is still bound by the ALU pipe
-    on the H200 (module docstring)."""
-    a = w & 0x7FFF7FFF
-    t075 = _pair_threshold(sf, 0.75, 0x3F403F40, EMULATE)
-    t35 = _pair_threshold(sf, 3.5, 0x40604060, EMULATE)
-    # bit 2: |x| >= 1.75 sf
-    m2 = _bf16x2_mask(a, _pair_threshold(sf, 1.75, 0x3FE03FE0, EMULATE), False, EMULATE)
-    m1 = _bf16x2_mask(a, t075 ^ ((t075 ^ t35) & m2), False, EMULATE)           # bit 1: >= 3.5 / 0.75 sf
-    t25 = _pair_threshold(sf, 2.5, 0x40204020, EMULATE)
-    t025 = _pair_threshold(sf, 0.25, 0x3E803E80, EMULATE)
-    # bit 0: > 5 / 2.5 sf (hi) or > 1.25 / 0.25 sf (lo)
-    hi = t25 ^ ((t25 ^ _pair_threshold(sf, 5.0, 0x40A040A0, EMULATE)) & m1)
-    lo = t025 ^ ((t025 ^ _pair_threshold(sf, 1.25, 0x3FA03FA0, EMULATE)) & m1)
-    m0 = _bf16x2_mask(a, lo ^ ((lo ^ hi) & m2), True, EMULATE)
-    # Each half: sign (bit 15 -> bit 3) | code bits; then the high half's nibble (bits 16..19) moves
-    # next to the low one (bits 4..7).
-    c = (m2 & 0x00040004) | (m1 & 0x00020002) | (m0 & 0x00010001) | ((w >> 12) & 0x00080008)
-    return ((c | (c >> 12)) & 0xFF).to(tl.int32)
+    """Per-half max of two uint32 words of two NON-NEGATIVE bf16 values each (a reduction combiner), NaN
+    if either half is NaN: one ``max.NaN.bf16x2`` on the FMA pipe (the integer form is 6 instructions)."""
+    return tl.inline_asm_elementwise("max.NaN.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.uint32,
+                                     is_pure=True, pack=1)
 
 
 @triton.jit
@@ -265,9 +250,49 @@ def _bf16x2_mul(a, b):
 
 
 @triton.jit
+def _pair_threshold(sf, t: tl.constexpr, T2: tl.constexpr, EMULATE: tl.constexpr):
+    """``t * sf`` (exact, at most 7 significant bits, so exact in bf16 too) as a bf16 pair: uint32
+    ``[TOK, NB, 1]`` with the same bf16 in both halves.  ``T2`` is ``t`` as such a pair; on the GPU the
+    product is one ``mul.rn.bf16x2`` of the pair of ``sf`` (exact in bf16: 4 significant bits) by ``T2``."""
+    if EMULATE:
+        b = (sf * t).to(tl.uint32, bitcast=True) >> 16
+        return (b | (b << 16))[:, :, None]
+    else:
+        b = sf.to(tl.uint32, bitcast=True) >> 16
+        return _bf16x2_mul(b | (b << 16), tl.full(b.shape, T2, tl.uint32))[:, :, None]
+
+
+@triton.jit
+def _e2m1_bytes_bf16x2(w, sf):
+    """Packed nvfp4 bytes from bf16 pairs, integer arithmetic only (the interpreter's path): ``w`` uint32
+    ``[TOK, NB, 8]`` (dims 2k, 2k+1 of a 16-dim block in the low / high half), ``sf`` fp32 ``[TOK, NB]``
+    -> int32 ``[TOK, NB, 8]``, byte value ``code(2k) | code(2k+1) << 4``.
+
+    The same decision points as ``_e2m1_codes`` (see there why ``|x|`` vs ``t * sf`` is exact), both
+    values of a pair compared at once (a bf16 input and the thresholds are exact in bf16), the thresholds
+    of the binary search chosen with bit masks."""
+    a = w & 0x7FFF7FFF
+    t075 = _pair_threshold(sf, 0.75, 0x3F403F40, True)
+    t35 = _pair_threshold(sf, 3.5, 0x40604060, True)
+    # bit 2: |x| >= 1.75 sf
+    m2 = _bf16x2_mask(a, _pair_threshold(sf, 1.75, 0x3FE03FE0, True), False)
+    m1 = _bf16x2_mask(a, t075 ^ ((t075 ^ t35) & m2), False)           # bit 1: >= 3.5 / 0.75 sf
+    t25 = _pair_threshold(sf, 2.5, 0x40204020, True)
+    t025 = _pair_threshold(sf, 0.25, 0x3E803E80, True)
+    # bit 0: > 5 / 2.5 sf (hi) or > 1.25 / 0.25 sf (lo)
+    hi = t25 ^ ((t25 ^ _pair_threshold(sf, 5.0, 0x40A040A0, True)) & m1)
+    lo = t025 ^ ((t025 ^ _pair_threshold(sf, 1.25, 0x3FA03FA0, True)) & m1)
+    m0 = _bf16x2_mask(a, lo ^ ((lo ^ hi) & m2), True)
+    # Each half: sign (bit 15 -> bit 3) | code bits; then the high half's nibble (bits 16..19) moves
+    # next to the low one (bits 4..7).
+    c = (m2 & 0x00040004) | (m1 & 0x00020002) | (m0 & 0x00010001) | ((w >> 12) & 0x00080008)
+    return ((c | (c >> 12)) & 0xFF).to(tl.int32)
+
+
+@triton.jit
 def _e2m1_bytes_bf16x2_fma(w, sf):
     """``_e2m1_bytes_bf16x2`` on the GPU with the decisions in bf16x2 arithmetic (the FMA pipe) instead of
-    bit-mask selects (the ALU pipe, which bound the write at 65 % of copy bandwidth).
+    integer bit-mask selects.
 
     The three compares yield 1.0 / 0.0 per half (``set.ge.bf16x2.bf16x2``), so the binary search's next
     threshold is an fma: ``t1 = b2 * 2.75 sf + 0.75 sf`` (0.75 or 3.5 sf) and
@@ -275,7 +300,7 @@ def _e2m1_bytes_bf16x2_fma(w, sf):
     ``128 + b0 + 2 b1 + 4 b2`` in bf16, whose bits are ``0x4300 + code``.  Every value is exact in bf16:
     sf has at most 4 significant bits and the factors at most 4 (3.75 = 11.11b), so the products and sums
     have at most 8 -- tests/test_cache_write.py checks each threshold for every e4m3 scale.  Per pair of
-    values that leaves ~7 ALU instructions (abs, sign, nibble packing) next to 10 on the FMA pipe."""
+    values that leaves ~7 integer instructions (abs, sign, nibble packing) next to 10 on the FMA pipe."""
     b = sf.to(tl.uint32, bitcast=True) >> 16
     s2 = (b | (b << 16))[:, :, None]
     t175 = _pair_threshold(sf, 1.75, 0x3FE03FE0, False)
@@ -312,16 +337,38 @@ def _nvfp4_scale(amax):
     """Block amax (fp32) -> (e4m3 code uint8, its value fp32): ``max(amax / 6, 2^-9)`` rounded to
     e4m3 and then one code UP if that is below the target (so ``amax / sf <= 6``).
 
-    Always the bit-exact integer conversions, on the GPU too: it is one value per 16-element
-    block, so their cost does not show, and composed from the convert instructions this function gave
-    the wrong code for ~13 % of random amax values on the H200 (third session; ``e4m3_codes`` and
-    ``f32_from_e4m3`` alone matched the integer path on 1 M values, their composition here did not --
-    the round-up decision came out inverted; tools/exp/diag_nvfp4_write.py reproduces it)."""
+    Always the bit-exact integer conversions, on the GPU too: built from the GPU's convert instructions,
+    the round-up decision comes out inverted for some amax values on sm_90 although each conversion alone
+    is right, and at one value per 16-element block the integer form's cost does not show."""
     target = tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + 6.0), 0.001953125)
     code = e4m3_codes(target, True)
     up = (f32_from_e4m3(code, True) < target) & (code < 0x7E)
     code = code + up.to(tl.uint8)
     return code, f32_from_e4m3(code, True)
+
+
+@triton.jit
+def _nvfp4_scale_bf16(amax):
+    """``_nvfp4_scale`` for a block amax that is a bf16 value (at most 8 significant bits), in ~15
+    instructions instead of ~60 (a correctly rounded division and the e4m3 round trips).
+
+    The recipe's code (round ``max(amax / 6, 2^-9)`` to e4m3, one code up if below) is the smallest e4m3
+    value >= that target, saturated at 448.  ``amax * C`` with C a little below 1/6 gives the same answer:
+    an exact multiple ``6 g`` of an e4m3 value g lands just below g (so the ceiling is g), and any other
+    bf16 amax is at least one bf16 step (2^-8 relative) away from ``6 g``, far more than C's error.  The
+    ceiling to 3 mantissa bits is an integer add-and-mask on the fp32 bits (normal e4m3) or
+    ``ceil(t * 512) / 512`` (subnormal e4m3, below 2^-6).  tests/test_cache_write.py compares it with
+    ``_nvfp4_scale`` on every positive bf16 value."""
+    t = tl.maximum(amax * 0.16666650772094727, 0.001953125)
+    tb = t.to(tl.uint32, bitcast=True)
+    cb = (tb + 0xFFFFF) & 0xFFF00000                        # ceil to 3 mantissa bits (carries into the exponent)
+    m = tl.math.ceil(tl.minimum(t, 0.015625) * 512.0)       # subnormal e4m3: m * 2^-9, m = 1..8
+    sub = t < 0.015625
+    code = tl.where(sub, m.to(tl.uint32), (cb >> 20) - 960)
+    sf = tl.where(sub, m * 0.001953125, cb.to(tl.float32, bitcast=True))
+    code = tl.minimum(code, 0x7E)
+    sf = tl.minimum(sf, 448.0)
+    return code.to(tl.uint8), sf
 
 
 @triton.jit
@@ -349,30 +396,6 @@ def _store_words(rows_ptr, base, off: tl.constexpr, words, m2):
     tl.store(wp[:, None] + tl.arange(0, words.shape[1])[None, :], words, mask=m2)
 
 
-@triton.jit
-def _nvfp4_scale_bf16(amax):
-    """``_nvfp4_scale`` for a block amax that is a bf16 value (at most 8 significant bits), in ~15
-    instructions instead of ~60 (a correctly rounded division and the e4m3 round trips).
-
-    The recipe's code (round ``max(amax / 6, 2^-9)`` to e4m3, one code up if below) is the smallest e4m3
-    value >= that target, saturated at 448.  ``amax * C`` with C a little below 1/6 gives the same answer:
-    an exact multiple ``6 g`` of an e4m3 value g lands just below g (so the ceiling is g), and any other
-    bf16 amax is at least one bf16 step (2^-8 relative) away from ``6 g``, far more than C's error.  The
-    ceiling to 3 mantissa bits is an integer add-and-mask on the fp32 bits (normal e4m3) or
-    ``ceil(t * 512) / 512`` (subnormal e4m3, below 2^-6).  tests/test_cache_write.py compares it with
-    ``_nvfp4_scale`` on every positive bf16 value."""
-    t = tl.maximum(amax * 0.16666650772094727, 0.001953125)
-    tb = t.to(tl.uint32, bitcast=True)
-    cb = (tb + 0xFFFFF) & 0xFFF00000                        # ceil to 3 mantissa bits (carries into the exponent)
-    m = tl.math.ceil(tl.minimum(t, 0.015625) * 512.0)       # subnormal e4m3: m * 2^-9, m = 1..8
-    sub = t < 0.015625
-    code = tl.where(sub, m.to(tl.uint32), (cb >> 20) - 960)
-    sf = tl.where(sub, m * 0.001953125, cb.to(tl.float32, bitcast=True))
-    code = tl.minimum(code, 0x7E)
-    sf = tl.minimum(sf, 448.0)
-    return code.to(tl.uint8), sf
-
-
 # --------------------------------------------------------------------------------------------------
 # the kernel
 # --------------------------------------------------------------------------------------------------
@@ -381,24 +404,24 @@ def _cache_write_kernel(
     rows_ptr,                       # uint8 [num_rows, BPT] (flat cache)
     kv_ptr, kv_stride,              # [N, 512] fp32/bf16/fp16, unit column stride
     pe_ptr, pe_stride,              # [N, ROPE] (unused when ROPE == 0)
-    slot_ptr,                       # int32/int64 [N], -1 = skip
-    N, block_stride_rows,
+    slot_ptr,                       # int32/int64 [N]; outside [0, num_slots) = skip
+    N, num_slots, block_stride_rows,
     k_scale, inv_k_scale,
     BLOCK_SIZE: tl.constexpr,       # constexpr: slot // BLOCK_SIZE is then a shift, not a 64-bit divide
     FMT: tl.constexpr, ROPE: tl.constexpr, BPT: tl.constexpr,
     ROPE_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
+    ZERO_OFF: tl.constexpr, ZERO_BYTES: tl.constexpr,   # the RoPE slot of a NoPE row (written as zeros)
     KS_MODE: tl.constexpr, EMULATE: tl.constexpr,
     PAIRS: tl.constexpr,            # nvfp4 with bf16 input: work on bf16 pairs (see _e2m1_bytes_bf16x2)
     ALIGNED: tl.constexpr,          # kv_c rows start on 16-byte boundaries (vector loads; PAIRS only)
     TOK: tl.constexpr,
-    FMA_PATH: tl.constexpr = True,  # PAIRS on the GPU: decisions in bf16x2 arithmetic (_e2m1_bytes_bf16x2_fma)
 ):
     D: tl.constexpr = 512
     pid = tl.program_id(0)
     tok = pid.to(tl.int64) * TOK + tl.arange(0, TOK)
     in_range = tok < N
     slot = tl.load(slot_ptr + tok, mask=in_range, other=-1).to(tl.int64)
-    live = slot >= 0
+    live = (slot >= 0) & (slot < num_slots)
     row = (slot // BLOCK_SIZE) * block_stride_rows + slot % BLOCK_SIZE
     base = tl.where(live, row, 0) * BPT                       # int64 byte offset of each row
     col = tl.arange(0, D)
@@ -406,39 +429,53 @@ def _cache_write_kernel(
     if ROPE > 0:
         rc = tl.arange(0, ROPE)
         r = tl.load(pe_ptr + tok[:, None] * pe_stride + rc[None, :], mask=m2, other=0.0).to(tl.float32)
+        bad_r = nonfinite_rows(r)
 
-    if FMT == 0:  # bf16: 512 (+ 64) bf16 values
+    if FMT == FMT_BF16:  # 512 (+ 64) bf16 values
         x = tl.load(kv_ptr + tok[:, None] * kv_stride + col[None, :], mask=m2, other=0.0).to(tl.float32)
+        bad = nonfinite_rows(x)
+        if ROPE > 0:
+            bad = bad | bad_r
         p16 = rows_ptr.to(tl.pointer_type(tl.uint16))
         base16 = base // 2
-        tl.store(p16 + base16[:, None] + col[None, :], bf16_bits(x, EMULATE), mask=m2)
+        v = tl.where(bad[:, None], BF16_NAN, bf16_bits(x, EMULATE).to(tl.int32)).to(tl.uint16)
+        tl.store(p16 + base16[:, None] + col[None, :], v, mask=m2)
         if ROPE > 0:
-            tl.store(p16 + base16[:, None] + (D + rc)[None, :], bf16_bits(r, EMULATE), mask=m2)
-    elif FMT == 1:  # fp8: e4m3(x / k_scale) for all head dims
+            vr = tl.where(bad[:, None], BF16_NAN, bf16_bits(r, EMULATE).to(tl.int32)).to(tl.uint16)
+            tl.store(p16 + ((base + ROPE_OFF) // 2)[:, None] + rc[None, :], vr, mask=m2)
+    elif FMT == FMT_FP8:  # e4m3(x / k_scale) for all head dims
         x = tl.load(kv_ptr + tok[:, None] * kv_stride + col[None, :], mask=m2, other=0.0).to(tl.float32)
+        bad = nonfinite_rows(x)
+        if ROPE > 0:
+            bad = bad | bad_r
         q = e4m3_codes(apply_inv_k_scale(x, k_scale, inv_k_scale, KS_MODE), EMULATE)
+        q = tl.where(bad[:, None], E4M3_NAN, q.to(tl.int32)).to(tl.uint8)
         tl.store(rows_ptr + base[:, None] + col[None, :], q, mask=m2)
         if ROPE > 0:
             qr = e4m3_codes(apply_inv_k_scale(r, k_scale, inv_k_scale, KS_MODE), EMULATE)
-            tl.store(rows_ptr + base[:, None] + (D + rc)[None, :], qr, mask=m2)
-    elif FMT == 2:  # fp8_ds_mla: 4 tiles of 128 e4m3 with a power-of-two fp32 scale each, bf16 rope
+            qr = tl.where(bad[:, None], E4M3_NAN, qr.to(tl.int32)).to(tl.uint8)
+            tl.store(rows_ptr + (base + ROPE_OFF)[:, None] + rc[None, :], qr, mask=m2)
+    elif FMT == FMT_FP8_DS_MLA:  # 4 tiles of 128 e4m3 with a power-of-two fp32 scale each, bf16 rope
         x = tl.load(kv_ptr + tok[:, None] * kv_stride + col[None, :], mask=m2, other=0.0).to(tl.float32)
         t3 = tl.reshape(x, [TOK, 4, 128])
-        amax = tl.max(tl.abs(t3), axis=2)                                   # [TOK, 4]
+        amax = _amax_nan(t3, 2)                                             # [TOK, 4], NaN / inf kept
+        bad = tl.max((amax.to(tl.uint32, bitcast=True) >= 0x7F800000).to(tl.int32), axis=1) > 0
+        if ROPE > 0:
+            bad = bad | bad_r
         rr = tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0), 1e-4)
         # 2 ** ceil(log2(rr)) on the bits: adding a full mantissa carries into the exponent unless rr
         # is already a power of two; the mask drops the mantissa.  1/s is a power of two as well.
         s_bits = (rr.to(tl.uint32, bitcast=True) + 0x7FFFFF) & 0x7F800000
-        s = s_bits.to(tl.float32, bitcast=True)
         inv_s = (0x7F000000 - s_bits).to(tl.float32, bitcast=True)
         q = e4m3_codes(t3 * inv_s[:, :, None], EMULATE)                    # exact x / s, then RNE
-        tl.store(rows_ptr + base[:, None] + col[None, :], tl.reshape(q, [TOK, D]), mask=m2)
-        pf = rows_ptr.to(tl.pointer_type(tl.float32))
-        sc = tl.arange(0, 4)
-        tl.store(pf + ((base + SCALE_OFF) // 4)[:, None] + sc[None, :], s, mask=m2)
+        q = tl.where(bad[:, None], E4M3_NAN, tl.reshape(q, [TOK, D]).to(tl.int32)).to(tl.uint8)
+        tl.store(rows_ptr + base[:, None] + col[None, :], q, mask=m2)
+        s_bits = tl.where(bad[:, None], tl.full(s_bits.shape, FP32_NAN, tl.uint32), s_bits)
+        _store_words(rows_ptr, base, SCALE_OFF, s_bits, m2)
         if ROPE > 0:
             p16 = rows_ptr.to(tl.pointer_type(tl.uint16))
-            tl.store(p16 + ((base + ROPE_OFF) // 2)[:, None] + rc[None, :], bf16_bits(r, EMULATE), mask=m2)
+            vr = tl.where(bad[:, None], BF16_NAN, bf16_bits(r, EMULATE).to(tl.int32)).to(tl.uint16)
+            tl.store(p16 + ((base + ROPE_OFF) // 2)[:, None] + rc[None, :], vr, mask=m2)
     else:  # nvfp4_ds_mla: 32 blocks of 16 e2m1 with an e4m3 scale (rounded up), e4m3 rope
         if PAIRS:
             # uint32 word k = bf16 dims 2k (low half) and 2k+1 (high half) = exactly one output byte.
@@ -446,13 +483,12 @@ def _cache_write_kernel(
             wrow = kw + tok * (kv_stride // 2)
             if ALIGNED:
                 # Rows start on 16-byte boundaries (checked by the launcher).  Without the hint Triton loads
-                # one word per instruction and spreads each 16-value block over 8 threads, so every thread
-                # redid the block's thresholds for 32 blocks and reduced its amax with shuffles.
+                # one word per instruction and spreads each 16-value block over 8 threads, each redoing the
+                # block's thresholds and reducing its amax with shuffles.
                 wrow = tl.multiple_of(wrow, 16)
             # A block of 16 values is 8 words; its two 16-byte halves are loaded as two [TOK, 32, 4] tensors
             # of the same layout, so one thread holds a whole block and computes its amax, scale and
-            # thresholds once (from one [TOK, 256] load Triton gave each thread half a block: the block
-            # work done twice, and a shuffle for the amax).
+            # thresholds once.
             boff = (tl.arange(0, 32) * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
             m3 = live[:, None, None]
             w_lo = tl.load(wrow[:, None, None] + boff, mask=m3, other=0)
@@ -460,16 +496,18 @@ def _cache_write_kernel(
             a_lo = w_lo & 0x7FFF7FFF
             a_hi = w_hi & 0x7FFF7FFF
             if EMULATE:
+                # bf16 bits of non-negative values order like the values, NaN (> 0x7F80) above inf (0x7F80)
                 amax_bits = tl.maximum(tl.max(tl.maximum(a_lo & 0xFFFF, a_lo >> 16), axis=2),
-                                       tl.max(tl.maximum(a_hi & 0xFFFF, a_hi >> 16), axis=2))  # bf16 bits, ordered
+                                       tl.max(tl.maximum(a_hi & 0xFFFF, a_hi >> 16), axis=2))
             else:
                 a2 = _bf16x2_max(tl.reduce(a_lo, 2, _bf16x2_max), tl.reduce(a_hi, 2, _bf16x2_max))
                 amax_bits = tl.maximum(a2 & 0xFFFF, a2 >> 16)
+            bad = tl.max((amax_bits >= 0x7F80).to(tl.int32), axis=1) > 0
             sf_code, sf = _nvfp4_scale_bf16((amax_bits << 16).to(tl.float32, bitcast=True))
             # output word 2b (+1) = bytes 0-3 (4-7) of block b
-            if EMULATE or not FMA_PATH:
-                q_lo = _e2m1_bytes_bf16x2(w_lo, sf, EMULATE)
-                q_hi = _e2m1_bytes_bf16x2(w_hi, sf, EMULATE)
+            if EMULATE:
+                q_lo = _e2m1_bytes_bf16x2(w_lo, sf)
+                q_hi = _e2m1_bytes_bf16x2(w_hi, sf)
             else:
                 q_lo = _e2m1_bytes_bf16x2_fma(w_lo, sf)
                 q_hi = _e2m1_bytes_bf16x2_fma(w_hi, sf)
@@ -477,21 +515,28 @@ def _cache_write_kernel(
         else:
             x = tl.load(kv_ptr + tok[:, None] * kv_stride + col[None, :], mask=m2, other=0.0).to(tl.float32)
             b3 = tl.reshape(x, [TOK, 32, 16])
-            sf_code, sf = _nvfp4_scale(tl.max(tl.abs(b3), axis=2))  # [TOK, 32]
+            amax = _amax_nan(b3, 2)                                         # [TOK, 32], NaN / inf kept
+            bad = tl.max((amax.to(tl.uint32, bitcast=True) >= 0x7F800000).to(tl.int32), axis=1) > 0
+            sf_code, sf = _nvfp4_scale(amax)
             codes = _e2m1_codes(b3, sf)
             lo, hi = tl.split(tl.reshape(codes, [TOK, 256, 2]))            # dim 2k low, 2k+1 high
             words = _bytes_to_words(lo | (hi << 4), TOK, 64)
-        # Bytes go out as 32-bit words: stored one byte per instruction, the 44 stores per thread and their
-        # address arithmetic kept the ALU pipe busy (85 % in Nsight Compute, fourth session).
-        _store_words(rows_ptr, base, 0, words, m2)
         if ROPE > 0:
-            _store_words(rows_ptr, base, ROPE_OFF, _bytes_to_words(e4m3_codes(r, EMULATE), TOK, 16), m2)
+            bad = bad | bad_r
+        # Bytes go out as 32-bit words: one store instruction per four bytes.
+        _store_words(rows_ptr, base, 0, tl.where(bad[:, None], tl.zeros_like(words), words), m2)
+        if ROPE > 0:
+            qr = tl.where(bad[:, None], E4M3_NAN, e4m3_codes(r, EMULATE).to(tl.int32))
+            _store_words(rows_ptr, base, ROPE_OFF, _bytes_to_words(qr, TOK, 16), m2)
         # Block b's scale goes to byte 8 * (b % 4) + b // 4: as [TOK, 8, 4] (b // 4, b % 4), transposed.
         sf_perm = tl.reshape(tl.permute(tl.reshape(sf_code, [TOK, 8, 4]), (0, 2, 1)), [TOK, 32])
+        sf_perm = tl.where(bad[:, None], E4M3_NAN, sf_perm.to(tl.int32))
         _store_words(rows_ptr, base, SCALE_OFF, _bytes_to_words(sf_perm, TOK, 8), m2)
+    if ZERO_BYTES > 0:
+        _store_words(rows_ptr, base, ZERO_OFF, tl.zeros([TOK, ZERO_BYTES // 4], tl.uint32), m2)
 
 
-def _prep_input(name: str, t: torch.Tensor) -> torch.Tensor:
+def _prep_input(t: torch.Tensor) -> torch.Tensor:
     # The kernel needs unit column stride (wide loads); a row stride is fine (e.g. a slice of a fused
     # [N, 576] projection output).
     return t if t.stride(1) == 1 else t.contiguous()
@@ -500,21 +545,23 @@ def _prep_input(name: str, t: torch.Tensor) -> torch.Tensor:
 def cache_write(rows: torch.Tensor, fmt, kv_c: torch.Tensor, k_pe: Optional[torch.Tensor],
                 slot_mapping: torch.Tensor, block_size: int, block_stride_rows: int, k_scale: float = 1.0,
                 *, _config: Optional[dict] = None, _emulate: Optional[bool] = None) -> None:
-    """Quantize ``N`` tokens into a paged cache, in place, in one Triton launch.
+    """Quantize ``N`` tokens into a paged cache, in place, in one Triton launch (no host sync).
 
     Args:
-        rows: uint8 ``[num_rows, bytes_per_token]`` contiguous, the flat cache (``PagedKVCache.rows``).
-        fmt: :class:`KVFormat` or format name.
-        kv_c: ``[N, 512]`` bf16/fp16/fp32 latent values.
+        rows: uint8 ``[num_rows, bytes_per_token]`` contiguous, the flat cache (``PagedKVCache.rows``);
+            it holds ``(num_rows - block_size) // block_stride_rows + 1`` whole blocks.
+        fmt: :class:`KVFormat` or format id.
+        kv_c: ``[N, 512]`` bf16 / fp16 / fp32 latent values.
         k_pe: ``[N, rope_dim]`` same kinds of dtype, or None for NoPE formats.
-        slot_mapping: int32/int64 ``[N]``; slot ``s`` goes to row
-            ``(s // block_size) * block_stride_rows + s % block_size``; -1 = skip the token.
-            Slots are not range-checked here (``PagedKVCache.write`` does that).
+        slot_mapping: int32 / int64 ``[N]`` contiguous; slot ``s`` goes to row
+            ``(s // block_size) * block_stride_rows + s % block_size``; a slot outside
+            ``[0, num_blocks * block_size)`` (-1 included) skips the token.
         block_size, block_stride_rows: cache geometry.
         k_scale: per-tensor scale (changes only the ``fp8`` format).
+        _config: tiling override for benchmarks (``{"TOK": tokens per program, "num_warps": w}``).
+        _emulate: force (True) or forbid (False) the bit-arithmetic conversions (tests on the GPU).
 
-    Bytes written equal ``fmt.encode(kv_c, k_pe, k_scale)`` for finite inputs (inf saturates like a
-    large value; ``fmt.encode`` rejects non-finite inputs).
+    Bytes written equal ``fmt.encode(kv_c, k_pe, k_scale)``, non-finite tokens and the NoPE slot included.
     """
     fmt = get_format(fmt)
     k_scale = check_k_scale(k_scale)
@@ -529,35 +576,34 @@ def cache_write(rows: torch.Tensor, fmt, kv_c: torch.Tensor, k_pe: Optional[torc
         raise ValueError(f"k_pe: format {fmt.id} has no RoPE part; expected None, got shape {tuple(k_pe.shape)}")
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int32, torch.int64), shape=(n,), device=dev,
                  contiguous=True)
-    check_block_geometry(block_size, block_stride_rows)
-    if n == 0:
+    block_stride_rows = check_block_geometry(block_size, block_stride_rows)
+    if n == 0 or rows.shape[0] < block_size:
         return
-    kv_c = _prep_input("kv_c", kv_c)
-    pe = _prep_input("k_pe", k_pe) if fmt.rope_dim else kv_c
+    num_slots = ((rows.shape[0] - block_size) // block_stride_rows + 1) * block_size
+    kv_c = _prep_input(kv_c)
+    pe = _prep_input(k_pe) if fmt.rope_dim else kv_c
     mode, ks, inv = k_scale_mode(k_scale)
     cfg = {"TOK": WRITE_TOKENS_PER_PROGRAM, "num_warps": WRITE_NUM_WARPS}
     cfg.update(WRITE_TUNED.get(fmt.id, WRITE_TUNED.get(fmt.name, {})))
     cfg.update(_config or {})
     lay = fmt.layout
-    # bf16 pairs as uint32 words need an even row stride and a 4-byte aligned start.
+    # bf16 pairs as uint32 words need an even row stride and a 4-byte aligned start; 16-byte aligned rows
+    # (stride a multiple of 8 bf16, 16-byte aligned start) get the alignment hint (16-byte loads).
     pairs = (fmt.name == "nvfp4_ds_mla" and kv_c.dtype == torch.bfloat16 and kv_c.stride(0) % 2 == 0
-             and kv_c.data_ptr() % 4 == 0 and cfg.get("pairs", True))
-    # 16-byte aligned rows (stride a multiple of 8 bf16, 16-byte aligned start) get the alignment hint
-    # (16-byte loads).  ``_config={"aligned": False}`` turns it off (the benchmark's ``no_hint`` comparison).
-    aligned = pairs and kv_c.stride(0) % 8 == 0 and kv_c.data_ptr() % 16 == 0 and cfg.get("aligned", True)
-    # ``_config={"fma": False}``: the bit-mask form of the pair decisions (the benchmark's comparison)
-    fma_path = cfg.get("fma", True)
-    emulate = use_emulation(_emulate)
+             and kv_c.data_ptr() % 4 == 0)
+    aligned = pairs and kv_c.stride(0) % 8 == 0 and kv_c.data_ptr() % 16 == 0
     grid = (triton.cdiv(n, cfg["TOK"]),)
     _cache_write_kernel[grid](
         rows, kv_c, kv_c.stride(0), pe, pe.stride(0), slot_mapping,
-        n, block_stride_rows, ks, inv,
+        n, num_slots, block_stride_rows, ks, inv,
         BLOCK_SIZE=block_size, FMT=format_id(fmt), ROPE=fmt.rope_dim, BPT=fmt.bytes_per_token,
         ROPE_OFF=max(lay.rope_offset, 0), SCALE_OFF=max(lay.scale_offset, 0),
-        KS_MODE=mode, EMULATE=emulate, PAIRS=pairs, ALIGNED=aligned, TOK=cfg["TOK"], FMA_PATH=fma_path,
+        ZERO_OFF=max(lay.zero_offset, 0), ZERO_BYTES=lay.zero_bytes,
+        KS_MODE=mode, EMULATE=use_emulation(_emulate), PAIRS=pairs, ALIGNED=aligned, TOK=cfg["TOK"],
         num_warps=cfg["num_warps"],
     )
 
 
-__all__ = ["cache_write", "e4m3_codes", "bf16_bits", "f32_from_e4m3", "apply_inv_k_scale", "k_scale_mode",
-           "format_id", "use_emulation"]
+__all__ = ["cache_write", "e4m3_codes", "bf16_bits", "f32_from_e4m3", "apply_inv_k_scale", "nonfinite_rows",
+           "k_scale_mode", "format_id", "use_emulation", "FMT_BF16", "FMT_FP8", "FMT_FP8_DS_MLA",
+           "FMT_NVFP4_DS_MLA", "KS_ONE", "KS_POW2", "KS_DIV"]

@@ -3,7 +3,8 @@
 Semantics are those of ``indices.convert_indices_torch`` (the reference), entry by entry:
     row = block_table[req, pos // block_size] * block_stride_rows + pos % block_size
 -1 stays -1; a position whose block lies outside the request's table (``pos // block_size >=
-max_blocks``) or whose table entry is negative becomes -1; with ``workspace_start`` a request ``r``
+max_blocks``) or whose table entry is negative becomes -1, and so does every entry of a token whose
+request id is not a row of the table (the kernel never reads outside its tensors); with ``workspace_start`` a request ``r``
 with ``workspace_start[r] >= 0`` maps position ``pos`` to ``workspace_start[r] + pos`` instead.
 Valid count of a row = the length of the shortest prefix holding all its valid entries; ``compact``
 moves the valid entries to a prefix, order kept, -1 after them.
@@ -16,7 +17,8 @@ position at or past the total.  The two sets of destinations never overlap, so n
 threads is needed.  The entries are recomputed in the second pass (block-table reads hit L1/L2)
 instead of being read back from the output, which another thread may be rewriting.
 
-No host synchronisation and no allocation besides the outputs: capturable in a CUDA graph.
+No host synchronisation, and no allocation when the outputs are given (``out=``, ``counts_out=``):
+capturable in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -31,12 +33,15 @@ CONVERT_NUM_WARPS = 4
 
 
 @triton.jit
-def _rows_of_chunk(topk_row, stride_tk, k, K, bt_row, stride_bb, max_blocks, ws, block_stride_rows,
+def _rows_of_chunk(topk_row, stride_tk, k, K, bt_row, stride_bb, max_blocks, req_ok, ws, block_stride_rows,
                    BLOCK_SIZE: tl.constexpr, HAS_WS: tl.constexpr):
     """Rows (int64, -1 = none) of the entries ``k`` (a chunk of column indices) of one token, whose
-    top-k row starts at ``topk_row`` and whose block-table row starts at ``bt_row``."""
+    top-k row starts at ``topk_row`` and whose block-table row starts at ``bt_row`` (``req_ok``: the
+    token's request is a row of the table; otherwise every entry reads as -1)."""
     in_k = k < K
     pos = tl.load(topk_row + k * stride_tk, mask=in_k, other=-1).to(tl.int64)
+    # (a tensor compare instead of ``& req_ok``: some interpreters mishandle tensor & scalar masks)
+    pos = tl.where(pos < tl.where(req_ok, 1 << 62, 0), pos, -1)
     blk = pos // BLOCK_SIZE
     in_table = (pos >= 0) & (blk < max_blocks)
     phys = tl.load(bt_row + blk * stride_bb, mask=in_table, other=-1).to(tl.int64)
@@ -54,31 +59,33 @@ def _convert_indices_kernel(
     req_ptr,                               # [T] request of each token
     bt_ptr, stride_br, stride_bb,          # [R, max_blocks] block table
     ws_ptr,                                # [R] workspace starts (unused unless HAS_WS)
-    out_ptr,                               # [T, K] int32 rows, contiguous
+    out_ptr, stride_ot,                    # [T, K] int32 rows, unit column stride
     cnt_ptr,                               # [T] int32 valid counts (unused unless COUNTS)
-    K, max_blocks, block_stride_rows,
+    K, R, max_blocks, block_stride_rows,
     BLOCK_SIZE: tl.constexpr, HAS_WS: tl.constexpr, COMPACT: tl.constexpr, COUNTS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     req = tl.load(req_ptr + t).to(tl.int64)
-    bt_row = bt_ptr + req * stride_br
+    req_ok = (req >= 0) & (req < R)            # a request id outside the table: every entry -1
+    bt_row = bt_ptr + tl.where(req_ok, req, 0) * stride_br
     ws = 0
     if HAS_WS:
-        ws = tl.load(ws_ptr + req).to(tl.int64)
+        ws = tl.load(ws_ptr + tl.where(req_ok, req, 0)).to(tl.int64)
+        ws = tl.where(req_ok, ws, -1)
     topk_row = topk_ptr + t * stride_tt
-    out_row = out_ptr + t * K
+    out_row = out_ptr + t * stride_ot
     offs = tl.arange(0, BLOCK)
     if COMPACT:
         total = 0
         for k0 in range(0, K, BLOCK):
-            rows = _rows_of_chunk(topk_row, stride_tk, k0 + offs, K, bt_row, stride_bb, max_blocks, ws,
+            rows = _rows_of_chunk(topk_row, stride_tk, k0 + offs, K, bt_row, stride_bb, max_blocks, req_ok, ws,
                                   block_stride_rows, BLOCK_SIZE, HAS_WS)
             total += tl.sum((rows >= 0).to(tl.int32), axis=0)
         carry = 0
         for k0 in range(0, K, BLOCK):
             k = k0 + offs
-            rows = _rows_of_chunk(topk_row, stride_tk, k, K, bt_row, stride_bb, max_blocks, ws,
+            rows = _rows_of_chunk(topk_row, stride_tk, k, K, bt_row, stride_bb, max_blocks, req_ok, ws,
                                   block_stride_rows, BLOCK_SIZE, HAS_WS)
             valid = rows >= 0
             rank = carry + tl.cumsum(valid.to(tl.int32), axis=0) - 1
@@ -90,7 +97,7 @@ def _convert_indices_kernel(
         count = 0
         for k0 in range(0, K, BLOCK):
             k = k0 + offs
-            rows = _rows_of_chunk(topk_row, stride_tk, k, K, bt_row, stride_bb, max_blocks, ws,
+            rows = _rows_of_chunk(topk_row, stride_tk, k, K, bt_row, stride_bb, max_blocks, req_ok, ws,
                                   block_stride_rows, BLOCK_SIZE, HAS_WS)
             tl.store(out_row + k, rows.to(tl.int32), mask=k < K)
             count = tl.maximum(count, tl.max(tl.where(rows >= 0, k + 1, 0), axis=0))
@@ -101,8 +108,10 @@ def _convert_indices_kernel(
 def convert_indices_triton(topk_local: torch.Tensor, req_id_per_token: torch.Tensor, block_table: torch.Tensor,
                            block_size: int = 64, block_stride_rows: Optional[int] = None,
                            return_valid_counts: bool = False, compact: bool = False,
-                           workspace_start: Optional[torch.Tensor] = None):
-    """The Triton implementation of ``indices.convert_indices`` (which validates the arguments).
+                           workspace_start: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                           counts_out: Optional[torch.Tensor] = None):
+    """The Triton launcher of ``indices.convert_indices``, without argument checks: callers validate once
+    (``convert_indices`` does on every call; a runner does at construction and plan time).
 
     Args:
         topk_local: int32/int64 ``[T, K]`` request-local positions, -1 padded (any strides).
@@ -112,6 +121,8 @@ def convert_indices_triton(topk_local: torch.Tensor, req_id_per_token: torch.Ten
         return_valid_counts: also return int32 ``[T]`` valid counts.
         compact: valid entries to a prefix, order kept.
         workspace_start: optional int ``[R]``; see the module docstring.
+        out: optional int32 ``[T, K]`` with unit column stride, written in place.
+        counts_out: optional int32 ``[T]`` contiguous, the valid counts written in place.
 
     Returns int32 ``[T, K]`` rows (and int32 ``[T]`` valid counts).  One launch, no host sync.
     """
@@ -119,21 +130,25 @@ def convert_indices_triton(topk_local: torch.Tensor, req_id_per_token: torch.Ten
         block_stride_rows = block_size
     t, k = topk_local.shape
     dev = topk_local.device
-    out = torch.empty((t, k), dtype=torch.int32, device=dev)
-    counts = torch.empty((t,), dtype=torch.int32, device=dev) if return_valid_counts else out
+    if out is None:
+        out = torch.empty((t, k), dtype=torch.int32, device=dev)
+    counts = None
+    if return_valid_counts:
+        counts = counts_out if counts_out is not None else torch.empty((t,), dtype=torch.int32, device=dev)
     if t and k:
         req = req_id_per_token if req_id_per_token.stride(0) == 1 else req_id_per_token.contiguous()
         has_ws = workspace_start is not None
-        ws = workspace_start.contiguous() if has_ws else req
+        ws = (workspace_start if workspace_start.stride(0) == 1 else workspace_start.contiguous()) if has_ws else req
         block = min(triton.next_power_of_2(k), CONVERT_MAX_BLOCK)
         _convert_indices_kernel[(t,)](
             topk_local, topk_local.stride(0), topk_local.stride(1), req,
-            block_table, block_table.stride(0), block_table.stride(1), ws, out, counts,
-            k, block_table.shape[1], block_stride_rows,
+            block_table, block_table.stride(0), block_table.stride(1), ws, out, out.stride(0),
+            out if counts is None else counts,
+            k, block_table.shape[0], block_table.shape[1], block_stride_rows,
             BLOCK_SIZE=block_size, HAS_WS=has_ws, COMPACT=bool(compact), COUNTS=bool(return_valid_counts),
             BLOCK=block, num_warps=CONVERT_NUM_WARPS,
         )
-    elif return_valid_counts:
+    elif counts is not None:
         counts.zero_()
     if return_valid_counts:
         return out, counts

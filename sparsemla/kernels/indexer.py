@@ -6,10 +6,15 @@
 * ``quantize_index_q``: the same recipe for the queries, one scale per (token, head) (PyTorch ops).
 * ``index_scores``: ``I[t, s] = k_scale[s] * sum_h w[t, h] * relu(q[t, h] . k[s])`` with fp8 q and keys,
   -inf for ``s >= context_lens[t]`` (causal mask by per-token context length), keys read through
-  the block table.  One launch; no host synchronisation (CUDA-graph safe with ``check=False``).
+  the block table.  One launch; no host synchronisation (CUDA-graph safe).
 * ``index_topk``: top-k of the scores with ``torch.topk`` (a sort-free selection is not needed at
   these widths: 2048 of 32K per row), -1 padded; pooled variant through
   ``sparsemla.indices.expand_pooled_topk``.
+
+A default call (``check=False``) reads nothing on the host; the kernels never touch memory outside
+their tensors: a slot outside the cache is skipped, and a key past the block table, in a block id outside
+the cache or of a request id outside the table scores -inf.  ``check=True`` is a debug option that
+validates value ranges on the host first (a device sync) and raises.
 
 The e4m3 rounding is done with integer arithmetic instead of ``.to(tl.float8e4nv)``: the Triton 3.6
 interpreter rounds fp32 -> e4m3 wrongly (126.8 -> 64), and doing it by hand makes the bytes
@@ -71,14 +76,14 @@ def _e4m3_code(y):
 # --- cache write ---------------------------------------------------------------------------------
 
 @triton.jit
-def _index_cache_write_kernel(k_ptr, stride_k, slot_ptr, cache_ptr, block_stride, n_tokens,
+def _index_cache_write_kernel(k_ptr, stride_k, slot_ptr, cache_ptr, block_stride, n_tokens, num_slots,
                               D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     # One program quantizes BLOCK_N tokens: amax over the 128 dims, power-of-two scale, e4m3 codes.
     i = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
     in_range = i < n_tokens
     slot = tl.load(slot_ptr + i, mask=in_range, other=-1).to(tl.int64)
-    keep = slot >= 0
+    keep = (slot >= 0) & (slot < num_slots)
     x = tl.load(k_ptr + i[:, None] * stride_k + d[None, :], mask=keep[:, None], other=0.0).to(tl.float32)
     sbits = _pow2_scale_bits(tl.max(tl.abs(x), axis=1))
     scale = (sbits << 23).to(tl.float32, bitcast=True)
@@ -108,14 +113,16 @@ def _check_cache(cache: torch.Tensor, name: str = "index_cache"):
     return nb, bs, cache.stride(0)
 
 
-def index_cache_write(cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor, *, check: bool = True) -> None:
+def index_cache_write(cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor, *, check: bool = False) -> None:
     """Quantize and scatter index keys.
 
     Args:
         cache: uint8 ``[num_blocks, block_size, 132]`` (block stride may be larger than a block).
         k: ``[N, 128]`` bf16 / fp16 / fp32 keys (last dim contiguous).
-        slot_mapping: int32/int64 ``[N]``, ``block * block_size + offset``; -1 skips the token.
-        check: validate slot ranges (reads them on the host; pass False on a hot path / in a graph).
+        slot_mapping: int32/int64 ``[N]``, ``block * block_size + offset``; -1 (or any slot outside
+            ``[0, num_blocks * block_size)``) skips the token.
+        check: debug option: raise for a slot outside ``[-1, num_blocks * block_size)`` (reads them on the
+            host: one device sync).
     """
     nb, bs, stride0 = _check_cache(cache)
     check_tensor("k", k, dtypes=_FLOATS, ndim=2, device=cache.device)
@@ -133,7 +140,7 @@ def index_cache_write(cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.
             raise ValueError(f"slot_mapping: entries must be -1 or in [0, {nb * bs}), found range [{lo}, {hi}]")
     block_n = 8
     _index_cache_write_kernel[(triton.cdiv(n, block_n),)](
-        k, k.stride(0), slot_mapping, cache, stride0, n,
+        k, k.stride(0), slot_mapping, cache, stride0, n, nb * bs,
         D=INDEX_HEAD_DIM, PAGE=bs, BLOCK_N=block_n, num_warps=4)
 
 
@@ -157,14 +164,17 @@ def quantize_index_q(q: torch.Tensor):
 # --- scores --------------------------------------------------------------------------------------
 
 @triton.jit
-def _score_tile(tile, q, w, cache_ptr, bt_row_ptr, ctx, out_row_ptr, block_stride, max_context,
+def _score_tile(tile, q, w, cache_ptr, bt_row_ptr, ctx, out_row_ptr, block_stride, max_context, num_blocks,
                 D: tl.constexpr, PAGE: tl.constexpr, BLOCK_S: tl.constexpr):
     """Scores of one query against keys ``[tile*BLOCK_S, (tile+1)*BLOCK_S)`` (a tile that starts inside
-    the context), stored to its out row; keys at or past ``ctx`` get -inf."""
+    the context), stored to its out row; keys at or past ``ctx`` or in a block id outside the cache get
+    -inf."""
     s = tile * BLOCK_S + tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
-    valid = s < ctx
-    blk = tl.load(bt_row_ptr + s // PAGE, mask=valid, other=0).to(tl.int64)
+    in_ctx = s < ctx
+    blk = tl.load(bt_row_ptr + s // PAGE, mask=in_ctx, other=-1).to(tl.int64)
+    valid = in_ctx & (blk >= 0) & (blk < num_blocks)
+    blk = tl.where(valid, blk, 0)
     off = (s % PAGE).to(tl.int64)
     base = blk * block_stride  # int64 byte offsets
     k = tl.load(cache_ptr + base[:, None] + off[:, None] * D + d[None, :], mask=valid[:, None], other=0)
@@ -186,7 +196,7 @@ def _mask_tile(tile, out_row_ptr, max_context, BLOCK_S: tl.constexpr):
 @triton.jit
 def _index_scores_kernel(q_ptr, w_ptr, cache_ptr, bt_ptr, req_ptr, ctx_ptr, out_ptr,
                          stride_qt, stride_qh, stride_wt, stride_bt, stride_out, block_stride,
-                         max_context, n_tiles, SPLIT,
+                         max_context, n_tiles, SPLIT, n_req, max_blocks, num_blocks,
                          H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr):
     # Program (t, split) handles tiles split, split + SPLIT, ... of query token t: the query (all heads,
@@ -196,7 +206,10 @@ def _index_scores_kernel(q_ptr, w_ptr, cache_ptr, bt_ptr, req_ptr, ctx_ptr, out_
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     req = tl.load(req_ptr + t).to(tl.int64)
-    ctx = tl.load(ctx_ptr + t)
+    req_ok = (req >= 0) & (req < n_req)
+    req = tl.where(req_ok, req, 0)
+    # keys past the block table, or of a request id outside it, are not read: they score -inf
+    ctx = tl.where(req_ok, tl.minimum(tl.load(ctx_ptr + t), max_blocks * PAGE), 0)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
     hmask = h < H
@@ -213,7 +226,8 @@ def _index_scores_kernel(q_ptr, w_ptr, cache_ptr, bt_ptr, req_ptr, ctx_ptr, out_
         # the same iterations.  Compiled code keeps the for loops, which Triton can pipeline.
         tile = split
         while tile < n_ctx_tiles:
-            _score_tile(tile, q, w, cache_ptr, bt_row, ctx, out_row, block_stride, max_context, D, PAGE, BLOCK_S)
+            _score_tile(tile, q, w, cache_ptr, bt_row, ctx, out_row, block_stride, max_context, num_blocks, D, PAGE,
+                        BLOCK_S)
             tile += SPLIT
         tile = first_masked
         while tile < n_tiles:
@@ -221,7 +235,8 @@ def _index_scores_kernel(q_ptr, w_ptr, cache_ptr, bt_ptr, req_ptr, ctx_ptr, out_
             tile += SPLIT
     else:
         for tile in range(split, n_ctx_tiles, SPLIT):
-            _score_tile(tile, q, w, cache_ptr, bt_row, ctx, out_row, block_stride, max_context, D, PAGE, BLOCK_S)
+            _score_tile(tile, q, w, cache_ptr, bt_row, ctx, out_row, block_stride, max_context, num_blocks, D, PAGE,
+                        BLOCK_S)
         for tile in range(first_masked, n_tiles, SPLIT):
             _mask_tile(tile, out_row, max_context, BLOCK_S)
 
@@ -234,7 +249,7 @@ def _num_sms(device: torch.device) -> int:
 
 def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                  req_id: torch.Tensor, context_lens: torch.Tensor, max_context: int,
-                 out: Optional[torch.Tensor] = None, *, check: bool = True) -> torch.Tensor:
+                 out: Optional[torch.Tensor] = None, *, check: bool = False) -> torch.Tensor:
     """Indexer scores of every query token against its request's keys.
 
     Args:
@@ -245,9 +260,11 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor
             (keys ``[0, context_lens[t])`` are visible to token ``t``).
         max_context: width of the result (``>= max(context_lens)``; a static bound for CUDA graphs).
         out: optional float32 ``[T, max_context]`` (row stride may be larger).
-        check: validate value ranges (host reads; pass False on a hot path / in a graph).
+        check: debug option: raise for context lengths outside ``[0, max_context]`` or past the block
+            table, or request ids outside it (reads them on the host: one device sync).
 
-    Returns float32 ``[T, max_context]``, -inf where ``s >= context_lens[t]``.
+    Returns float32 ``[T, max_context]``, -inf where ``s >= context_lens[t]`` (and for keys that cannot
+    be read, see the module docstring).
     """
     nb, bs, stride0 = _check_cache(cache)
     dev = cache.device
@@ -292,7 +309,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor
     _index_scores_kernel[(t, split)](
         q_fp8.view(torch.uint8), weights, cache, block_table, req_id, context_lens, out,
         q_fp8.stride(0), q_fp8.stride(1), weights.stride(0), block_table.stride(0), out.stride(0), stride0,
-        max_context, n_tiles, split,
+        max_context, n_tiles, split, block_table.shape[0], block_table.shape[1], nb,
         H=h, BLOCK_H=block_h, D=INDEX_HEAD_DIM, PAGE=bs, BLOCK_S=block_s,
         INTERPRET=interpreting(), num_warps=4)
     return out

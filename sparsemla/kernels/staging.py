@@ -5,14 +5,21 @@ request's context -> a contiguous bf16 workspace for prefill.
     ``head_dim`` dims (``docs/kv-formats.md``, "Staging to FP8"): what a plain ``fp8`` cache written
     with that ``k_scale`` would hold, so any FP8 kernel reads it with the ``fp8`` bmm scales.  For
     the ``fp8`` format itself this is a byte copy (``e4m3(e * k / k) == e``); for nvfp4 with
-    k_scale 1 the e4m3 rope is copied bit-exactly.  Entries that are -1 or at/after
-    ``valid_counts[t]`` become zero rows (their cache row is never read).
+    k_scale 1 the e4m3 rope is copied bit-exactly.  Entries that are -1, at/after ``valid_counts[t]``
+    or outside ``[0, num_rows)`` become zero rows (their cache row is never read).
 (b) ``upconvert_context``: request ``r``'s rows for positions ``0 .. seq_lens[r]-1`` (through its block
     table), dequantized (``fmt.decode``) and rounded to bf16, at workspace rows
-    ``workspace_start[r] + pos``.
+    ``workspace_start[r] + pos``.  A block id outside the cache (or negative) gives zero rows; a
+    workspace row outside ``out`` is not written.
+
+Every layout of a format is read through ``fmt.layout``'s offsets (constexprs): vLLM's NoPE rows
+(656 / 352 B, the zero RoPE slot skipped) and the compact ones alike.  A non-finite row
+(``fmt.nonfinite_row``) stages as NaN codes (0x7F) and upconverts to bf16 NaN.  A default call (given
+outputs) reads nothing on the host: no synchronization, capturable in a CUDA graph; ``check=True`` is
+a debug option that validates index values on the host first.
 
 Tiling: (a) one program = ``BK`` (16) consecutive top-k entries of one query token, 4 warps; (b) one
-program = ``BP`` (16) consecutive positions of one request, 4 warps; both on a flat 1-D grid.  A
+program = ``BP`` (16; 32 for nvfp4) consecutive positions of one request, 4 warps; both on a flat 1-D grid.  A
 program moves whole rows: a ``[rows, 512]`` load of the latent part (plus the scale bytes and the
 rope), the dequantization in registers, and ``[rows, 512]`` / ``[rows, rope]`` stores, all at int64
 byte offsets.  nvfp4 rows are never de-interleaved: each packed byte (dims 2k, 2k+1) is decoded into
@@ -36,21 +43,20 @@ import triton.language as tl
 
 from .._validate import check_block_geometry, check_cache_rows, check_index_range, check_k_scale, check_tensor
 from ..formats import get_format
-from .cache_write import (apply_inv_k_scale, bf16_bits, e4m3_codes, f32_from_e4m3, format_id, k_scale_mode,
-                          use_emulation)
+from .cache_write import (FMT_BF16, FMT_FP8, FMT_FP8_DS_MLA, FMT_NVFP4_DS_MLA, KS_ONE, apply_inv_k_scale, bf16_bits,
+                          e4m3_codes, f32_from_e4m3, format_id, k_scale_mode, use_emulation)
 
 _INT = (torch.int32, torch.int64)
 
 # Defaults: rows per program and warps.  16 rows x 512 dims with 4 warps is 64 values per thread:
 # enough bytes in flight per program (5-18 KB) at a register count that still allows several
-# programs per SM.  The benchmark (benchmarks/bench_movement.py --sweep) tries others.
+# programs per SM.  The movement benchmark's sweep tries others.
 GATHER_ROWS_PER_PROGRAM = 16
 GATHER_NUM_WARPS = 4
 UPCONVERT_ROWS_PER_PROGRAM = 16
 UPCONVERT_NUM_WARPS = 4
-# Per-format overrides chosen with ``benchmarks/bench_movement.py --sweep`` on the H200 (2026-11-29):
-# nvfp4 rows (352 / 288 B) are short, so 32 rows per program keep more bytes in flight (61 -> 72 % and
-# 64 -> 79 % of copy bandwidth); the other formats were within run-to-run noise of the default.
+# nvfp4 rows (352 / 288 B) are short: 32 rows per program keep as many bytes in flight as 16 rows of
+# the other formats (picked by the movement benchmark's sweep on the H200).
 UPCONVERT_TUNED = {"nvfp4_ds_mla": {"BP": 32, "num_warps": 4}}
 
 
@@ -119,14 +125,14 @@ def _load_latent(rows_ptr, base, m2, R: tl.constexpr, FMT: tl.constexpr, SCALE_O
     through ``_load_latent_nvfp4``."""
     D: tl.constexpr = 512
     col = tl.arange(0, D)
-    if FMT == 0:
+    if FMT == FMT_BF16:
         p16 = rows_ptr.to(tl.pointer_type(tl.uint16))
         u = tl.load(p16 + (base // 2)[:, None] + col[None, :], mask=m2, other=0)
         x = _f32_from_bf16_bits(u)
-    elif FMT == 1:
+    elif FMT == FMT_FP8:
         q = tl.load(rows_ptr + base[:, None] + col[None, :], mask=m2, other=0)
         x = f32_from_e4m3(q, EMULATE)
-    elif FMT == 2:
+    elif FMT == FMT_FP8_DS_MLA:
         q = tl.load(rows_ptr + base[:, None] + col[None, :], mask=m2, other=0)
         pf = rows_ptr.to(tl.pointer_type(tl.float32))
         s = tl.load(pf + ((base + SCALE_OFF) // 4)[:, None] + tl.arange(0, 4)[None, :], mask=m2, other=0.0)
@@ -177,7 +183,7 @@ def _load_rope(rows_ptr, base, m2, R: tl.constexpr, ROPE: tl.constexpr, FMT: tl.
                ROPE_OFF: tl.constexpr, EMULATE: tl.constexpr):
     """The rope part of ``R`` rows -> fp32 [R, ROPE] (bf16 or e4m3 in the row, unscaled)."""
     rc = tl.arange(0, ROPE)
-    if FMT == 0 or FMT == 2:
+    if FMT == FMT_BF16 or FMT == FMT_FP8_DS_MLA:
         p16 = rows_ptr.to(tl.pointer_type(tl.uint16))
         u = tl.load(p16 + ((base + ROPE_OFF) // 2)[:, None] + rc[None, :], mask=m2, other=0)
         r = _f32_from_bf16_bits(u)
@@ -196,7 +202,7 @@ def _gather_topk_fp8_kernel(
     idx_ptr, stride_it, stride_ik,  # [T, K] int32/int64 rows, -1 = none
     vc_ptr,                         # [T] int32 valid counts (unused unless HAS_VC)
     out_ptr,                        # uint8 [T, K, HEAD_DIM] (e4m3 codes), contiguous
-    K, k_scale, inv_k_scale,
+    K, num_rows, k_scale, inv_k_scale,
     FMT: tl.constexpr, ROPE: tl.constexpr, BPT: tl.constexpr, ROPE_OFF: tl.constexpr,
     SCALE_OFF: tl.constexpr, KS_MODE: tl.constexpr, EMULATE: tl.constexpr, HAS_VC: tl.constexpr,
     BK: tl.constexpr,
@@ -211,7 +217,7 @@ def _gather_topk_fp8_kernel(
     k = (pid % chunks) * BK + tl.arange(0, BK)
     in_k = k < K
     idx = tl.load(idx_ptr + t * stride_it + k * stride_ik, mask=in_k, other=-1).to(tl.int64)
-    valid = in_k & (idx >= 0)
+    valid = in_k & (idx >= 0) & (idx < num_rows)
     if HAS_VC:
         valid = valid & (k < tl.load(vc_ptr + t))
     base = tl.where(valid, idx, 0) * BPT
@@ -219,18 +225,18 @@ def _gather_topk_fp8_kernel(
     m2 = valid[:, None]
     mo = in_k[:, None]
     col = tl.arange(0, D)
-    if FMT == 1:
+    if FMT == FMT_FP8:
         # e4m3(e * k_scale / k_scale) == e: the staged row is the cached row.
         q = tl.load(rows_ptr + base[:, None] + col[None, :], mask=m2, other=0)
         tl.store(out_ptr + obase[:, None] + col[None, :], q, mask=mo)
         if ROPE > 0:
             rc = tl.arange(0, ROPE)
-            qr = tl.load(rows_ptr + (base + D)[:, None] + rc[None, :], mask=m2, other=0)
+            qr = tl.load(rows_ptr + (base + ROPE_OFF)[:, None] + rc[None, :], mask=m2, other=0)
             tl.store(out_ptr + (obase + D)[:, None] + rc[None, :], qr, mask=mo)
     else:
-        if FMT == 3:
+        if FMT == FMT_NVFP4_DS_MLA:
             w, sf = _load_latent_nvfp4(rows_ptr, base, m2, BK, SCALE_OFF, EMULATE)
-            if KS_MODE == 0 and not EMULATE:
+            if KS_MODE == KS_ONE and not EMULATE:
                 q2 = _nvfp4_e4m3x2(w, sf)
             else:
                 lo, hi = _nvfp4_f32_pairs(w, sf, EMULATE)
@@ -245,7 +251,7 @@ def _gather_topk_fp8_kernel(
             tl.store(out_ptr + obase[:, None] + col[None, :], q, mask=mo)
         if ROPE > 0:
             rc = tl.arange(0, ROPE)
-            if FMT == 3 and KS_MODE == 0:
+            if FMT == FMT_NVFP4_DS_MLA and KS_MODE == KS_ONE:
                 # e4m3 rope and k_scale 1: a bit-exact copy
                 qr = tl.load(rows_ptr + (base + ROPE_OFF)[:, None] + rc[None, :], mask=m2, other=0)
             else:
@@ -255,7 +261,7 @@ def _gather_topk_fp8_kernel(
 
 
 def gather_topk_fp8(rows: torch.Tensor, fmt, indices: torch.Tensor, valid_counts: Optional[torch.Tensor] = None,
-                    k_scale: float = 1.0, out: Optional[torch.Tensor] = None, *, check: bool = True,
+                    k_scale: float = 1.0, out: Optional[torch.Tensor] = None, *, check: bool = False,
                     _config: Optional[dict] = None, _emulate: Optional[bool] = None) -> torch.Tensor:
     """Stage the top-k rows of every query token as FP8 (e4m3) rows.
 
@@ -266,13 +272,16 @@ def gather_topk_fp8(rows: torch.Tensor, fmt, indices: torch.Tensor, valid_counts
         valid_counts: optional int32 ``[T]``; entries at ``k >= valid_counts[t]`` are treated as -1.
         k_scale: the per-tensor scale of the staged rows (a kernel reading them uses the ``fp8``
             bmm scales with this k_scale); for the ``fp8`` format it must be the cache's k_scale.
-        out: optional float8_e4m3fn ``[T, K, head_dim]`` contiguous, written in place.
-        check: check that the indices within the valid counts lie in ``[-1, num_rows)`` (reads them on
-            the host).
+        out: optional float8_e4m3fn ``[T, K, head_dim]`` contiguous, written in place (else allocated).
+        check: debug option: raise if an index within the valid counts lies outside ``[-1, num_rows)``
+            (reads the indices on the host: one device sync).  Default False: such an entry stages as a
+            zero row, and nothing is read outside ``rows``.
+        _config: tiling override for benchmarks (``{"BK": rows per program, "num_warps": w}``).
+        _emulate: force / forbid the bit-arithmetic conversions (tests on the GPU).
 
     Returns:
         float8_e4m3fn ``[T, K, head_dim]``: ``e4m3_RNE_sat(dequant(row) / k_scale)``, zero rows for
-        entries that are -1 or past the valid count.  One launch, no host sync when ``check=False``.
+        entries that are -1, past the valid count or outside the cache.  One launch, no host sync by default.
     """
     fmt = get_format(fmt)
     k_scale = check_k_scale(k_scale)
@@ -303,7 +312,7 @@ def gather_topk_fp8(rows: torch.Tensor, fmt, indices: torch.Tensor, valid_counts
     _gather_topk_fp8_kernel[grid](
         rows, indices, indices.stride(0), indices.stride(1),
         valid_counts if valid_counts is not None else indices, out.view(torch.uint8),
-        k, ks, inv,
+        k, rows.shape[0], ks, inv,
         FMT=format_id(fmt), ROPE=fmt.rope_dim, BPT=fmt.bytes_per_token, ROPE_OFF=max(lay.rope_offset, 0),
         SCALE_OFF=max(lay.scale_offset, 0), KS_MODE=mode, EMULATE=use_emulation(_emulate),
         HAS_VC=valid_counts is not None, BK=cfg["BK"], num_warps=cfg["num_warps"],
@@ -321,7 +330,7 @@ def _upconvert_kernel(
     seq_ptr,                        # [R] context lengths
     ws_ptr,                         # [R] workspace row of each request's position 0 (< 0: skip)
     out_ptr,                        # bf16 [W, HEAD_DIM] contiguous
-    max_blocks, block_stride_rows, k_scale,
+    max_blocks, num_blocks, block_stride_rows, W, k_scale,
     BLOCK_SIZE: tl.constexpr, FMT: tl.constexpr, ROPE: tl.constexpr, BPT: tl.constexpr,
     ROPE_OFF: tl.constexpr, SCALE_OFF: tl.constexpr, EMULATE: tl.constexpr, BP: tl.constexpr,
 ):
@@ -334,26 +343,28 @@ def _upconvert_kernel(
     seq = tl.load(seq_ptr + r).to(tl.int64)
     ws = tl.load(ws_ptr + r).to(tl.int64)
     blk = pos // BLOCK_SIZE
-    live = (pos < seq) & (blk < max_blocks) & (ws >= 0)
+    wpos = ws + pos                            # workspace row of each position
+    # (wpos >= pos is ws >= 0 as a tensor compare: some interpreters mishandle tensor & scalar masks)
+    live = (pos < seq) & (blk < max_blocks) & (wpos >= pos) & (wpos < W)
     phys = tl.load(bt_ptr + r * stride_br + blk * stride_bb, mask=live, other=-1).to(tl.int64)
-    ok = live & (phys >= 0)                    # a missing block (negative entry) gives zero rows
+    ok = live & (phys >= 0) & (phys < num_blocks)   # a missing block or one outside the cache: zero rows
     base = tl.where(ok, phys * block_stride_rows + pos % BLOCK_SIZE, 0) * BPT
     o16 = out_ptr.to(tl.pointer_type(tl.uint16))
-    obase = (ws + pos) * HEAD_DIM              # int64 element offset of each workspace row
+    obase = wpos * HEAD_DIM                    # int64 element offset of each workspace row
     m2 = ok[:, None]
     mo = live[:, None]
     col = tl.arange(0, D)
-    if FMT == 0:
+    if FMT == FMT_BF16:
         # bf16 rows: a copy of the 16-bit values.
         p16 = rows_ptr.to(tl.pointer_type(tl.uint16))
         u = tl.load(p16 + (base // 2)[:, None] + col[None, :], mask=m2, other=0)
         tl.store(o16 + obase[:, None] + col[None, :], u, mask=mo)
         if ROPE > 0:
             rc = tl.arange(0, ROPE)
-            ur = tl.load(p16 + (base // 2 + D)[:, None] + rc[None, :], mask=m2, other=0)
+            ur = tl.load(p16 + ((base + ROPE_OFF) // 2)[:, None] + rc[None, :], mask=m2, other=0)
             tl.store(o16 + (obase + D)[:, None] + rc[None, :], ur, mask=mo)
     else:
-        if FMT == 3:
+        if FMT == FMT_NVFP4_DS_MLA:
             w, sf = _load_latent_nvfp4(rows_ptr, base, m2, BP, SCALE_OFF, EMULATE)
             lo, hi = _nvfp4_f32_pairs(w, sf, EMULATE)
             w = _bf16x2(lo, hi, EMULATE)
@@ -362,13 +373,13 @@ def _upconvert_kernel(
             tl.store(o32 + (obase // 2)[:, None] + c2[None, :], tl.reshape(w, [BP, D // 2]), mask=mo)
         else:
             x = _load_latent(rows_ptr, base, m2, BP, FMT, SCALE_OFF, EMULATE)
-            if FMT == 1:
+            if FMT == FMT_FP8:
                 x = x * k_scale                # the fp8 format's decode: float(e4m3) * k_scale
             tl.store(o16 + obase[:, None] + col[None, :], bf16_bits(x, EMULATE), mask=mo)
         if ROPE > 0:
             rc = tl.arange(0, ROPE)
             rr = _load_rope(rows_ptr, base, m2, BP, ROPE, FMT, ROPE_OFF, EMULATE)
-            if FMT == 1:
+            if FMT == FMT_FP8:
                 rr = rr * k_scale
             tl.store(o16 + (obase + D)[:, None] + rc[None, :], bf16_bits(rr, EMULATE), mask=mo)
 
@@ -376,7 +387,7 @@ def _upconvert_kernel(
 def upconvert_context(rows: torch.Tensor, fmt, block_table: torch.Tensor, seq_lens: torch.Tensor,
                       block_size: int, block_stride_rows: Optional[int] = None, k_scale: float = 1.0,
                       out: Optional[torch.Tensor] = None, workspace_start: Optional[torch.Tensor] = None,
-                      *, check: bool = True, _config: Optional[dict] = None,
+                      *, check: bool = False, _config: Optional[dict] = None,
                       _emulate: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Dequantize each request's context into a contiguous bf16 workspace (the prefill input).
 
@@ -384,21 +395,25 @@ def upconvert_context(rows: torch.Tensor, fmt, block_table: torch.Tensor, seq_le
         rows: uint8 ``[num_rows, bytes_per_token]`` contiguous, the flat cache.
         fmt: the cache's format.
         block_table: int32/int64 ``[R, max_blocks]`` physical block ids per request (a negative entry =
-            no block: its positions get zero rows).
+            no block: its positions get zero rows, as do those of a block id past the cache's blocks).
         seq_lens: int32/int64 ``[R]`` context length of each request (positions ``0 .. seq_len-1``).
         block_size, block_stride_rows: cache geometry (stride defaults to block_size).
         k_scale: the cache's per-tensor scale (changes only the ``fp8`` format's values).
         out: optional bf16 ``[W, head_dim]`` contiguous workspace, written in place (rows that no
-            request maps to are left as they are).
+            request maps to are left as they are; positions that would land past row ``W`` are not
+            written).  Without it one is allocated, which reads ``sum(seq_lens)`` on the host (a sync).
         workspace_start: optional int32/int64 ``[R]``: request ``r``'s position ``p`` goes to workspace row
             ``workspace_start[r] + p``; a negative start skips the request.  Default: the exclusive
-            cumulative sum of ``seq_lens`` (requests back to back, in order).
-        check: validate seq_lens, the block table entries used and the workspace bounds (host sync).
+            cumulative sum of ``seq_lens`` (requests back to back, in order; computed on the device).
+        check: debug option: raise for a negative or too long seq_len, a used block id outside the
+            cache, or a request that does not fit in ``out`` (reads them on the host: one sync).
+        _config: tiling override for benchmarks (``{"BP": positions per program, "num_warps": w}``).
+        _emulate: force / forbid the bit-arithmetic conversions (tests on the GPU).
 
     Returns:
         ``(out, workspace_start)``: bf16 ``[W, head_dim]`` (``W = sum(seq_lens)`` when allocated here)
         and the int32 ``[R]`` starts used (feed them to ``convert_indices(..., workspace_start=...)``).
-        No host sync when ``out`` and ``workspace_start`` are given and ``check=False``.
+        One launch; no host sync when ``out`` is given and ``check`` is False.
     """
     fmt = get_format(fmt)
     k_scale = check_k_scale(k_scale)
@@ -424,10 +439,11 @@ def upconvert_context(rows: torch.Tensor, fmt, block_table: torch.Tensor, seq_le
     cfg.update(UPCONVERT_TUNED.get(fmt.name, {}))
     cfg.update(_config or {})
     lay = fmt.layout
+    num_blocks = (rows.shape[0] - block_size) // block_stride_rows + 1 if rows.shape[0] >= block_size else 0
     grid = (triton.cdiv(max_blocks * block_size, cfg["BP"]) * n_req,)
     _upconvert_kernel[grid](
         rows, block_table, block_table.stride(0), block_table.stride(1), seq_lens, workspace_start, out,
-        max_blocks, block_stride_rows, float(torch.tensor(k_scale, dtype=torch.float32)),
+        max_blocks, num_blocks, block_stride_rows, out.shape[0], k_scale_mode(k_scale)[1],
         BLOCK_SIZE=block_size, FMT=format_id(fmt), ROPE=fmt.rope_dim, BPT=fmt.bytes_per_token,
         ROPE_OFF=max(lay.rope_offset, 0), SCALE_OFF=max(lay.scale_offset, 0), EMULATE=use_emulation(_emulate),
         BP=cfg["BP"], num_warps=cfg["num_warps"],

@@ -2,14 +2,16 @@
 
 Run: ``python3 -m pytest -m gpu tests/gpu/test_movement_gpu.py -v``
 
-* cache write: 65,536 heavy-tailed tokens per format into shuffled blocks 80 rows apart (64-token
-  blocks), bytes identical to ``fmt.encode`` and every other byte of the allocation unchanged; both
-  conversion paths (the GPU's cvt instructions and the bit-arithmetic path the interpreter uses);
-  hard values (e4m3 ties / saturation / subnormals, every nvfp4 decision point of every scale).
+* cache write: 65,536 heavy-tailed tokens per format (vLLM's NoPE rows and the compact ones included)
+  into shuffled blocks 80 rows apart (64-token blocks), bytes identical to ``fmt.encode`` and every other
+  byte of the allocation unchanged; both conversion paths (the GPU's cvt instructions and the
+  bit-arithmetic path the interpreter uses); hard values (e4m3 ties / saturation / subnormals, every
+  nvfp4 decision point of every scale); non-finite tokens (the format's non-finite row: NaN must
+  survive the GPU's maxima); slots outside the cache; layers interleaved per block.
 * caches above 2^31 bytes (~2.3 GB per format, e.g. fp8_ds_mla with 3.5 M tokens): writes into the last
   blocks, gathers and upconverts from them.
 * index conversion at b 128 x top-k 2048 / 2112 and a 4096-token prefill, against the PyTorch
-  reference; captured in a CUDA graph.
+  reference; into caller buffers (``out=``) captured in a CUDA graph with no allocation.
 * staging: the top-k gather (b 128, top-k 2048, 32K-token contexts) and the context upconvert
   (4 x 32K) against the formats' decoders, k_scale 1 and 0.5.
 """
@@ -22,7 +24,7 @@ import torch
 from sparsemla.cache import PagedKVCache
 from sparsemla.formats import all_formats, get_format
 from sparsemla.formats import _numerics as nm
-from sparsemla.indices import convert_indices_torch, pooled_width
+from sparsemla.indices import convert_indices, convert_indices_torch, pooled_width
 from sparsemla.kernels.cache_write import cache_write
 from sparsemla.kernels.convert_indices import convert_indices_triton
 from sparsemla.kernels.staging import gather_topk_fp8, upconvert_context
@@ -33,7 +35,7 @@ from conversion_probe import every_bf16_amax, probe_conversions, probe_nvfp4_sca
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 BS = 64
-ALL_IDS = [f.id for f in all_formats()]
+ALL_IDS = [f.id for f in all_formats(compact=True)]
 
 
 def heavy(n, d, seed, dtype=torch.bfloat16):
@@ -59,13 +61,14 @@ def shuffled_slots(n, num_blocks, seed):
 
 
 def strided_cache(fmt, num_blocks, stride_rows, seed):
-    """A cache whose blocks sit stride_rows apart, on random bytes; returns (cache, copy of the bytes)."""
+    """A cache whose blocks sit stride_rows apart, on random bytes; returns (cache, the whole allocation,
+    a copy of its bytes).  ``cache.rows`` starts at the allocation's first byte."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     storage = torch.randint(0, 256, (num_blocks * stride_rows, fmt.bytes_per_token), generator=g,
                             device=DEV, dtype=torch.uint8)
     data = storage.as_strided((num_blocks, BS, fmt.bytes_per_token),
                               (stride_rows * fmt.bytes_per_token, fmt.bytes_per_token, 1))
-    return PagedKVCache.from_tensor(fmt, data), storage.clone()
+    return PagedKVCache.from_tensor(fmt, data), storage, storage.clone()
 
 
 def assert_rows_equal(got, want, what):
@@ -89,20 +92,74 @@ WRITE_CASES = [(torch.bfloat16, 1.0, False), (torch.float32, 0.5, False), (torch
 def test_write_65536_tokens_shuffled_strided(fid, dtype, k_scale, emulate):
     fmt = get_format(fid)
     n, num_blocks, stride = 65536, 1100, 80
-    cache, before = strided_cache(fmt, num_blocks, stride, seed=1)
+    cache, storage, before = strided_cache(fmt, num_blocks, stride, seed=1)
     kv = heavy(n, 512, seed=2, dtype=dtype)
     if dtype == torch.float16:
         kv = kv.float().clamp(-6e4, 6e4).half()
     pe = heavy(n, 64, seed=3, dtype=dtype) if fmt.rope_dim else None
     if pe is not None and dtype == torch.float16:
-        pe = pe.float().clamp(-6e4, 6e4).half()  # heavy() can overflow fp16 (inf is rejected by encode)
+        pe = pe.float().clamp(-6e4, 6e4).half()  # heavy() can overflow fp16 (inf would poison the token)
     slots = shuffled_slots(n, num_blocks, seed=4)
     cache_write(cache.rows, fmt, kv, pe, slots, BS, stride, k_scale, _emulate=emulate)
     keep = slots >= 0
     rows = cache.slot_to_row(slots[keep])
     expect = before.clone()
     expect[rows] = fmt.encode(kv[keep], None if pe is None else pe[keep], k_scale)
-    assert_rows_equal(cache.rows, expect, f"{fid} {dtype} k_scale={k_scale}")
+    assert_rows_equal(storage, expect, f"{fid} {dtype} k_scale={k_scale}")
+
+
+@pytest.mark.parametrize("fid", ALL_IDS)
+@pytest.mark.parametrize("dtype,emulate", [(torch.bfloat16, False), (torch.float32, False), (torch.float16, False),
+                                           (torch.bfloat16, True), (torch.float32, True)],
+                         ids=["bf16-cvt", "fp32-cvt", "fp16-cvt", "bf16-bitexact", "fp32-bitexact"])
+def test_write_nonfinite_tokens(fid, dtype, emulate):
+    """NaN / inf in any tile or block of kv_c, or in k_pe, of 1 % of 8192 tokens: those tokens get the
+    format's non-finite row, all others fmt.encode's bytes (the GPU's max drops NaN: the kernel must not)."""
+    fmt = get_format(fid)
+    n = 8192
+    cache, storage, before = strided_cache(fmt, 160, 80, seed=21)
+    kv = heavy(n, 512, seed=22, dtype=torch.float32)
+    pe = heavy(n, 64, seed=23, dtype=torch.float32) if fmt.rope_dim else None
+    if dtype == torch.float16:
+        kv, pe = kv.clamp(-6e4, 6e4), None if pe is None else pe.clamp(-6e4, 6e4)
+    g = torch.Generator(device=DEV).manual_seed(24)
+    bad = torch.randperm(n, generator=g, device=DEV)[: n // 100]
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -float("nan")], device=DEV)
+    dims = torch.randint(0, 512, (bad.numel(),), generator=g, device=DEV)
+    kv[bad, dims] = specials[torch.arange(bad.numel(), device=DEV) % 4]
+    if pe is not None:
+        bad_pe = torch.randperm(n, generator=g, device=DEV)[: n // 100]
+        pe[bad_pe, torch.randint(0, 64, (bad_pe.numel(),), generator=g, device=DEV)] = float("nan")
+    kv, pe = kv.to(dtype), None if pe is None else pe.to(dtype)
+    slots = shuffled_slots(n, 160, seed=25)
+    cache_write(cache.rows, fmt, kv, pe, slots, BS, 80, 0.5, _emulate=emulate)
+    keep = slots >= 0
+    expect = before.clone()
+    expect[cache.slot_to_row(slots[keep])] = fmt.encode(kv[keep], None if pe is None else pe[keep], 0.5)
+    assert_rows_equal(storage, expect, f"{fid} {dtype} non-finite")
+    poisoned = (cache.rows == fmt.nonfinite_row(DEV)).all(dim=1)
+    assert int(poisoned.sum()) >= n // 100 - int((~keep).sum())
+
+
+def test_write_interleaved_layers_and_slots_outside():
+    """Three layers interleaved per block in one tensor: each layer's view takes its writes (slots past
+    the cache included, which are skipped) and no other byte of the tensor changes."""
+    fmt = get_format("nvfp4_ds_mla-nope")
+    nb, n_layers = 300, 3
+    g = torch.Generator(device=DEV).manual_seed(26)
+    big = torch.randint(0, 256, (nb, n_layers, BS, fmt.bytes_per_token), generator=g, device=DEV, dtype=torch.uint8)
+    expect = big.clone()
+    for layer in range(n_layers):
+        cache = PagedKVCache.from_tensor(fmt, big[:, layer])
+        n = 4096
+        slots = shuffled_slots(n, nb, seed=27 + layer).to(torch.int64)
+        slots[::97] = nb * BS + 5 + layer                      # outside the cache: skipped
+        kv = heavy(n, 512, seed=30 + layer)
+        cache.write(kv, None, slots)
+        keep = (slots >= 0) & (slots < nb * BS)
+        s = slots[keep]
+        expect[s // BS, layer, s % BS] = fmt.encode(kv[keep])
+    assert torch.equal(big, expect)
 
 
 def _hard_e4m3_values():
@@ -275,12 +332,19 @@ def test_convert_indices_prefill_workspace():
 
 
 def test_convert_indices_in_cuda_graph():
+    """The public ``convert_indices`` into caller buffers inside a CUDA graph: no allocation, no sync."""
     pos, req, table = decode_batch(128, 2048, 32768, seed=4)
-    convert_indices_triton(pos, req, table, BS, BS, True, True)           # compile outside the capture
+    rows = torch.empty(128, 2048, dtype=torch.int32, device=DEV)
+    counts = torch.empty(128, dtype=torch.int32, device=DEV)
+    kw = dict(compact=True, out=rows, counts_out=counts)
+    convert_indices(pos, req, table, BS, BS, True, **kw)                 # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    before = torch.cuda.memory_allocated()
     with torch.cuda.graph(graph):
-        rows, counts = convert_indices_triton(pos, req, table, BS, BS, True, True)
+        got = convert_indices(pos, req, table, BS, BS, True, **kw)
+    assert got[0].data_ptr() == rows.data_ptr() and got[1].data_ptr() == counts.data_ptr()
+    assert torch.cuda.memory_allocated() == before
     pos2, req2, table2 = decode_batch(128, 2048, 32768, seed=5)
     pos.copy_(pos2), req.copy_(req2), table.copy_(table2)
     graph.replay()
