@@ -21,7 +21,7 @@ import torch
 
 from ._validate import check_block_geometry, check_k_scale, check_positive_int, check_tensor
 from .formats import KVFormat, get_format
-from .kernels._runtime import triton_runs_on
+from ._device import triton_runs_on
 
 # dtypes an engine stores cache rows in (vLLM: uint8 for the DS formats, fp8 or uint8 for fp8, bf16 for
 # bf16); a view as uint8 reinterprets the bytes without a copy.

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 
 from ._validate import check_block_geometry, check_positive_int, check_tensor
-from .kernels._runtime import triton_runs_on
+from ._device import triton_runs_on
+from .kernels.convert_indices import convert_indices_triton
 
 _INT = (torch.int32, torch.int64)
 
@@ -75,7 +76,6 @@ def convert_indices(topk_local: torch.Tensor, req_id_per_token: torch.Tensor, bl
     if check:
         _check_values(topk_local, req_id_per_token, block_table)
     if triton_runs_on(topk_local.device):
-        from .kernels.convert_indices import convert_indices_triton
         return convert_indices_triton(topk_local, req_id_per_token, block_table, block_size, block_stride_rows,
                                       return_valid_counts, compact, workspace_start, out, counts_out)
     res = convert_indices_torch(topk_local, req_id_per_token, block_table, block_size, block_stride_rows,

@@ -15,7 +15,7 @@ from sparsemla.cache import PagedKVCache
 from sparsemla.formats import all_formats, get_format
 from sparsemla.formats import _numerics as nm
 from sparsemla.kernels.cache_write import cache_write, k_scale_mode
-from sparsemla.kernels._runtime import interpreting
+from sparsemla._device import interpreting
 
 from conversion_probe import every_bf16_amax, probe_conversions, probe_nvfp4_scales
 

@@ -55,7 +55,7 @@ import triton.language as tl
 
 from .._validate import check_block_geometry, check_cache_rows, check_k_scale, check_tensor
 from ..formats import KVFormat, get_format
-from ._runtime import interpreting
+from .._device import interpreting
 
 # Format ids seen by the kernels (a constexpr selects the code of one format).
 FMT_BF16 = tl.constexpr(0)

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launch
+
 CONVERT_MAX_BLOCK = 1024
 CONVERT_NUM_WARPS = 4
 
@@ -140,19 +142,24 @@ def convert_indices_triton(topk_local: torch.Tensor, req_id_per_token: torch.Ten
         has_ws = workspace_start is not None
         ws = (workspace_start if workspace_start.stride(0) == 1 else workspace_start.contiguous()) if has_ws else req
         block = min(triton.next_power_of_2(k), CONVERT_MAX_BLOCK)
-        _convert_indices_kernel[(t,)](
-            topk_local, topk_local.stride(0), topk_local.stride(1), req,
-            block_table, block_table.stride(0), block_table.stride(1), ws, out, out.stride(0),
-            out if counts is None else counts,
-            k, block_table.shape[0], block_table.shape[1], block_stride_rows,
-            BLOCK_SIZE=block_size, HAS_WS=has_ws, COMPACT=bool(compact), COUNTS=bool(return_valid_counts),
-            BLOCK=block, num_warps=CONVERT_NUM_WARPS,
-        )
+        meta = (block_size, has_ws, bool(compact), bool(return_valid_counts), block)
+        launch = _LAUNCHES.get(meta)
+        if launch is None:
+            launch = _LAUNCHES[meta] = Launch(
+                _convert_indices_kernel, dict(BLOCK_SIZE=block_size, HAS_WS=has_ws, COMPACT=bool(compact),
+                                              COUNTS=bool(return_valid_counts), BLOCK=block),
+                dict(num_warps=CONVERT_NUM_WARPS))
+        ts, bs = topk_local.stride(), block_table.stride()
+        launch((t,), (topk_local, ts[0], ts[1], req, block_table, bs[0], bs[1], ws, out, out.stride(0),
+                      out if counts is None else counts, k, block_table.shape[0], block_table.shape[1],
+                      block_stride_rows))
     elif counts is not None:
         counts.zero_()
     if return_valid_counts:
         return out, counts
     return out
 
+
+_LAUNCHES: dict = {}
 
 __all__ = ["convert_indices_triton"]

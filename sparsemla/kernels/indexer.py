@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .._validate import check_positive_int, check_tensor
 from ..indices import expand_pooled_topk, pooled_width
-from ._runtime import interpreting, num_sms
+from .._device import interpreting, num_sms
 
 INDEX_HEAD_DIM = 128
 INDEX_BYTES_PER_TOKEN = 132

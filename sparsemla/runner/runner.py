@@ -43,7 +43,9 @@ from ..backends import registry
 from ..backends.registry import AttentionConfig, HostPlan, RunnerSpec
 from ..cache import PagedKVCache
 from ..formats import KVFormat, get_format
+from .._device import triton_runs_on
 from ..indices import convert_indices
+from ..kernels.convert_indices import convert_indices_triton
 from ..kernels.staging import upconvert_context
 from .metadata import BatchMetadata
 
@@ -181,6 +183,7 @@ class SparseMLA:
                          if self.prefill_workspace_tokens else None)
         self._ws_start = torch.full((max_requests,), -1, dtype=_I32, device=self.device)
         self._ws_plan: Optional[int] = None  # requests to upconvert this step (None: read the cache natively)
+        self._convert = convert_indices_triton if triton_runs_on(self.device) else _convert_torch
         self._same_backend = (self.decode_backend is self.prefill_backend
                               and getattr(self.decode_backend, "mixed_batches", False))
 
@@ -415,8 +418,9 @@ class SparseMLA:
                               self.block_stride_rows, k_scale, out=self._ws_rows, workspace_start=self._ws_start[:nr],
                               check=False)
             ws_start = self._ws_start  # one entry per block-table row (-1: read the cache)
-        convert_indices(topk_local, req, self._block_table, self.block_size, self.block_stride_rows, check=False,
-                        out=rows, workspace_start=ws_start)
+        # the arguments were checked above and at construction: the conversion kernel directly
+        self._convert(topk_local, req, self._block_table, self.block_size, self.block_stride_rows, False, False,
+                      ws_start, rows)
         valid = self._valid_counts if t == self.max_tokens else self._valid_counts[:t]
 
         # Decode tokens first; padding tokens (past the planned ones) join the last group.
@@ -463,6 +467,12 @@ class SparseMLA:
     def __repr__(self) -> str:
         return (f"SparseMLA({self.fmt.id}, H={self.num_heads}, topk={self.topk}, max_tokens={self.max_tokens}, "
                 f"decode={self.decode_backend.name}, prefill={self.prefill_backend.name}, device={self.device})")
+
+def _convert_torch(topk_local, req, block_table, block_size, block_stride_rows, return_counts, compact, ws_start,
+                   out):
+    return convert_indices(topk_local, req, block_table, block_size, block_stride_rows, return_counts,
+                           compact=compact, workspace_start=ws_start, out=out)
+
 
 def _host_ints(name: str, v, n: int) -> List[int]:
     if isinstance(v, torch.Tensor):
