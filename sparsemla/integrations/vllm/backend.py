@@ -214,6 +214,11 @@ class SparseMLAMetadataBuilder(SparseMLACommonMetadataBuilder[SparseMLAMetadata]
 class SparseMLAImpl(SparseMLACommonImpl[SparseMLAMetadata]):
     """vLLM's sparse MLA impl whose kernel call is sparsemla's (:meth:`_forward_mqa_kernel`)."""
 
+    # Context parallelism (prefill or decode) hands the kernel call other shapes (gathered heads, per-rank
+    # shards, an lse for the merge) that no test here covers: refused through vLLM's own validation.
+    supports_pcp: ClassVar[bool] = False
+    supports_dcp: ClassVar[bool] = False
+
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, alibi_slopes,
                  sliding_window, kv_cache_dtype: str, logits_soft_cap, attn_type: str,
                  kv_sharing_target_layer_name, topk_indices_buffer: Optional[torch.Tensor] = None,
