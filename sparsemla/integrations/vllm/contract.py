@@ -159,7 +159,7 @@ class Workspace:
         first ``T`` rows, valid until the next call on this workspace (vLLM consumes them right away: each layer's
         V up-projection follows its attention call, so one workspace serves every layer);
         q bf16 ``[max_tokens, H, 576]`` (formats with RoPE only): where a ``(ql_nope, q_pe)`` pair is assembled,
-        two copies, because the kernels take one query tensor;
+        one copy, because the kernels take one query tensor;
         split fp32: the split-KV partials of every plan of up to ``max_tokens`` tokens.
     """
 
@@ -324,7 +324,7 @@ def assemble_query(q: Query, fmt: KVFormat, ws: Workspace, num_tokens: int) -> t
     """The one bf16 ``[T, H, head_dim]`` query tensor the kernels take, with a contiguous last dim.
 
     A NoPE pair's ``ql_nope`` and a fitting tensor are used as they are (any token / head strides); a RoPE pair is
-    copied into ``ws.q`` (two copies: the kernels read one query tensor), as is a tensor with a strided last dim.
+    concatenated into ``ws.q`` (one copy: the kernels read one query tensor), as is a tensor with a strided last dim.
     """
     rope = fmt.rope_dim
     if isinstance(q, tuple):
@@ -338,10 +338,8 @@ def assemble_query(q: Query, fmt: KVFormat, ws: Workspace, num_tokens: int) -> t
         if not rope:
             return q_nope
         _check_q("q[1] (q_pe)", q_pe, num_tokens, ws.num_heads, rope, contiguous=False)
-        buf = ws.q[:num_tokens]
-        buf[:, :, :V_DIM].copy_(q_nope)
-        buf[:, :, V_DIM:].copy_(q_pe)
-        return buf
+        # one copy kernel into the buffer (kernels that took the pair's two tensors would need none)
+        return torch.cat((q_nope, q_pe), dim=-1, out=ws.q[:num_tokens])
     _check_q("q", q, num_tokens, ws.num_heads, fmt.head_dim, contiguous=False)
     if q.stride(2) == 1:
         return q

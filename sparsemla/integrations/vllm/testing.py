@@ -21,18 +21,25 @@ class LayeredCache:
     (vLLM's block-outermost layout), each layer's view ``storage[:, layer]`` with a block stride of
     ``num_layers * block_size`` rows.  Layer ``layer`` holds ``fmt.encode`` of random values (heavy-tailed, with
     outliers); every other byte holds 0x7F (NaN in e4m3, near the largest magnitude in bf16 and fp32), which would
-    poison a result that read it."""
+    poison a result that read it.  Pass another layer's ``storage`` to fill one more layer of the same tensor
+    (:func:`layered_caches`)."""
 
     def __init__(self, fmt: KVFormat, kv_cache_dtype: str, num_blocks: int, block_size: int, num_layers: int = 3,
-                 layer: int = 1, k_scale: float = 1.0, device="cpu", seed: int = 0):
+                 layer: int = 1, k_scale: float = 1.0, device="cpu", seed: int = 0,
+                 storage: "torch.Tensor | None" = None):
         gen = torch.Generator().manual_seed(seed)
         self.fmt, self.block_size, self.num_blocks, self.num_layers, self.layer = fmt, block_size, num_blocks, \
             num_layers, layer
         bpt = fmt.bytes_per_token
         dtype = STORAGE[kv_cache_dtype]
         width = bpt // torch.empty((), dtype=dtype).element_size()
-        self.storage = torch.empty((num_blocks, num_layers, block_size, width), dtype=dtype, device=device)
-        self.storage.view(torch.uint8).fill_(0x7F)
+        if storage is None:
+            storage = torch.empty((num_blocks, num_layers, block_size, width), dtype=dtype, device=device)
+            storage.view(torch.uint8).fill_(0x7F)
+        elif storage.shape != (num_blocks, num_layers, block_size, width) or storage.dtype != dtype:
+            raise ValueError(f"storage: expected {dtype} {(num_blocks, num_layers, block_size, width)}, got "
+                             f"{storage.dtype} {tuple(storage.shape)}")
+        self.storage = storage
         self.view = self.storage[:, layer]
         self.stride_rows = num_layers * block_size
         n = num_blocks * block_size
@@ -54,6 +61,14 @@ class LayeredCache:
     def decoded(self, rows: torch.Tensor) -> torch.Tensor:
         """float64 ``[n, head_dim]`` values of rows of the layer's flat view."""
         return self.fmt.decode(self.flat[rows.to(self.flat.device).long()].cpu(), self.k_scale).double()
+
+
+def layered_caches(fmt: KVFormat, kv_cache_dtype: str, num_blocks: int, block_size: int, num_layers: int,
+                   k_scale: float = 1.0, device="cpu", seed: int = 0):
+    """Every layer of one interleaved tensor, each filled with its own values."""
+    first = LayeredCache(fmt, kv_cache_dtype, num_blocks, block_size, num_layers, 0, k_scale, device, seed)
+    return [first] + [LayeredCache(fmt, kv_cache_dtype, num_blocks, block_size, num_layers, i, k_scale, device,
+                                   seed + i, storage=first.storage) for i in range(1, num_layers)]
 
 
 def topk_rows(cache: LayeredCache, counts, width: int, seed: int = 1, junk_past_count: bool = True):
@@ -121,6 +136,6 @@ def cat_query(pair, rope_dim: int) -> torch.Tensor:
     return ql if not rope_dim else torch.cat((ql, qp), dim=-1)
 
 
-__all__ = ["LayeredCache", "topk_rows", "query_pair", "reference", "assert_close", "cat_query", "STORAGE",
+__all__ = ["LayeredCache", "layered_caches", "topk_rows", "query_pair", "reference", "assert_close", "cat_query", "STORAGE",
            "FORMATS"]
 
