@@ -123,6 +123,36 @@ def test_register_refuses_a_name_taken_by_another_class():
         registry._ATTN_OVERRIDES[member] = saved
 
 
+def _doc_commands():
+    """The ``vllm serve`` lines of docs/serving-vllm.md (backslash continuations joined)."""
+    import re
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "serving-vllm.md")
+    with open(path) as f:
+        text = f.read()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    return [" ".join(b.replace("\\\n", " ").split()) for b in blocks if b.lstrip().startswith("vllm serve")]
+
+
+def test_doc_command_lines_parse():
+    """Every command line of the serving page is one vLLM's parser takes, and selects SPARSEMLA."""
+    import shlex
+
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    commands = _doc_commands()
+    assert len(commands) >= 4
+    parser = FlexibleArgumentParser(prog="vllm")
+    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    for cmd in commands:
+        args = parser.parse_args(shlex.split(cmd)[1:])
+        backend = args.attention_backend
+        assert backend is AttentionBackendEnum["SPARSEMLA"] or str(backend).upper() == "SPARSEMLA", (cmd, backend)
+        assert args.kv_cache_dtype in ("fp8_ds_mla", "nvfp4_ds_mla", "auto", "fp8"), cmd
+        assert args.tensor_parallel_size * args.data_parallel_size == 8, cmd
+
+
 # --- vLLM's validation -----------------------------------------------------------------------------------------
 def _validate(head, dtype, kv, cap, **flags):
     from sparsemla.integrations.vllm.backend import SparseMLABackend
