@@ -161,11 +161,13 @@ class SparseMLA:
         # Two host buffers in turn: the host fills one while the previous step's copy may still be queued.
         self._host = [torch.zeros(n, dtype=_I32, pin_memory=pinned) for _ in range(2 if pinned else 1)]
         self._host_done = [None] * len(self._host)
+        for h in self._host:
+            h[self._o_bt:].fill_(-1)
+        self._host_box = [(0, 0)] * len(self._host)
         self._turn = 0
         self._rows = torch.full((max_tokens, topk), -1, dtype=_I32, device=self.device)
         self._out = torch.zeros((max_tokens, num_heads, V_DIM), dtype=_BF16, device=self.device)
         self._lse = torch.zeros((max_tokens, num_heads), dtype=torch.float32, device=self.device)
-        self._token_ids = torch.arange(max_tokens, dtype=_I32, device=self.device)
         spec = RunnerSpec(max_tokens, num_heads, topk, self.fmt, self.device, block_size, block_stride_rows,
                           self.sm_scale)
         self._decode_ws = self.decode_backend.make_workspace(spec)
@@ -240,16 +242,18 @@ class SparseMLA:
                 raise ValueError(f"metadata: a context needs {need} blocks of {self.block_size} tokens, more than "
                                  f"max_blocks_per_request ({self.max_blocks_per_request})")
 
-        host_counts = None
+        counts = None
         if md_dev.type == "cpu" and exact and md.seq_lens_host is not None:
-            host_counts = self._plan_from_host(md, t, r, width, padded)
+            counts = self._plan_from_host(md, t, r, width, padded)
         else:
             self._plan_on_device(md, t, r, width)
         self._ws_plan = self._plan_workspace(md, r) if (exact and self._ws_rows is not None) else None
-        if host_counts is None and exact and self._needs_host_counts():
-            ctx = md.context_lens_host()
-            if ctx is not None:
-                host_counts = self._counts(ctx)
+        host_counts = None
+        if exact and self._needs_host_counts():  # a backend that plans lengths on the host
+            if counts is not None:
+                host_counts = counts.tolist()
+            elif md.context_lens_host() is not None:
+                host_counts = self._counts(md.context_lens_host())
         plan = HostPlan(t, padded, md.num_decode_tokens, host_counts, self._valid_counts)
         self.decode_backend.plan(self._decode_ws, plan)
         if self.prefill_backend is not self.decode_backend:
@@ -265,8 +269,9 @@ class SparseMLA:
         itk, kp, k = self.index_topk, self.kpool, self.topk
         return [max(0, min(k, c if c <= itk else itk + c % kp)) for c in ctx]
 
-    def _plan_from_host(self, md: BatchMetadata, t: int, r: int, width: int, padded: int) -> List[int]:
-        """A CPU batch: pack it into the pinned host buffer and send it in one copy.  Returns the valid counts."""
+    def _plan_from_host(self, md: BatchMetadata, t: int, r: int, width: int, padded: int) -> torch.Tensor:
+        """A CPU batch: pack it into the pinned host buffer and send it in one copy.  Returns the valid counts
+        (int32 CPU tensor ``[t]``)."""
         i = self._turn
         self._turn = (i + 1) % len(self._host)
         if self._host_done[i] is not None:
@@ -279,15 +284,18 @@ class SparseMLA:
         req = h[self._o_req: self._o_vc]
         req[:t].copy_(md.req_id_per_token)
         req[t:].zero_()
-        counts = self._counts(md.context_lens_host())
+        counts = self._device_counts(md.query_start_loc, md.seq_lens, md.req_id_per_token, t)
         vc = h[self._o_vc: self._o_bt]
-        if t:
-            vc[:t].copy_(torch.tensor(counts, dtype=_I32))
+        vc[:t].copy_(counts)
         vc[t:].zero_()
         bt = h[self._o_bt: self._o_bt + r * b].view(r, b)
-        bt[:, width:].fill_(-1)
+        # (rows, columns): the box outside of which this host buffer's block table is -1
+        box_r, box_c = self._host_box[i]
+        if box_c > width:
+            bt[: min(r, box_r), width:box_c].fill_(-1)
         bt[:, :width].copy_(md.block_table)
-        self._check_blocks(md.block_table, md.seq_lens_host, r)
+        self._host_box[i] = (r, width) if r >= box_r else (box_r, max(width, box_c))
+        self._check_blocks(md.block_table, md.seq_lens, r)
         n = self._o_bt + r * b
         if self.device.type == "cuda":
             self._meta[:n].copy_(h[:n], non_blocking=True)
@@ -298,13 +306,22 @@ class SparseMLA:
             self._meta[:n].copy_(h[:n])
         return counts
 
-    def _check_blocks(self, block_table: torch.Tensor, seq_lens: List[int], r: int) -> None:
-        """Remember the largest block id each request uses (host values; no sync), and reject one past the cache
+    def _device_counts(self, query_start_loc, seq_lens, req_id, t: int) -> torch.Tensor:
+        """Each token's valid count, on the tensors' device.  Token i of request q sees
+        ctx = seq_len - (query_end - 1 - i) tokens; its row holds min(ctx, index_topk) entries, or
+        index_topk + ctx % kpool past index_topk when pooled (kv-formats.md §7), at most topk."""
+        req = req_id[:t].long()
+        ctx = seq_lens[req] - (query_start_loc[1:][req] - 1 - torch.arange(t, device=req.device, dtype=torch.int32))
+        counts = torch.where(ctx <= self.index_topk, ctx, self.index_topk + ctx % self.kpool)
+        return counts.clamp_(0, self.topk).to(_I32)
+
+    def _check_blocks(self, block_table: torch.Tensor, seq_lens: torch.Tensor, r: int) -> None:
+        """Remember the largest block id the requests use (host values; no sync), and reject one past the cache
         when the runner knows the cache's size."""
         self._max_block, self._max_block_at = -1, None
         if not r or block_table.numel() == 0:
             return
-        need = torch.tensor([-(-s // self.block_size) for s in seq_lens], dtype=torch.int64)
+        need = (seq_lens.to(torch.int64) + (self.block_size - 1)) // self.block_size
         cols = torch.arange(block_table.shape[1], dtype=torch.int64)
         used = torch.where(cols[None, :] < need[:, None], block_table.to(torch.int64), torch.full_like(cols, -1))
         flat = int(used.argmax())
@@ -329,17 +346,11 @@ class SparseMLA:
         self._seq_lens[:r].copy_(md.seq_lens, non_blocking=True)
         self._req_id.zero_()
         self._req_id[:t].copy_(md.req_id_per_token, non_blocking=True)
-        # Token i of request q sees ctx = seq_len - (query_end - 1 - i) tokens; its row holds
-        # min(ctx, index_topk) entries, or index_topk + ctx % kpool past index_topk when pooled.
         self._valid_counts.zero_()
         if t:
-            req = self._req_id[:t].long()
-            q_end = self._query_start_loc[1:][req]
-            ctx = self._seq_lens[req] - (q_end - 1 - self._token_ids[:t])
-            counts = torch.where(ctx <= self.index_topk, ctx, self.index_topk + ctx % self.kpool)
-            self._valid_counts[:t].copy_(counts.clamp(0, self.topk))
-        if md.device.type == "cpu" and md.seq_lens_host is not None:
-            self._check_blocks(md.block_table, md.seq_lens_host, r)
+            self._valid_counts[:t].copy_(self._device_counts(self._query_start_loc, self._seq_lens, self._req_id, t))
+        if md.device.type == "cpu":
+            self._check_blocks(md.block_table, md.seq_lens, r)
 
     def _plan_workspace(self, md: BatchMetadata, r: int) -> Optional[int]:
         """Workspace starts of the prefill requests (decode requests get -1) when their contexts fit."""
