@@ -62,6 +62,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
+from .sm90 import compat
+
 from .ws_attention import _NEG_BIG, _coords, _normalizer, _rcp
 
 NS = gl.constexpr(4)  # ring stages of 64 rows (fp8 / fp8_ds_mla rows; nvfp4 rows have 3, see the kernel)
@@ -239,7 +241,7 @@ def _pv_operands8(raw, st, ks: gl.constexpr):
 @gluon.jit
 def _k8(buf, i):
     """F8: ring piece i (e4m3 bytes in wgmma's swizzled layout) as an fp8 view, the A operand of QK."""
-    return buf.index(i)._reinterpret(gl.float8e4nv, [buf.shape[1], buf.shape[2]], buf.layout)
+    return compat.reinterpret(buf.index(i), gl.float8e4nv, [buf.shape[1], buf.shape[2]], buf.layout)
 
 
 @gluon.jit
@@ -310,7 +312,7 @@ def _copy(dst, kv_ptr, idx, BPT: gl.constexpr, off: gl.constexpr, cols, ty: gl.c
     base = gl.multiple_of(kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * BPT, 16)
     if off != 0:
         base = gl.multiple_of(base + off, 16).to(gl.pointer_type(ty))
-    async_copy.async_copy_global_to_shared(dst, base[:, None] + cols[None, :], mask=valid[:, None])
+    compat.async_load(dst, base[:, None] + cols[None, :], mask=valid[:, None])
 
 
 @gluon.jit
@@ -657,7 +659,7 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
         if ROPE:
             ra = _rope_operand(rope.index(st))  # e4m3 rope: a register operand
         fence_async_shared()  # the tile's stores -> the wgmma (async proxy) reads
-        gl.thread_barrier()   # every warp's part of the tile is written; the raw stage is read
+        compat.barrier()   # every warp's part of the tile is written; the raw stage is read
         mbarrier.arrive(free.index(st), count=1)
         x = warpgroup_mma(kt.index(kw), qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         for C in gl.static_range(1, 8):
@@ -676,7 +678,7 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
         o6 = o6 * alpha[None, :]
         o7 = o7 * alpha[None, :]
         fence_async_shared()
-        gl.thread_barrier()  # every warp's part of P is in shared memory before the MMAs read it
+        compat.barrier()  # every warp's part of P is in shared memory before the MMAs read it
         pv = pb[0].index(WG + z)
         o0 = warpgroup_mma(kt.index(kw + 0).permute((1, 0)), pv, o0, is_async=True)
         o1 = warpgroup_mma(kt.index(kw + 1).permute((1, 0)), pv, o1, is_async=True)
@@ -689,7 +691,7 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
         o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
     l_i = gl.sum(l_acc, 0)
     # warpgroup 1's accumulators go over its own tile (free once its last MMAs are done)
-    mrg = kt._reinterpret(gl.float32, [32, 64, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # 16 + i: tile 1
+    mrg = compat.reinterpret(kt, gl.float32, [32, 64, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # 16 + i: tile 1
     if WG == 1:
         mrg.index(16).store(o0)
         mrg.index(17).store(o1)
@@ -729,7 +731,7 @@ def _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.co
             c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE, CHUNKS)
             vec.index(0).store(gl.full([16], 1.0, gl.float32, HEAD) * c)  # c for warpgroup 1
         fence_async_shared()
-        gl.thread_barrier()
+        compat.barrier()
         mbarrier.arrive(q_bar, count=1)
     else:
         mbarrier.wait(q_bar, 0)
@@ -746,7 +748,7 @@ def _publish(m_i, l_i, vec, done_bar):
     """Warpgroup 1, its accumulators stored for the merge: its running max and sum to warpgroup 0."""
     vec.index(0).store(m_i)
     vec.index(1).store(l_i)
-    gl.thread_barrier()
+    compat.barrier()
     mbarrier.arrive(done_bar, count=1)
 
 
@@ -864,7 +866,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
             o2 = o2 * alpha[None, :]
             o3 = o3 * alpha[None, :]
         fence_async_shared()
-        gl.thread_barrier()  # every warp's part of P is in shared memory before the MMAs read it
+        compat.barrier()  # every warp's part of P is in shared memory before the MMAs read it
         # PV, one 16-row step at a time: the next step's operands are converted while this step's MMAs
         # run; each wait retires all four (waiting on an accumulator still in flight makes ptxas
         # serialize every wgmma: it then reads those registers)
@@ -877,7 +879,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 2, o0, o1, o2, o3, DS)
         v0, v1, v2, v3 = _pv_ops(raw, rs, st, 3, F8)
-        gl.thread_barrier()  # all of this warpgroup's reads of the stage are done (the MMAs read registers)
+        compat.barrier()  # all of this warpgroup's reads of the stage are done (the MMAs read registers)
         mbarrier.arrive(free.index(st), count=1)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 3, o0, o1, o2, o3, DS)
@@ -1099,12 +1101,12 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
         qn = gl.allocate_shared_memory(gl.float8e4nv, [4, 32, 128], gl.NVMMASharedLayout.get_default_for([32, 128], gl.float8e4nv))
         # warpgroup 1's accumulators for the final merge: indices 4 .. 7 of this view, stage 1's bytes (only
         # warpgroup 1 reads stage 1; the consumer's MB)
-        kt = raw._reinterpret(gl.float32, [4 * NS, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        kt = compat.reinterpret(raw, gl.float32, [4 * NS, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     else:
         raw = gl.allocate_shared_memory(gl.uint8, [NS, 64, 512], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
         qn = gl.allocate_shared_memory(gl.float16, [4, 16, 128], gl.NVMMASharedLayout.get_default_for([16, 128], gl.float16))
         # warpgroup 1's accumulators for the final merge go over stage 1's bytes (only warpgroup 1 reads stage 1)
-        kt = raw.index(1)._reinterpret(gl.float32, [4, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        kt = compat.reinterpret(raw.index(1), gl.float32, [4, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     if DS:
         scl = gl.allocate_shared_memory(gl.float32, [NS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         rope = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16))

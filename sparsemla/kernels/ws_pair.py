@@ -33,6 +33,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
+from .sm90 import compat
+
 from .ws_attention import _NEG_BIG, _coords
 
 # Each consumer warpgroup (4 warps): S [64 heads, 64 rows] and O [64 heads, 256 columns] on wgmma; its own
@@ -48,7 +50,7 @@ OROW = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))
 def _copy(dst, row_ptr, col0: gl.constexpr, NCOL: gl.constexpr, valid, lay: gl.constexpr):
     """cp.async rows [64] x columns col0..col0+NCOL of bf16 rows into dst; invalid rows zero-filled."""
     c = gl.arange(0, NCOL, layout=gl.SliceLayout(0, lay))
-    async_copy.async_copy_global_to_shared(dst, row_ptr[:, None] + col0 + c[None, :], mask=valid[:, None])
+    compat.async_load(dst, row_ptr[:, None] + col0 + c[None, :], mask=valid[:, None])
 
 
 @gluon.jit
@@ -118,7 +120,7 @@ def _masked_scores(sc, idx_row, p0, k_end, sm_scale_log2, cols_l: gl.constexpr):
 @gluon.jit
 def _vec_store(buf, v):
     buf.store(v)
-    gl.thread_barrier()  # the whole warpgroup wrote before its one thread arrives
+    compat.barrier()  # the whole warpgroup wrote before its one thread arrives
 
 
 @gluon.jit
@@ -194,7 +196,7 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         # local PV: P0 (registers) x block 0's V columns 0-255
         acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_OP), kL.index(z), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        gl.thread_barrier()
+        compat.barrier()
         mbarrier.arrive(free_l.index(0), count=1)
         # the pair's max from warpgroup 1; rescale P0, the accumulator and l to it
         mbarrier.wait(m1_bar, ph)
@@ -206,7 +208,7 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         m_i = m_fin
         sS0.store(p.to(gl.bfloat16))  # over block 0's rope part: QK is done with it
         fence_async_shared()
-        gl.thread_barrier()
+        compat.barrier()
         mbarrier.arrive(p0_bar, count=1)
         # remote PV: P1 (shared memory) x block 1's V columns 0-255
         mbarrier.wait(p1_bar, ph)
@@ -217,7 +219,7 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
             fence_async_shared()
             sc = _qk_half(qL.index(z), kL.index(z), s_zero, False)
             acc = warpgroup_mma_wait(1, deps=(acc,))
-            gl.thread_barrier()
+            compat.barrier()
             mbarrier.arrive(free_l.index(1), count=1)
             mbarrier.wait(ready_r.index(0), ph ^ 1)
             fence_async_shared()
@@ -227,7 +229,7 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
             sc, acc = warpgroup_mma_wait(0, deps=(sc, acc))
         else:
             acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(sS1, kL.index(1 + z), acc, is_async=True),))
-            gl.thread_barrier()
+            compat.barrier()
             mbarrier.arrive(free_l.index(1), count=1)
     _epilogue(acc, l_i, m_i, sL0, sL1, l0_bar, l1_bar, 0, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
               stride_lt, stride_ls, stride_lh, t, s, g, H, False)
@@ -270,16 +272,16 @@ def _wg1(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         acc = warpgroup_mma(gl.convert_layout(pb, P_OP), kR.index(1 + z), acc, is_async=True)
         sS1.store(pb)
         fence_async_shared()
-        gl.thread_barrier()
+        compat.barrier()
         mbarrier.arrive(p1_bar, count=1)
         # remote PV: P0 (shared memory) x block 0's V columns 256-511
         mbarrier.wait(p0_bar, ph)
         acc = warpgroup_mma(sS0, kR.index(z), acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc,))
-        gl.thread_barrier()
+        compat.barrier()
         mbarrier.arrive(free_r.index(1), count=1)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        gl.thread_barrier()
+        compat.barrier()
         mbarrier.arrive(free_r.index(0), count=1)
     _epilogue(acc, l_i, m_i, sL1, sL0, l1_bar, l0_bar, 256, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
               stride_lt, stride_ls, stride_lh, t, s, g, H, True)

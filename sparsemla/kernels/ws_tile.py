@@ -22,6 +22,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
+from .sm90 import compat
+
 from .ws_attention import _NEG_BIG, _coords, _normalizer
 
 PRODUCER_REGS = gl.constexpr(56)
@@ -44,9 +46,9 @@ def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H
     hm = heads < H
     # heads past H are zero-filled from head 0's address (never read: source size 0)
     q_row = gl.multiple_of(q_ptr + t.to(gl.int64) * stride_qt + gl.where(hm, heads, 0).to(gl.int64) * stride_qh, 16)
-    async_copy.async_copy_global_to_shared(q_smem, q_row[:, None] + d[None, :], mask=hm[:, None])
+    compat.async_load(q_smem, q_row[:, None] + d[None, :], mask=hm[:, None])
     if ROPE:
-        async_copy.async_copy_global_to_shared(qr_smem, q_row[:, None] + 512 + dr[None, :], mask=hm[:, None])
+        compat.async_load(qr_smem, q_row[:, None] + 512 + dr[None, :], mask=hm[:, None])
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
 
     NB: gl.constexpr = k_smem.type.shape[0]
@@ -63,9 +65,9 @@ def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H
         base = gl.multiple_of(kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * BPT, 16).to(gl.pointer_type(gl.bfloat16))
         mbarrier.wait(empty.index(b), phase ^ 1)  # the consumers are done with this buffer
         if GATHER:
-            async_copy.async_copy_global_to_shared(k_smem.index(b), base[:, None] + d[None, :], mask=valid[:, None])
+            compat.async_load(k_smem.index(b), base[:, None] + d[None, :], mask=valid[:, None])
             if ROPE:
-                async_copy.async_copy_global_to_shared(kr_smem.index(b), base[:, None] + 512 + dr[None, :],
+                compat.async_load(kr_smem.index(b), base[:, None] + 512 + dr[None, :],
                                                        mask=valid[:, None])
         async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
 
@@ -133,10 +135,10 @@ def _consumer(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride
         acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
         p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
-        gl.thread_barrier()  # both warpgroups' halves of P are in shared memory
+        compat.barrier()  # both warpgroups' halves of P are in shared memory
         acc = warpgroup_mma(p_smem, k_smem.index(b), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        gl.thread_barrier()  # both warpgroups' PV of buffer b is done
+        compat.barrier()  # both warpgroups' PV of buffer b is done
         mbarrier.arrive(empty.index(b), count=1)
 
     l_i = gl.sum(l_acc, 1)

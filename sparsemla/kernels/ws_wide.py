@@ -52,6 +52,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
+from .sm90 import compat
+
 from .ws_attention import _NEG_BIG, _coords, _rcp
 from .ws_few import (L_QK64, L_V, SC_L, _absmax, _dims, _idx, _k8, _p_ds, _p_ds8, _p_ds8_nope,
                      _p_ds_nope, _p_fp8, _p_fp88, _p_fp88_nope, _p_fp8_nope, _pow2_scale, _pv_rows, _pv_values,
@@ -219,7 +221,7 @@ def _scores8(raw, st, sc_st, rope_st, qn, qr, z, valid, ss, rbuf, rb0, DS: gl.co
         for G in gl.static_range(1, 4):
             acc = _group8(raw, st, qn, z, G, acc, True)
         if ROPE:
-            a = rope_st._reinterpret(gl.float8e4nv, [64, 64], rope_st.layout)
+            a = compat.reinterpret(rope_st, gl.float8e4nv, [64, 64], rope_st.layout)
             acc = warpgroup_mma(a, qr.index(0 + z).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma(a, qr.index(1 + z).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -273,7 +275,7 @@ def _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG: gl.constexpr, DS: gl.constex
     """PV over this warpgroup's own block of the pair (its P^T is in pb[WG]); then releases the stage."""
     oa, ob = _pv(raw, st, pb.index(WG + z), rbuf, 4 * (WG + z), oa, ob, WG, DS, F8)
     oa, ob = warpgroup_mma_wait(0, deps=(oa, ob))
-    gl.thread_barrier()  # all of this warpgroup's reads of the stage are done
+    compat.barrier()  # all of this warpgroup's reads of the stage are done
     mbarrier.arrive(free.index(st), count=1)
     return oa, ob
 
@@ -288,7 +290,7 @@ def _pv_other(raw, pb, rbuf, z, so, b_oth, ready, free, p_ready, p_free, ph, oa,
     mbarrier.wait(ready.index(so), (b_oth // n_st) & 1)  # passed already: makes the bytes visible here
     oa, ob = _pv(raw, so, pb.index(1 - WG + z), rbuf, 4 * (1 - WG + z), oa, ob, WG, DS, F8)
     oa, ob = warpgroup_mma_wait(0, deps=(oa, ob))
-    gl.thread_barrier()
+    compat.barrier()
     mbarrier.arrive(p_free.index(1 - WG), count=1)
     mbarrier.arrive(free.index(so), count=1)
     return oa, ob
@@ -315,7 +317,7 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.co
         if not DS:
             amax = gl.maximum(amax, _absmax(xr))
     vec.index(7 + WG).store(gl.full([64], 1.0, gl.float32, HEAD) * amax)
-    gl.thread_barrier()
+    compat.barrier()
     mbarrier.arrive(q_bar.index(WG), count=1)
     mbarrier.wait(q_bar.index(1 - WG), 0)
     amax = gl.maximum(amax, gl.max(vec.index(8 - WG).load(HEAD), 0))
@@ -332,7 +334,7 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.co
         else:
             qn.index(8).store(_relabel64(xr * c).to(gl.float16))
     fence_async_shared()  # generic stores -> the wgmma (async proxy) reads of q
-    gl.thread_barrier()
+    compat.barrier()
     mbarrier.arrive(q_bar.index(2 + WG), count=1)
     mbarrier.wait(q_bar.index(3 - WG), 0)
     return c
@@ -360,7 +362,7 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.c
         if not DS:
             amax = gl.maximum(amax, gl.max(gl.abs(xr), 1))
     vec.index(7 + WG).store(amax)
-    gl.thread_barrier()
+    compat.barrier()
     mbarrier.arrive(q_bar.index(WG), count=1)
     mbarrier.wait(q_bar.index(1 - WG), 0)
     c, inv_c = _pow2_scale(gl.maximum(amax, vec.index(8 - WG).load(hl)))
@@ -373,7 +375,7 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.c
         else:
             _store_e4m3_terms(qr.index(0), qr.index(1), xr * c[:, None])
     fence_async_shared()  # generic stores -> the wgmma (async proxy) reads of q
-    gl.thread_barrier()
+    compat.barrier()
     mbarrier.arrive(q_bar.index(2 + WG), count=1)
     mbarrier.wait(q_bar.index(3 - WG), 0)
     return gl.convert_layout(inv_c, HEAD)
@@ -398,12 +400,12 @@ def _store_group(o, scale, buf, o_tok, g, H, stride_oh, col0):
     vec_n: gl.constexpr = 128 // ty.primitive_bitwidth
     out_l: gl.constexpr = gl.BlockedLayout([1, vec_n], [32 * vec_n // 128, 128 // vec_n], [4, 1], [1, 0])
     buf.store(_unpermute((o * scale[None, :]).to(ty)))
-    gl.thread_barrier()
+    compat.barrier()
     heads = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
     d = col0 + gl.arange(0, 128, layout=gl.SliceLayout(0, out_l))
     gl.store(o_tok + heads.to(gl.int64)[:, None] * stride_oh + d[None, :], buf.load(out_l),
              mask=(heads < H)[:, None])
-    gl.thread_barrier()  # every warp has read buf before it is written again
+    compat.barrier()  # every warp has read buf before it is written again
 
 
 @gluon.jit
@@ -433,7 +435,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
     l_acc = gl.sum(gl.zeros([64, 64], gl.float32, S_L).reshape([4, 2, 8, 64]), 1)
     # the running max lives in shared memory between pairs (row 5 + WG of vec): 16 registers fewer
     vec.index(5 + WG).store(gl.full([64], _NEG_BIG, gl.float32, HEAD))
-    gl.thread_barrier()
+    compat.barrier()
     n_pairs = gl.cdiv(n_blocks, 2)
     for i in range(n_pairs):
         ph = i & 1
@@ -465,7 +467,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
         m_i = vec.index(5 + WG).load(HEAD)
         m_blk = gl.max(y, 0)
         vec.index(WG).store(m_blk)
-        gl.thread_barrier()
+        compat.barrier()
         mbarrier.arrive(m_bar.index(WG), count=1)
         mbarrier.wait(m_bar.index(1 - WG), ph)
         m_blk = gl.maximum(m_blk, vec.index(1 - WG).load(HEAD))
@@ -487,7 +489,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
         if own:
             pb.index(WG + z).store(p.to(gl.float16))
             fence_async_shared()
-            gl.thread_barrier()  # every warp's part of P^T (and of the ratios) is in shared memory
+            compat.barrier()  # every warp's part of P^T (and of the ratios) is in shared memory
             mbarrier.arrive(p_ready.index(WG), count=1)
         # both warpgroups multiply block 2i first, so that its stage is free for block 2i + 3 (which
         # warpgroup 1 needs first thing in the next pair) while block 2i + 1 is multiplied
@@ -503,7 +505,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
     # the normaliser: this warpgroup's blocks plus the other's (both use the same running max)
     l_own = gl.convert_layout(gl.sum(gl.sum(l_acc, 1), 0), HEAD)  # lanes first: a small cross-warp scratch
     vec.index(2 + WG).store(l_own)
-    gl.thread_barrier()
+    compat.barrier()
     mbarrier.arrive(l_bar.index(WG), count=1)
     mbarrier.wait(l_bar.index(1 - WG), 0)  # also: the other warpgroup has read every stage for the last time
     l_i = l_own + vec.index(3 - WG).load(HEAD)
@@ -521,9 +523,10 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
     ty: gl.constexpr = o_ptr.dtype.element_ty
     ol: gl.constexpr = gl.SwizzledSharedLayout(128 // ty.primitive_bitwidth, 1, 8, [1, 0])
     if F8:  # the ring as [64, 128] tiles of the output type: two pieces each
-        buf = raw._reinterpret(ty, [raw.shape[0] * 128 // (ty.primitive_bitwidth * 16), 64, 128], ol).index(WG)
-    else:
-        buf = raw.index(WG)._reinterpret(ty, [64, 128], ol)
+        buf = compat.reinterpret(raw, ty, [raw.shape[0] * 128 // (ty.primitive_bitwidth * 16), 64, 128], ol).index(WG)
+    else:  # stage WG as [64, 128] tiles of the output type (two of bf16, one of fp32): the first one
+        n_tiles: gl.constexpr = raw.shape[2] * 8 // (128 * ty.primitive_bitwidth)
+        buf = compat.reinterpret(raw.index(WG), ty, [n_tiles, 64, 128], ol).index(0)
     _store_group(oa, inv_l, buf, o_tok, g, H, stride_oh, 256 * WG)
     _store_group(ob, inv_l, buf, o_tok, g, H, stride_oh, 256 * WG + 128)
     if WG == 1:
