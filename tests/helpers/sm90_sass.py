@@ -37,19 +37,17 @@ def _variants():
     """name -> (module, kernel, num_warps, signature, constexprs)."""
     v = {}
     for rope in (64, 0):
-        v[f"pair-{rope}"] = ("ws_pair", "ws_pair_kernel", 4, SIG,
+        v[f"pair-{rope}"] = ("sm90.bf16", "ws_pair_kernel", 4, SIG,
                              dict(BPT=1152 if rope else 1024, ROPE=rope, NG=2, HAS_VC=True))
-        v[f"tile-{rope}"] = ("ws_tile", "ws_tile_kernel", 8, SIG,
-                             dict(BPT=1152 if rope else 1024, ROPE=rope, NG=2, HAS_VC=True, GATHER=True))
     for name, ds, rope, bpt, fp4, f8 in [("ds-64", True, 64, 656, False, False), ("ds-0", True, 0, 528, False, False),
                                          ("fp8-64", False, 64, 576, False, False), ("fp8-0", False, 0, 512, False, False),
                                          ("fp4-64", False, 64, 352, True, False), ("fp4-0", False, 0, 288, True, False),
                                          ("ds8-64", True, 64, 656, False, True), ("ds8-0", True, 0, 528, False, True),
                                          ("fp88-64", False, 64, 576, False, True), ("fp88-0", False, 0, 512, False, True)]:
-        v[f"few-{name}"] = ("ws_few", "ws_few_kernel", 4, SIG_K,
+        v[f"few-{name}"] = ("sm90.few", "ws_few_kernel", 4, SIG_K,
                             dict(BPT=bpt, DS=ds, ROPE=rope, NG=2, HAS_VC=True, FP4=fp4, F8=f8))
         if not fp4:
-            v[f"wide-{name}"] = ("ws_wide", "ws_wide_kernel", 4, SIG_K,
+            v[f"wide-{name}"] = ("sm90.wide", "ws_wide_kernel", 4, SIG_K,
                                  dict(BPT=bpt, DS=ds, ROPE=rope, NG=2, HAS_VC=True, F8=f8))
     return v
 

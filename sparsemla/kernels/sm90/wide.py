@@ -52,10 +52,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .sm90 import compat
+from . import compat
 
-from .ws_attention import _NEG_BIG, _coords, _rcp
-from .ws_few import (L_QK64, L_V, SC_L, _absmax, _dims, _idx, _k8, _p_ds, _p_ds8, _p_ds8_nope,
+from .common import _NEG_BIG, _coords, _rcp
+from .few import (L_QK64, L_V, SC_L, _absmax, _dims, _idx, _k8, _p_ds, _p_ds8, _p_ds8_nope,
                      _p_ds_nope, _p_fp8, _p_fp88, _p_fp88_nope, _p_fp8_nope, _pow2_scale, _pv_rows, _pv_values,
                      _q_group, _relabel64, _store_e4m3_terms)
 

@@ -33,9 +33,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .sm90 import compat
+from . import compat
 
-from .ws_attention import _NEG_BIG, _coords
+from .common import _NEG_BIG, _coords
 
 # Each consumer warpgroup (4 warps): S [64 heads, 64 rows] and O [64 heads, 256 columns] on wgmma; its own
 # P enters PV from registers.

@@ -25,8 +25,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ._runtime import capability as _capability
-from ._runtime import num_sms as _sms
+from .._runtime import capability as _capability
+from .._runtime import num_sms as _sms
 
 _NEG_BIG = gl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima (no inf - inf in exp2)
 

@@ -62,9 +62,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .sm90 import compat
+from . import compat
 
-from .ws_attention import _NEG_BIG, _coords, _normalizer, _rcp
+from .common import _NEG_BIG, _coords, _normalizer, _rcp
 
 NS = gl.constexpr(4)  # ring stages of 64 rows (fp8 / fp8_ds_mla rows; nvfp4 rows have 3, see the kernel)
 
