@@ -5,7 +5,9 @@ registers, stack (spill) bytes, shared memory, instruction counts, and whether t
     python tests/helpers/sm90_sass.py [NAME ...] [--json FILE] [--jobs N]
 
 The SASS hash is taken over the instructions of ``cuobjdump -sass`` with function names and instruction
-addresses / encodings removed, so two builds of one variant hash alike when they differ only in names.
+addresses / encodings removed; the PTX hash over the PTX without names, comments and line info.  Two
+sources that differ only in names hash alike in PTX; ptxas schedules around line-info labels, so moving
+source lines can reorder SASS instructions of an unchanged PTX program.
 Run it in a process without TRITON_INTERPRET (under the interpreter nothing is compiled).  It needs no GPU.
 """
 from __future__ import annotations
@@ -33,22 +35,36 @@ SIG = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "kv_ptr": "*u8"
 SIG_K = dict(list(SIG.items())[:16] + [("k_scale", "fp32")] + list(SIG.items())[16:])
 
 
+# Row layouts by format id: (bytes per row, rope dims, rope offset, scale offset); the byte contract is
+# docs/kv-formats.md.  The "-nope" ids of the DS formats are vLLM's rows (the rope slot kept, zero); the
+# "-nope-compact" ones the library's own rows without it.
+LAYOUTS = {
+    "bf16": (1152, 64, 1024, -1), "bf16-nope": (1024, 0, -1, -1),
+    "fp8": (576, 64, 512, -1), "fp8-nope": (512, 0, -1, -1),
+    "fp8_ds_mla": (656, 64, 528, 512), "fp8_ds_mla-nope": (656, 0, -1, 512), "fp8_ds_mla-nope-compact": (528, 0, -1, 512),
+    "nvfp4_ds_mla": (352, 64, 256, 320), "nvfp4_ds_mla-nope": (352, 0, -1, 320),
+    "nvfp4_ds_mla-nope-compact": (288, 0, -1, 256),
+}
+
+
 def _variants():
-    """name -> (module, kernel, num_warps, signature, constexprs)."""
+    """name -> (module, kernel, signature, meta); meta from the module's own ``meta`` (what ``launch`` uses),
+    with two head groups and valid counts."""
+    from sparsemla.kernels.sm90 import bf16, few, wide
     v = {}
-    for rope in (64, 0):
-        v[f"pair-{rope}"] = ("sm90.bf16", "ws_pair_kernel", 4, SIG,
-                             dict(BPT=1152 if rope else 1024, ROPE=rope, NG=2, HAS_VC=True))
-    for name, ds, rope, bpt, fp4, f8 in [("ds-64", True, 64, 656, False, False), ("ds-0", True, 0, 528, False, False),
-                                         ("fp8-64", False, 64, 576, False, False), ("fp8-0", False, 0, 512, False, False),
-                                         ("fp4-64", False, 64, 352, True, False), ("fp4-0", False, 0, 288, True, False),
-                                         ("ds8-64", True, 64, 656, False, True), ("ds8-0", True, 0, 528, False, True),
-                                         ("fp88-64", False, 64, 576, False, True), ("fp88-0", False, 0, 512, False, True)]:
-        v[f"few-{name}"] = ("sm90.few", "ws_few_kernel", 4, SIG_K,
-                            dict(BPT=bpt, DS=ds, ROPE=rope, NG=2, HAS_VC=True, FP4=fp4, F8=f8))
-        if not fp4:
-            v[f"wide-{name}"] = ("sm90.wide", "ws_wide_kernel", 4, SIG_K,
-                                 dict(BPT=bpt, DS=ds, ROPE=rope, NG=2, HAS_VC=True, F8=f8))
+    for fid, (bpr, rope, rope_off, scale_off) in LAYOUTS.items():
+        kind = fid.split("-")[0]
+        if kind == "bf16":
+            v[f"bf16-{fid}"] = ("bf16", "bf16_kernel", SIG, bf16.meta(
+                bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, num_groups=2, has_valid_counts=True))
+            continue
+        for mod, name in ((few, "few"), (wide, "wide")):
+            for fp8_qk in (False, True):
+                if kind not in mod.KINDS or (fp8_qk and kind == "nvfp4_ds_mla"):
+                    continue
+                v[f"{name}-{fid}" + ("-fp8qk" if fp8_qk else "")] = (name, f"{name}_kernel", SIG_K, mod.meta(
+                    kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
+                    num_groups=2, has_valid_counts=True, fp8_qk=fp8_qk))
     return v
 
 
@@ -75,6 +91,22 @@ def normalized_sass(sass: str) -> list:
     return out
 
 
+def normalized_ptx(ptx: str) -> list:
+    """The PTX instructions without comments, line info (``.loc`` / ``.file``, ``$L__tmp`` labels, debug
+    sections) or the kernel's name: equal for two sources that differ only in names, comments and line
+    numbers.  (ptxas schedules around the line-info labels, so such sources can still differ in SASS.)"""
+    names = set(re.findall(r"\.entry\s+(\w+)\(", ptx))
+    out = []
+    for line in ptx.split(".section\t.debug")[0].splitlines():
+        line = line.split("//")[0].strip()
+        if not line or line.startswith((".loc", ".file")) or re.fullmatch(r"\$L__(tmp|func_begin|func_end)\d+:", line):
+            continue
+        for n in names:
+            line = line.replace(n, "<fn>")
+        out.append(re.sub(r"\s+", " ", line))
+    return out
+
+
 def _opcode(ins: str) -> str:
     tok = ins.split()
     if tok and tok[0].startswith("@"):
@@ -91,15 +123,17 @@ def compile_variant(name: str):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    mod, fn_name, warps, sig, cons = VARIANTS[name]
-    fn = getattr(importlib.import_module(f"sparsemla.kernels.{mod}"), fn_name)
+    mod, fn_name, sig, meta = VARIANTS[name]
+    fn = getattr(importlib.import_module(f"sparsemla.kernels.sm90.{mod}"), fn_name)
+    options = {k: meta[k] for k in ("num_warps", "maxnreg", "enable_fp_fusion")}
+    cons = {k: v for k, v in meta.items() if k not in options}
     sig = dict(sig, **{k: "constexpr" for k in cons})
     log = io.StringIO()
     with tempfile.TemporaryDirectory() as cache, contextlib.redirect_stdout(log):
         knobs.cache.dir = cache  # a fresh build, so that ptxas runs and its log is seen
         knobs.nvidia.dump_ptxas_log = True
         k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=cons),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "maxnreg": 168})
+                           target=GPUTarget("cuda", 90, 32), options=options)
     return k, log.getvalue()
 
 
@@ -118,7 +152,9 @@ def report(name: str) -> dict:
         op = _opcode(i).split(".")[0]
         counts[op] = counts.get(op, 0) + 1
     ptx = k.asm["ptx"]
-    return dict(sass_sha=hashlib.sha256("\n".join(ins).encode()).hexdigest()[:16], instructions=len(ins),
+    return dict(sass_sha=hashlib.sha256("\n".join(ins).encode()).hexdigest()[:16],
+                ptx_sha=hashlib.sha256("\n".join(normalized_ptx(k.asm["ptx"])).encode()).hexdigest()[:16],
+                instructions=len(ins),
                 regs=regs, stack=stack, smem=k.metadata.shared, setmaxnreg="setmaxnreg" in ptx,
                 mbarrier_cp_async="cp.async.mbarrier.arrive.noinc" in ptx, serialized="serialized" in log,
                 ops={op: counts[op] for op in sorted(counts)})
@@ -154,9 +190,9 @@ def main(argv=None):
     for n in names:
         r = out[n]
         if "error" in r:
-            print(f"{n:14s} ERROR {r['error'].splitlines()[0][:200]}")
+            print(f"{n:34s} ERROR {r['error'].splitlines()[0][:200]}")
         else:
-            print(f"{n:14s} sass {r['sass_sha']} ins {r['instructions']:6d} regs {r['regs']:3d} stack {r['stack']:4d} "
+            print(f"{n:34s} sass {r['sass_sha']} ptx {r['ptx_sha']} ins {r['instructions']:6d} regs {r['regs']:3d} stack {r['stack']:4d} "
                   f"smem {r['smem']:6d} setmaxnreg {int(r['setmaxnreg'])} cp.async-mbar {int(r['mbarrier_cp_async'])} "
                   f"serialized {int(r['serialized'])}")
     if a.json:
