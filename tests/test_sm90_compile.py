@@ -23,7 +23,7 @@ from sparsemla.kernels.sm90 import common, compat, few, rows, wide  # noqa: E402
 HOPPER_SMEM = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
 # Stack bytes (spill slots) per kernel family and Triton release, the largest over the family's variants.
 # The wide kernel keeps part of its loop state (the normaliser's partial sums) in local memory on every
-# release; a variant above its bound spills more than the code did when the bound was set.  Releases not
+# release; a variant above its bound spills more than this code does on that release.  Releases not
 # listed get the largest bound of any.
 STACK = {
     "3.6": {"bf16": 56, "few": 0, "wide": 104, "wide-fp8qk": 128},

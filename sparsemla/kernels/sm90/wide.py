@@ -285,13 +285,13 @@ def _pv_other(raw, pb, rbuf, z, so, b_oth, ready, free, p_ready, p_free, ph, oa,
 
 
 @gluon.jit
-def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
+def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, q_amax, q_bar, WG: gl.constexpr, DS: gl.constexpr,
              ROPE: gl.constexpr):
     """q x c into shared memory as the QK B operand, once per program, half by each consumer warpgroup
     (WG w: latent groups 2w, 2w + 1; warpgroup 1 also the rope), in 64-dim chunks with columns permuted like
     the A chunks (relabel64); c: the power of two that brings this program's q into fp16 range (amax x c in
     [2^13, 2^15); the rope dims count for plain fp8, whose rope is chunk 8).  fp8_ds_mla: the rope part bf16
-    in natural order.  The two halves' maxima meet through ``vec`` rows 7 / 8; ``q_bar[w]``: warpgroup w's
+    in natural order.  The two halves' maxima meet through ``q_amax[w]``; ``q_bar[w]``: warpgroup w's
     maximum is published, ``q_bar[2 + w]``: its chunks are stored (two barriers, not two phases of one: a
     warpgroup could otherwise complete both phases before the other waits for the first).  Returns c."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -304,11 +304,11 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.co
         xr = gl.load(q_row + 512 + k64[None, :], mask=hm, other=0.0).to(gl.float32)
         if not DS:
             amax = gl.maximum(amax, absmax(xr))
-    vec.index(7 + WG).store(gl.full([64], 1.0, gl.float32, HEAD) * amax)
+    q_amax.index(WG).store(gl.full([64], 1.0, gl.float32, HEAD) * amax)
     compat.barrier()
     mbarrier.arrive(q_bar.index(WG), count=1)
     mbarrier.wait(q_bar.index(1 - WG), 0)
-    amax = gl.maximum(amax, gl.max(vec.index(8 - WG).load(HEAD), 0))
+    amax = gl.maximum(amax, gl.max(q_amax.index(1 - WG).load(HEAD), 0))
     e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
     c = gl.where(amax > 0, gl.exp2(13.0 - e), 1.0)
     for G in gl.static_range(2):  # loaded again (from L1 / L2): q is not held across the wait
@@ -329,14 +329,14 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.co
 
 
 @gluon.jit
-def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
+def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, q_amax, q_bar, WG: gl.constexpr, DS: gl.constexpr,
               ROPE: gl.constexpr):
     """FP8_QK: q x c_h as two e4m3 terms (as the few-heads kernel's ``_stage_q8``: hi + lo hold bf16 q exactly but for elements below
     ~2^-9 of the head's largest), c_h a power of two per head with amax_h x c_h in [128, 256).  Half by each
     warpgroup as in _stage_q (WG w: groups 2w, 2w + 1, as qn[2 G] = hi and qn[2 G + 1] = lo, [64 heads, 128],
     natural order: the A operands are the rows' bytes in shared memory); warpgroup 1 also the rope (bf16 x c_h
     for fp8_ds_mla, two e4m3 terms in qr[0], qr[1] for fp8).  The per-head maxima of the two halves meet
-    through ``vec`` rows 7 / 8.  Returns 1 / c_h ([64], HEAD)."""
+    through ``q_amax[w]``.  Returns 1 / c_h ([64], HEAD)."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     hl: gl.constexpr = gl.SliceLayout(1, lay)
     heads = g * 64 + gl.arange(0, 64, layout=hl)
@@ -349,11 +349,11 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.c
         xr = gl.load(q_row + 512 + k64[None, :], mask=hm, other=0.0).to(gl.float32)
         if not DS:
             amax = gl.maximum(amax, gl.max(gl.abs(xr), 1))
-    vec.index(7 + WG).store(amax)
+    q_amax.index(WG).store(amax)
     compat.barrier()
     mbarrier.arrive(q_bar.index(WG), count=1)
     mbarrier.wait(q_bar.index(1 - WG), 0)
-    c, inv_c = pow2_scale(gl.maximum(amax, vec.index(8 - WG).load(hl)))
+    c, inv_c = pow2_scale(gl.maximum(amax, q_amax.index(1 - WG).load(hl)))
     for G in gl.static_range(2):  # loaded again (from L1 / L2): q is not held across the wait
         x = load_q_group(q_row, hm, 256 * WG + 128 * G, lay) * c[:, None]
         store_e4m3_terms(qn.index(2 * (2 * WG + G)), qn.index(2 * (2 * WG + G) + 1), x)
@@ -404,16 +404,16 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
     (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
      stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem,
      bars) = args
-    raw, scl, rope, qn, qr, pb, rbuf, vec = smem
+    raw, scl, rope, qn, qr, pb, rbuf, pair_max, row_sum, run_max, q_amax = smem
     q_bar, ready, free, m_bar, p_ready, p_free, l_bar = bars
     n_st: gl.constexpr = raw.shape[0] // (4 if FP8_QK else 1)
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     if FP8_QK:  # 1 / c_h, one per head
-        ss = sm_scale_log2 * _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE)
+        ss = sm_scale_log2 * _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, q_amax, q_bar, WG, DS, ROPE)
     else:
-        c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE)
+        c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, q_amax, q_bar, WG, DS, ROPE)
         ss = sm_scale_log2 / c
     if not DS:
         ss = ss * k_scale
@@ -422,8 +422,8 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
     # the normaliser's partial sums: each thread adds its two rows of a block ([4 warps, 2, 8 lanes, 64]: row
     # 16 w + 8 h + g) and keeps [4, 8, 64] (16 registers instead of 32); reduced across threads at the end
     l_acc = gl.sum(gl.zeros([64, 64], gl.float32, S_L).reshape([4, 2, 8, 64]), 1)
-    # the running max lives in shared memory between pairs (row 5 + WG of vec): 16 registers fewer
-    vec.index(5 + WG).store(gl.full([64], NEG_BIG, gl.float32, HEAD))
+    # the running max lives in shared memory between pairs (run_max[WG]): 16 registers fewer
+    run_max.index(WG).store(gl.full([64], NEG_BIG, gl.float32, HEAD))
     compat.barrier()
     n_pairs = gl.cdiv(n_blocks, 2)
     for i in range(n_pairs):
@@ -453,13 +453,13 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
             y = gl.full([64, 64], float("-inf"), gl.float32, S_L)
             w = gl.full([64], 1.0, gl.float32, ROW)
         # the pair's max: publish this block's, read the other's
-        m_i = vec.index(5 + WG).load(HEAD)
+        m_i = run_max.index(WG).load(HEAD)
         m_blk = gl.max(y, 0)
-        vec.index(WG).store(m_blk)
+        pair_max.index(WG).store(m_blk)
         compat.barrier()
         mbarrier.arrive(m_bar.index(WG), count=1)
         mbarrier.wait(m_bar.index(1 - WG), ph)
-        m_blk = gl.maximum(m_blk, vec.index(1 - WG).load(HEAD))
+        m_blk = gl.maximum(m_blk, pair_max.index(1 - WG).load(HEAD))
         # lazy rescaling: a head's reference max moves only when its scores pass it by more than 8 (log2
         # units; P <= 256 then, well inside fp16), and the accumulators are rescaled only in a pair where
         # some head's moved.  Both warpgroups decide alike: they hold the same maxima.
@@ -471,7 +471,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
             ob = ob * alpha[None, :]
             a3 = gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(0, l_acc.type.layout)))
             l_acc = l_acc * gl.expand_dims(gl.expand_dims(a3, 0), 0)
-            vec.index(5 + WG).store(m_new)
+            run_max.index(WG).store(m_new)
             m_i = m_new
         p = gl.exp2(y - m_i[None, :])
         l_acc = l_acc + gl.sum((p * w[:, None]).reshape([4, 2, 8, 64]), 1)
@@ -493,12 +493,12 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
                 oa, ob = _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG, DS, FP8_QK)
     # the normaliser: this warpgroup's blocks plus the other's (both use the same running max)
     l_own = gl.convert_layout(gl.sum(gl.sum(l_acc, 1), 0), HEAD)  # lanes first: a small cross-warp scratch
-    vec.index(2 + WG).store(l_own)
+    row_sum.index(WG).store(l_own)
     compat.barrier()
     mbarrier.arrive(l_bar.index(WG), count=1)
     mbarrier.wait(l_bar.index(1 - WG), 0)  # also: the other warpgroup has read every stage for the last time
-    l_i = l_own + vec.index(3 - WG).load(HEAD)
-    m_i = vec.index(5 + WG).load(HEAD)
+    l_i = l_own + row_sum.index(1 - WG).load(HEAD)
+    m_i = run_max.index(WG).load(HEAD)
     # IEEE 1 / l and libdevice log2, written out here rather than common.normalizer's approximate forms
     # (inline asm), with which ptxas allocates the loop's registers differently and the loop runs slower
     has = l_i > 0
@@ -559,8 +559,12 @@ def wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
         scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
         qr = qn
-    # the pair's maxima 0-1, sums 2-3, (4 unused), running maxima 5-6, q's two halves' abs maxima 7-8
-    vec = gl.allocate_shared_memory(gl.float32, [9, 64], plain)
+    # per consumer warpgroup (indexed by WG), one value per head: its block's max in the current pair, its
+    # normaliser sum, its running max, the abs max of its half of q
+    pair_max = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
+    row_sum = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
+    run_max = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
+    q_amax = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
     bl: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [4, 1], bl)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], bl)
@@ -582,7 +586,7 @@ def wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
     # (constexprs in warp_specialize's argument tuples written there, not in tuples assigned to names: see few.py)
     ca = (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
           lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-          (raw, scl, rope, qn, qr, pb, rbuf, vec), (q_bar, ready, free, m_bar, p_ready, p_free, l_bar))
+          (raw, scl, rope, qn, qr, pb, rbuf, pair_max, row_sum, run_max, q_amax), (q_bar, ready, free, m_bar, p_ready, p_free, l_bar))
     pa = (kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, raw, scl, rope, ready, free)
     gl.warp_specialize([(_consumer, (ca, 0, DS, ROPE, FP8_QK, NG, HAS_VC)), (_consumer, (ca, 1, DS, ROPE, FP8_QK, NG, HAS_VC)),
                         (producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, False, FP8_QK, NG, HAS_VC))],
