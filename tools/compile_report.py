@@ -1,4 +1,4 @@
-"""Compile the attention kernels for sm90 on a machine with no GPU and report registers, spills, shared memory
+"""Compile the portable attention kernels for sm90 on a machine with no GPU and report registers, spills, shared memory
 and which MMA instructions were used.  Costs no device time.
 
     python tools/compile_report.py [--fmt fp8_ds_mla] [--hb 16] [--bn 64] [--warps 4] [--stages 2] [--dump DIR]
@@ -30,9 +30,9 @@ def _with_k_scale(sig):
     return {**head, "k_scale": "fp32", "H": "i32", "K": "i32", "rows_per_split": "i32", "num_splits": "i32"}
 
 
-def compile_one(fmt, hb, bn, warps, stages, splits=4, rope=64, out_bf16=False, variant=None, wide=False):
-    """Compile one attention kernel for sm_90.  wide: the many-heads kernel; variant: a kernel from
-    tools/exp/variants.py with the same signature as the format's kernel (it gets BPT like _launch passes)."""
+def compile_one(fmt, hb, bn, warps, stages, splits=4, rope=64, out_bf16=False, wide=False):
+    """Compile one portable attention kernel for sm_90.  wide: the many-heads kernel.  (The sm_90 Gluon
+    kernels: tests/helpers/sm90_sass.py.)"""
     sig = dict(COMMON_SIG)
     if out_bf16:
         sig["o_ptr"] = "*bf16"
@@ -49,9 +49,6 @@ def compile_one(fmt, hb, bn, warps, stages, splits=4, rope=64, out_bf16=False, v
     else:
         fn, sig = sa._fwd_fp8_kernel, _with_k_scale(sig)
         cons.update(BPT=bpt, DS=fmt == "fp8_ds_mla", STAGED=fmt == "staged")
-    if variant is not None:
-        fn = variant
-        cons["BPT"] = bpt
     for k in cons:
         sig[k] = "constexpr"
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cons)
@@ -84,20 +81,14 @@ def main(argv=None):
     ap.add_argument("--rope", type=int, default=64)
     ap.add_argument("--dump", default=None)
     ap.add_argument("--wide", action="store_true", help="the many-heads kernel (_fwd_wide_kernel)")
-    ap.add_argument("--variant", default=None, help="a tools/exp/variants.py name, e.g. bf16-wide")
     a = ap.parse_args(argv)
-    variant = None
-    if a.variant:
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "exp"))
-        import variants
-        variant = variants.build()[a.variant]
     for fmt in a.fmt:
         for hb in a.hb:
             for bn in a.bn:
                 for w in a.warps:
                     for st in a.stages:
                         try:
-                            cc = compile_one(fmt, hb, bn, w, st, rope=a.rope, variant=variant, wide=a.wide)
+                            cc = compile_one(fmt, hb, bn, w, st, rope=a.rope, wide=a.wide)
                         except Exception as e:  # report and go on
                             print(f"{fmt:14s} HB={hb:3d} BN={bn:3d} w={w} st={st}: FAILED {type(e).__name__}: {str(e)[:300]}")
                             continue
@@ -106,7 +97,7 @@ def main(argv=None):
                         if a.dump:
                             os.makedirs(a.dump, exist_ok=True)
                             for ext in ("ttgir", "ptx"):
-                                with open(os.path.join(a.dump, f"{a.variant or ''}{'wide_' if a.wide else ''}{fmt}_hb{hb}_bn{bn}_w{w}_s{st}.{ext}"), "w") as f:
+                                with open(os.path.join(a.dump, f"{'wide_' if a.wide else ''}{fmt}_hb{hb}_bn{bn}_w{w}_s{st}.{ext}"), "w") as f:
                                     f.write(cc.asm[ext])
 
 

@@ -1,79 +1,71 @@
-"""Warp-specialized sparse MLA decode for quantized rows at few heads (Hopper, Gluon): ``fp8``, ``fp8_ds_mla``
-and ``nvfp4_ds_mla`` (rope or NoPE), 16 heads per program.
+"""sm_90 sparse MLA decode for quantized rows at few heads: ``fp8``, ``fp8_ds_mla`` and ``nvfp4_ds_mla`` rows
+(RoPE or NoPE), 16 heads per program, warp-specialized (Gluon).
 
-Why a second kernel: the Triton few-heads kernels (``sparse_attention._fwd_fp8_kernel``) hold q as
-mma.sync fragments in every warp (~144 registers), so two programs (8 warps) fit an SM; each tile then
-runs load -> convert -> QK -> softmax -> PV in sequence and the kernel is latency-bound at 35 % of memory
-speed-of-light (kernel-notes.md).  Here the work is transposed and split between warps:
+Schedule.  The cache rows are the MMA's M dimension: ``S^T = K q^T`` and ``O^T += V^T P^T`` on wgmma m64n16
+with the 16 heads as N, so q and P live in shared memory as the B operand and the K / V tiles are the A
+operand from registers, converted there straight from the raw e4m3 bytes (never written back).  A producer
+warpgroup (``rows.producer``) gathers raw rows with cp.async into a ring of 64-row stages; two consumer
+warpgroups take every other 64-row block, each with its own online softmax, and merge once at the end
+through shared memory.  12 warps at launch (12 x 32 x 168 registers fill the register file); setmaxnreg
+then gives the consumers 232 and the producer 40.
 
-- the cache rows are the MMA's M dimension: ``S^T = K q^T`` and ``O^T += V^T P^T`` on wgmma m64n16 with
-  the 16 heads as N, so q and P live in shared memory as the B operand and the K / V tiles are the A
-  operand **from registers**, converted there straight from the raw e4m3 bytes (never written back);
-- a producer warpgroup gathers the raw rows (e4m3 values, scales, rope) with cp.async into a ring of
-  four 64-row stages; two consumer warpgroups take every other 64-row block, each with its own online
-  softmax, and merge once at the end (through shared memory).
+Operand layout.  A thread of the wgmma A fragment holds k (columns) 2t, 2t+1, 2t+8, 2t+9 of each 16-wide
+step.  A dot product does not care about the order of k, so the kernel permutes k: a thread loads 16
+contiguous bytes of a row (one 128-bit shared load) and those bytes are its fragment, in the order the
+fragment wants them; q is written to shared memory once with the same permutation of its columns.  For PV
+the output dims are permuted the same way (each thread loads 4 contiguous bytes of 4 rows per 128-dim
+group, ``rows.L_V``) and un-permuted when the output is stored (``rows.acc_dim``).  The relabellings are
+reshapes / permutes of register tensors (no data movement).
 
-Operand layout trick: a thread of the wgmma A fragment holds k (columns) 2t, 2t+1, 2t+8, 2t+9 of each
-16-wide step.  A dot product does not care about the order of k, so the kernel permutes k: a thread loads
-16 contiguous bytes of a row (one 128-bit shared load) and those bytes *are* its fragment, in the order
-the fragment wants them; q is written to shared memory once with the same permutation of its columns.
-For PV the output dims are permuted the same way (each thread loads 4 contiguous bytes of 4 rows per
-128-dim group) and un-permuted when the output is stored.  The relabelling is a reshape / permute of the
-register tensor (no data movement); ``tests/ws_compile_probe.py`` pins the SASS (128-bit shared loads, no
-spills).
+Numbers.  e4m3 is exact in fp16, so the MMAs run in fp16 with q brought into fp16 range by a per-token power
+of two.  fp8_ds_mla's per-row, per-128-dim-group fp32 scales: QK runs one accumulator per group (A = the
+raw values) and S^T = sum_g scale_g x S_g^T after (32 multiply-adds a block instead of 128 fp16 multiplies
+of the A registers); for PV, P is multiplied by ``scale_g / u_g`` per group (u_g = the largest scale of
+group g so far, so the factor is <= 1) and each group's accumulator is held in units of u_g.  The rope part
+of fp8_ds_mla is bf16 and multiplies in bf16 (A from shared memory, its own accumulator); plain fp8 rows are
+e4m3 throughout, the per-tensor ``k_scale`` applied to the scores and the output.
 
-Numbers: e4m3 is exact in fp16, so the MMAs run in fp16 with q brought into fp16 range by a per-token
-power of two (as the Triton kernels do).  fp8_ds_mla's per-row, per-128-dim-group fp32 scales: QK runs one
-accumulator per group (A = the raw values) and S^T = sum_g scale_g x S_g^T after (seventh session; the
-sixth scaled the A registers by scale_g / the row's largest scale instead: 154 more instructions a block);
-for PV, P is multiplied by ``scale_g / u_g`` per group (u_g = the block's largest scale of group g, so the
-factor is <= 1) and each group's accumulator is held in units of u_g.  The rope part of fp8_ds_mla is bf16
-and multiplies in bf16 (A from shared memory, its own accumulator); plain fp8 rows
-are e4m3 throughout with the per-tensor ``k_scale`` applied to the scores and the output.
+nvfp4_ds_mla rows (``_consumer_fp4``): converting e2m1 costs about four instructions per pair of values
+(against one for e4m3) and the consumers are instruction-bound, so each block is dequantized once, into the
+consumer warpgroup's own fp16 tile in shared memory, and both MMAs read the tile (S^T: A = the tile; O^T:
+A = the tile transposed).  Two 64 KB tiles leave room for three 22 KB stages.
 
-nvfp4_ds_mla rows take a different route (``_consumer_fp4``): converting e2m1 costs about four
-instructions per pair of values (against one for e4m3), and the consumers are instruction-bound, so each
-block is dequantized **once**, into the consumer warpgroup's own fp16 tile in shared memory, and both MMAs
-read the tile (S^T: A = the tile; O^T: A = the tile transposed).  The nibbles become e4m3 codes worth
-value x 2^-6 by shifts and masks, cvt.f16x2.e4m3x2 converts them, one multiply by the block's e4m3 scale
-x 2^6 gives the exact dequantized value in fp16 (``_FP4N_ASM``).  Two 64 KB tiles leave room for only three
-22 KB stages; fp8 rows, at 36 KB a stage, would get two, and measured slower that way (fp8 D-h16 77 us
-against 61 us for the register operands).
+FP8_QK (fp8 / fp8_ds_mla rows): q as two e4m3 terms with a power of two per head (``_stage_q8``), QK on e4m3
+wgmma with both operands in shared memory, so the gathered bytes feed the MMA as they are and the QK half of
+the conversions is gone; PV is unchanged (wgmma takes an fp8 A operand only K-major, and V^T would need a
+byte transpose costing as much as the conversion it replaces).  The ring then holds each stage as four
+[64, 128] pieces in wgmma's swizzled layout.
 
-Measured on the H200 (BENCHMARKS.md sections 7 and 8): D-h16 (b 128, top-k 2048) fp8 53.5 us, fp8_ds_mla
-73.8 us, nvfp4_ds_mla 69.7 us, against 101 / 119 / 208 us for the Triton kernels; D-h32 1.9-2.6x faster
-than them.  Above 32 heads it runs ceil(H / 16) programs per token (head groups, each gathering the token's
-rows, from L2 after the first): the dispatch gives it small batches (``ws_attention.FEW_WAVES``), where it
-beat both wide kernels (section 11: b 1 x 128 heads 18-20 us, b 16 x 128 heads fp8 79 -> 50 us).
-
-F8 (opt-in, ``sparse_mla_fwd(..., fp8_arith=True)`` / backend ``triton-fp8``): the FP8-arithmetic variant for fp8
-and fp8_ds_mla rows -- q as two e4m3 terms, QK on e4m3 wgmma with the gathered bytes as the A operand (see the
-kernel's docstring and BENCHMARKS.md section 12).
-
-Same arguments and output contract as ``sparse_attention._fwd_fp8_kernel`` (split partials, normalized
-output, natural-log lse).  Gluon does not run under the Triton interpreter: CPU CI compiles it for sm_90
-(``tests/test_ws_attention.py``) and the GPU suite checks its numbers.
+Gluon kernels do not run under the Triton interpreter: ``tests/test_sm90_compile.py`` compiles every
+variant for sm_90 on the CPU; the GPU suite checks the numbers against the float64 reference.
 """
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .ws_attention import _NEG_BIG, _coords, _normalizer, _rcp
+from . import compat
+from .common import NEG_BIG, absmax, launch_built, normalizer, program_coords, rcp
+from .rows import (L_QK64, L_V, SC_L, acc_dim, block_indices, e4m3_view, load_q_group, pow2_scale, producer,
+                   pv_rows, pv_values, relabel64, store_e4m3_terms)
 
 NS = gl.constexpr(4)  # ring stages of 64 rows (fp8 / fp8_ds_mla rows; nvfp4 rows have 3, see the kernel)
 
 # S^T [64 rows, 16 heads] and O^T [128 dims, 16 heads] (one per 128-dim group) on wgmma m64n16
 S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
-# The F8 variant's QK accumulator: e4m3 MMAs (k = 32 per instruction) with q's two terms side by side as N = 32
+
+# FP8_QK's QK accumulator: e4m3 MMAs (k = 32 per instruction) with q's two terms side by side as N = 32
 # (hi: heads 0-15, lo: 16-31), folded into S_L by _fold
 S8_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 32]))
+
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_L.value, k_width=2))
+
 ROW = gl.constexpr(gl.SliceLayout(1, S_L.value))   # one value per cache row (or output dim)
+
 HEAD = gl.constexpr(gl.SliceLayout(0, S_L.value))  # one value per head
+
 # Raw e4m3 bytes for QK, [64 rows, 128 bytes] (one 128-dim group): thread (warp w, lane 4g + t) holds rows
 # 16w + g and 16w + g + 8, bytes 32t .. 32t + 31.  Register order = byte order (128-bit loads).  Byte
 # 32t + 16 j + 4 s + 2 p + e is the fragment's k = 64 j + 16 s + 8 p + 2 t + e (see _qk_operand).
@@ -81,38 +73,6 @@ L_QK = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
     lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
     shape=[64, 128]))
-# The same for a 64-byte rope part: bytes 16t .. 16t + 15; byte 16 t + 4 s + 2 p + e is k = 16 s + 8 p + 2 t + e
-L_QK64 = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
-    lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
-    shape=[64, 64]))
-# Raw e4m3 bytes for PV, [16 rows, 128 dims] (one k-step of one group): thread (w, 4g + t) holds rows
-# 2t, 2t + 1, 2t + 8, 2t + 9 and dims 32w + 4g .. 32w + 4g + 3 (32-bit loads).  Dim 32 w + 4 g + 2 i + h is
-# the fragment's M row 64 i + 16 w + 8 h + g (see _pv_operand and _dims).
-L_V = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0]],
-    lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]], warp_bases=[[0, 32], [0, 64]], block_bases=[],
-    shape=[16, 128]))
-# Two rows' four e4m3 bytes ($4: row r, $5: row r + 1; dims d0..d3) -> fp16 pairs (d0 r, d0 r+1), (d1 r,
-# d1 r+1), (d2 ..), (d3 ..) in $0..$3: the byte pairing is two prmt before the converts instead of four
-# after them
-_E4M3_ROWS_ASM = gl.constexpr("""{
-.reg .b32 p0, p1;
-.reg .b16 h0, h1, h2, h3;
-prmt.b32 p0, $4, $5, 0x5140;
-prmt.b32 p1, $4, $5, 0x7362;
-mov.b32 {h0, h1}, p0;
-mov.b32 {h2, h3}, p1;
-cvt.rn.f16x2.e4m3x2 $0, h0;
-cvt.rn.f16x2.e4m3x2 $1, h1;
-cvt.rn.f16x2.e4m3x2 $2, h2;
-cvt.rn.f16x2.e4m3x2 $3, h3;
-}""")
-# fp8_ds_mla tile scales [64 rows, 4 groups] with the rows of S^T (all four in each thread's registers)
-SC_L = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 4]))
-
 
 # nvfp4_ds_mla: one 64-dim chunk's packed nibbles [64 rows, 4 blocks, 8 bytes]: thread (w, 4g + t) holds rows
 # 16w + g and 16w + g + 8, block t of the chunk (bytes 8t .. 8t + 7 = dims 16t .. 16t + 15, one e4m3 scale,
@@ -121,14 +81,17 @@ L_Q4 = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
     lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[[16, 0, 0], [32, 0, 0]],
     block_bases=[], shape=[64, 4, 8]))
+
 L_Q4B = gl.constexpr(gl.DistributedLinearLayout(  # the same bytes as a [64, 32] tensor (64-bit loads)
     reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
     lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
     shape=[64, 32]))
+
 L_Q4S = gl.constexpr(gl.DistributedLinearLayout(  # the chunk's scale bytes [64 rows, 4 blocks, 1]
     reg_bases=[[8, 0, 0]],
     lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[[16, 0, 0], [32, 0, 0]],
     block_bases=[], shape=[64, 4, 1]))
+
 # e2m1 nibbles -> fp16, four bytes (eight values) at a time: each nibble becomes an e4m3 code worth its value
 # x 2^-6 (sign to bit 7, the three magnitude bits to bits 2-4: exact for the subnormal code 0.5 too), the
 # codes are paired in dim order (byte 0's low and high nibble = dims 0, 1, ...: what a 16-byte store of the
@@ -161,7 +124,6 @@ mul.f16x2 $2, $2, $5;
 mul.f16x2 $3, $3, $5;
 }""")
 
-
 @gluon.jit
 def _fp4n(x, sc):
     """Packed e2m1 bytes ``x`` [64 rows, 4 blocks, 8 bytes] and each block's e4m3 scale byte ``sc`` (broadcast to
@@ -170,7 +132,6 @@ def _fp4n(x, sc):
     a, b = gl.inline_asm_elementwise(_FP4N_ASM, "=r,=r,=r,=r,r,r,r", [x, f], (gl.float16, gl.float16), True, 4)
     # a[4p + k] = dim 8p + k, b[4p + k] = dim 8p + 4 + k (p: which four bytes): a relabelling of registers
     return gl.join(a, b).reshape([64, 4, 2, 4, 2]).permute(0, 1, 2, 4, 3).reshape([64, 4, 16])
-
 
 @gluon.jit
 def _fp4_chunk(raw, scl, C: gl.constexpr):
@@ -182,83 +143,46 @@ def _fp4_chunk(raw, scl, C: gl.constexpr):
     sc = gl.convert_layout(sc, gl.SliceLayout(2, L_Q4))[:, :, None]
     return _fp4n(x, gl.broadcast(sc, x)[0]).reshape([64, 64])
 
-
-@gluon.jit
-def _dims(m):
-    """Accumulator row m (0..127) of a group -> the output dim within the group (see L_V)."""
-    return 32 * ((m >> 4) & 3) + 4 * (m & 7) + 2 * (m >> 6) + ((m >> 3) & 1)
-
-
 @gluon.jit
 def _qk_operand(raw, G: gl.constexpr):
     """Group G's e4m3 bytes of the stage -> the fp16 A operand [64 rows, 128 k] (k permuted, _relabel128)."""
     a = raw.slice(128 * G, 128, dim=1).load(L_QK).to(gl.float8e4nv, bitcast=True).to(gl.float16)
     return gl.convert_layout(_relabel128(a), A_OP)
 
-
 @gluon.jit
 def _rope_operand(rope):
     """Plain fp8 rows: the 64 e4m3 rope bytes -> fp16 A operand [64 rows, 64 k] (k permuted like L_QK64)."""
     a = rope.load(L_QK64).to(gl.float8e4nv, bitcast=True).to(gl.float16)
-    return gl.convert_layout(_relabel64(a), A_OP)
-
+    return gl.convert_layout(relabel64(a), A_OP)
 
 @gluon.jit
 def _pv_operand(raw, ks: gl.constexpr, G: gl.constexpr):
-    """Rows 16 ks .. 16 ks + 15, group G -> the fp16 A operand V^T [128 dims (permuted, _dims), 16 rows]."""
-    return gl.convert_layout(_pv_values(raw, ks, G), A_OP)
-
-
-@gluon.jit
-def _pv_values(raw, ks: gl.constexpr, G: gl.constexpr):
-    """_pv_operand before its (free) conversion to the operand layout: shared with ws_wide.py, whose
-    operand layout has another N."""
-    return _pv_rows(raw.slice(16 * ks, 16, dim=0).slice(128 * G, 128, dim=1).load(L_V))
-
-
-@gluon.jit
-def _pv_rows(v):
-    """Raw e4m3 bytes [16 rows, 128 dims] in L_V -> fp16 V^T [128 dims (permuted, _dims), 16 rows]."""
-    # e4m3 -> fp16 with the values of rows 2t and 2t + 1 paired (what the A fragment holds in one register):
-    # _E4M3_ROWS_ASM puts the value of (dim d, row r) of each 4 dims x 2 rows where the tensor has (dim
-    # 2 (d & 1) + r, row d >> 1); the permute below puts the labels back (register bits only: no data movement)
-    t = gl.inline_asm_elementwise(_E4M3_ROWS_ASM, "=r,=r,=r,=r,r,r", [v], gl.float16, True, 8)
-    v = t.reshape([2, 2, 2, 2, 32, 2, 2]).permute(0, 1, 2, 6, 4, 3, 5).reshape([16, 128])
-    return v.permute(1, 0).reshape([4, 8, 2, 2, 16]).permute(2, 0, 3, 1, 4).reshape([128, 16])
-
+    """Rows 16 ks .. 16 ks + 15, group G -> the fp16 A operand V^T [128 dims (permuted, acc_dim), 16 rows]."""
+    return gl.convert_layout(pv_values(raw, ks, G), A_OP)
 
 @gluon.jit
 def _pv_operands8(raw, st, ks: gl.constexpr):
-    """F8: the same from the stage's four [64, 128] pieces (raw.index(4 st + G))."""
-    return (gl.convert_layout(_pv_rows(raw.index(4 * st + 0).slice(16 * ks, 16, dim=0).load(L_V)), A_OP),
-            gl.convert_layout(_pv_rows(raw.index(4 * st + 1).slice(16 * ks, 16, dim=0).load(L_V)), A_OP),
-            gl.convert_layout(_pv_rows(raw.index(4 * st + 2).slice(16 * ks, 16, dim=0).load(L_V)), A_OP),
-            gl.convert_layout(_pv_rows(raw.index(4 * st + 3).slice(16 * ks, 16, dim=0).load(L_V)), A_OP))
-
-
-@gluon.jit
-def _k8(buf, i):
-    """F8: ring piece i (e4m3 bytes in wgmma's swizzled layout) as an fp8 view, the A operand of QK."""
-    return buf.index(i)._reinterpret(gl.float8e4nv, [buf.shape[1], buf.shape[2]], buf.layout)
-
+    """FP8_QK: the same from the stage's four [64, 128] pieces (raw.index(4 st + G))."""
+    return (gl.convert_layout(pv_rows(raw.index(4 * st + 0).slice(16 * ks, 16, dim=0).load(L_V)), A_OP),
+            gl.convert_layout(pv_rows(raw.index(4 * st + 1).slice(16 * ks, 16, dim=0).load(L_V)), A_OP),
+            gl.convert_layout(pv_rows(raw.index(4 * st + 2).slice(16 * ks, 16, dim=0).load(L_V)), A_OP),
+            gl.convert_layout(pv_rows(raw.index(4 * st + 3).slice(16 * ks, 16, dim=0).load(L_V)), A_OP))
 
 @gluon.jit
 def _qk_groups8(raw, st, qn, z):
-    """F8, fp8_ds_mla: S^T per 128-dim group on fp8 MMAs, A = the rows' e4m3 bytes in shared memory (nothing
+    """FP8_QK, fp8_ds_mla: S^T per 128-dim group on fp8 MMAs, A = the rows' e4m3 bytes in shared memory (nothing
     converted), B = (q c_h)^T in e4m3; four accumulators (S8_L, unfolded), issued asynchronously."""
     s_zero = gl.zeros([64, 32], gl.float32, S8_L)
-    g0 = _qk8(_k8(raw, 4 * st + 0), qn, 0 + z, s_zero, False)
-    g1 = _qk8(_k8(raw, 4 * st + 1), qn, 1 + z, s_zero, False)
-    g2 = _qk8(_k8(raw, 4 * st + 2), qn, 2 + z, s_zero, False)
-    g3 = _qk8(_k8(raw, 4 * st + 3), qn, 3 + z, s_zero, False)
+    g0 = _qk8(e4m3_view(raw, 4 * st + 0), qn, 0 + z, s_zero, False)
+    g1 = _qk8(e4m3_view(raw, 4 * st + 1), qn, 1 + z, s_zero, False)
+    g2 = _qk8(e4m3_view(raw, 4 * st + 2), qn, 2 + z, s_zero, False)
+    g3 = _qk8(e4m3_view(raw, 4 * st + 3), qn, 3 + z, s_zero, False)
     return g0, g1, g2, g3
-
 
 @gluon.jit
 def _qk8(a, qb, i, acc, use_acc: gl.constexpr):
     """acc [64, 32] (+)= a [q hi; q lo]^T: one e4m3 MMA with q's two terms as 32 columns (_store_hi_lo)."""
     return warpgroup_mma(a, qb.index(i).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
-
 
 @gluon.jit
 def _fold(acc):
@@ -267,131 +191,30 @@ def _fold(acc):
     hi, lo = acc.reshape([64, 2, 16]).permute(0, 2, 1).split()
     return gl.convert_layout(hi + lo, S_L)
 
-
 @gluon.jit
 def _qk_chain8(raw, rope, st, qn, qr, z, ROPE: gl.constexpr):
-    """F8, plain fp8: S^T = K q^T as one chain of fp8 MMAs from shared memory (the e4m3 rope included)."""
+    """FP8_QK, plain fp8: S^T = K q^T as one chain of fp8 MMAs from shared memory (the e4m3 rope included)."""
     s_zero = gl.zeros([64, 32], gl.float32, S8_L)
-    acc = _qk8(_k8(raw, 4 * st + 0), qn, 0 + z, s_zero, False)
-    acc = _qk8(_k8(raw, 4 * st + 1), qn, 1 + z, acc, True)
-    acc = _qk8(_k8(raw, 4 * st + 2), qn, 2 + z, acc, True)
-    acc = _qk8(_k8(raw, 4 * st + 3), qn, 3 + z, acc, True)
+    acc = _qk8(e4m3_view(raw, 4 * st + 0), qn, 0 + z, s_zero, False)
+    acc = _qk8(e4m3_view(raw, 4 * st + 1), qn, 1 + z, acc, True)
+    acc = _qk8(e4m3_view(raw, 4 * st + 2), qn, 2 + z, acc, True)
+    acc = _qk8(e4m3_view(raw, 4 * st + 3), qn, 3 + z, acc, True)
     if ROPE:
-        acc = _qk8(_k8(rope, st), qr, z, acc, True)
+        acc = _qk8(e4m3_view(rope, st), qr, z, acc, True)
     return _fold(warpgroup_mma_wait(0, deps=(acc, )))
 
-
 @gluon.jit
-def _pv_ops(raw, rs, st, ks: gl.constexpr, F8: gl.constexpr):
-    """The PV operands of rows 16 ks .. 16 ks + 15 from stage rs ([64, 512]) or (F8) its four pieces."""
-    if F8:
+def _pv_ops(raw, rs, st, ks: gl.constexpr, FP8_QK: gl.constexpr):
+    """The PV operands of rows 16 ks .. 16 ks + 15 from stage rs ([64, 512]) or (FP8_QK) its four pieces."""
+    if FP8_QK:
         return _pv_operands8(raw, st, ks)
     else:
         return _pv_operands(rs, ks)
-
 
 @gluon.jit
 def _pv_operands(raw, ks: gl.constexpr):
     """Rows 16 ks .. 16 ks + 15 of the stage -> the four groups' V^T A operands."""
     return _pv_operand(raw, ks, 0), _pv_operand(raw, ks, 1), _pv_operand(raw, ks, 2), _pv_operand(raw, ks, 3)
-
-
-@gluon.jit
-def _idx(idx_row, p0, k_end, rows_l: gl.constexpr):
-    """The cache rows at positions p0 .. p0 + 63 (-1 past the split's end)."""
-    offs = p0 + gl.arange(0, 64, layout=rows_l)
-    return gl.load(idx_row + offs, mask=offs < k_end, other=-1)
-
-
-@gluon.jit
-def _copy(dst, kv_ptr, idx, BPT: gl.constexpr, off: gl.constexpr, cols, ty: gl.constexpr):
-    """cp.async of the columns ``cols`` (elements of ``ty``) at byte ``off`` of each row; -1 rows zero-filled."""
-    valid = idx >= 0
-    base = gl.multiple_of(kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * BPT, 16)
-    if off != 0:
-        base = gl.multiple_of(base + off, 16).to(gl.pointer_type(ty))
-    async_copy.async_copy_global_to_shared(dst, base[:, None] + cols[None, :], mask=valid[:, None])
-
-
-@gluon.jit
-def _producer(args, BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP4: gl.constexpr, F8: gl.constexpr = False):
-    """Gathers each 64-row block's raw bytes into stage b % NS: e4m3 values, then (fp8_ds_mla) the four
-    scales and the bf16 rope, or (fp8) the e4m3 rope; nvfp4 rows: the packed nibbles, the e4m3 rope and the
-    32 scale bytes.  The next block's indices are loaded before waiting for a free stage, so their latency
-    is not on the producer's path.  F8 (the FP8-arithmetic variant): the e4m3 values go to four [64, 128]
-    pieces per stage (raw.index(4 st + G), wgmma's swizzled layout: the QK MMAs read them as A)."""
-    kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC = args
-    raw, scl, rope, qn, qr, pb, mrg, vec = smem
-    q_bar, ready, free, done_bar = bars
-    t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
-    n_blocks = gl.cdiv(k_end - k_begin, 64)
-    idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    n_st: gl.constexpr = raw.shape[0] // (4 if F8 else 1)
-    lv: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])   # [64, 512, 256 or 128] u8, 16 B each
-    ls: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0])   # [64, 4] f32, 8 B each
-    lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])    # [64, 64] bf16, 16 B each
-    lq: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])  # [64, 64 or 32] u8, 16 B each
-    cv = gl.arange(0, raw.shape[2], layout=gl.SliceLayout(0, lv))
-    cs = gl.arange(0, 4, layout=gl.SliceLayout(0, ls))
-    cr = gl.arange(0, 64, layout=gl.SliceLayout(0, lr))
-    cq = gl.arange(0, 64, layout=gl.SliceLayout(0, lq))
-    c4 = gl.arange(0, 32, layout=gl.SliceLayout(0, lq))
-    iv = _idx(idx_row, k_begin, k_end, gl.SliceLayout(1, lv))
-    i_s = _idx(idx_row, k_begin, k_end, gl.SliceLayout(1, ls))
-    ir = _idx(idx_row, k_begin, k_end, gl.SliceLayout(1, lr))
-    iq = _idx(idx_row, k_begin, k_end, gl.SliceLayout(1, lq))
-    for b in range(n_blocks):
-        st = b % n_st
-        p1 = k_begin + (b + 1) * 64
-        nv = _idx(idx_row, p1, k_end, gl.SliceLayout(1, lv))
-        if DS:
-            ns = _idx(idx_row, p1, k_end, gl.SliceLayout(1, ls))
-            if ROPE:
-                nr = _idx(idx_row, p1, k_end, gl.SliceLayout(1, lr))
-            else:
-                nr = ir
-            nq = iq
-        else:
-            ns = i_s
-            nr = ir
-            if ROPE or FP4:
-                nq = _idx(idx_row, p1, k_end, gl.SliceLayout(1, lq))
-            else:
-                nq = iq
-        mbarrier.wait(free.index(st), ((b // n_st) & 1) ^ 1)  # fresh barriers pass phase 1 at once
-        if F8:
-            for G in gl.static_range(4):
-                _copy(raw.index(4 * st + G), kv_ptr, iv, BPT, 128 * G, cv, gl.uint8)
-        else:
-            _copy(raw.index(st), kv_ptr, iv, BPT, 0, cv, gl.uint8)
-        if DS:
-            _copy(scl.index(st), kv_ptr, i_s, BPT, 512, cs, gl.float32)
-            if ROPE:
-                _copy(rope.index(st), kv_ptr, ir, BPT, 528, cr, gl.bfloat16)
-        elif FP4:
-            if ROPE:
-                _copy(rope.index(st), kv_ptr, iq, BPT, 256, cq, gl.uint8)
-            _copy(scl.index(st), kv_ptr, iq, BPT, 256 + ROPE, c4, gl.uint8)
-        elif ROPE:
-            _copy(rope.index(st), kv_ptr, iq, BPT, 512, cq, gl.uint8)
-        async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
-        iv = nv
-        i_s = ns
-        ir = nr
-        iq = nq
-
-
-@gluon.jit
-def _q_group(q_row, hm, off: gl.constexpr, lay: gl.constexpr):
-    """q[:, off : off + 128] as fp32 [16, 128] (contiguous 16-byte loads)."""
-    k = gl.arange(0, 128, layout=gl.SliceLayout(0, lay))
-    return gl.load(q_row + off + k[None, :], mask=hm, other=0.0).to(gl.float32)
-
-
-@gluon.jit
-def _absmax(x):
-    return gl.max(gl.max(gl.abs(x), 1), 0)
-
 
 @gluon.jit
 def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr, CHUNKS: gl.constexpr):
@@ -406,16 +229,16 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROP
     heads = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
     hm = (heads < H)[:, None]
     q_row = q_ptr + t.to(gl.int64) * stride_qt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_qh
-    x0 = _q_group(q_row, hm, 0, lay)
-    x1 = _q_group(q_row, hm, 128, lay)
-    x2 = _q_group(q_row, hm, 256, lay)
-    x3 = _q_group(q_row, hm, 384, lay)
-    amax = gl.maximum(gl.maximum(_absmax(x0), _absmax(x1)), gl.maximum(_absmax(x2), _absmax(x3)))
+    x0 = load_q_group(q_row, hm, 0, lay)
+    x1 = load_q_group(q_row, hm, 128, lay)
+    x2 = load_q_group(q_row, hm, 256, lay)
+    x3 = load_q_group(q_row, hm, 384, lay)
+    amax = gl.maximum(gl.maximum(absmax(x0), absmax(x1)), gl.maximum(absmax(x2), absmax(x3)))
     if ROPE:
         k64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
         xr = gl.load(q_row + 512 + k64[None, :], mask=hm, other=0.0).to(gl.float32)
         if not DS:
-            amax = gl.maximum(amax, _absmax(xr))
+            amax = gl.maximum(amax, absmax(xr))
     e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
     c = gl.where(amax > 0, gl.exp2(13.0 - e), 1.0)
     if CHUNKS:
@@ -432,53 +255,27 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROP
         if DS:
             qr.index(0).store((xr * c).to(gl.bfloat16))
         else:
-            qr.index(0).store(_relabel64(xr * c).to(gl.float16))
+            qr.index(0).store(relabel64(xr * c).to(gl.float16))
     return c
-
-
-@gluon.jit
-def _pow2_scale(amax):
-    """c = 2^(7 - floor(log2 amax)) (amax c in [128, 256)) and 1 / c, exact, from amax's exponent bits (1 for
-    amax == 0); amax is floored at 2^-100 (normal: its exponent field is floor(log2 amax) + 127).  Integer
-    arithmetic instead of log2 / exp2 / a division, per head (ws_wide: each thread holds 16 heads' values)."""
-    a = gl.maximum(amax, 7.888609052210118e-31)
-    e = ((a.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    c = ((134 - e) << 23).to(gl.float32, bitcast=True)
-    inv_c = ((120 + e) << 23).to(gl.float32, bitcast=True)
-    has = amax > 0
-    return gl.where(has, c, 1.0), gl.where(has, inv_c, 1.0)
-
-
-@gluon.jit
-def _store_e4m3_terms(dst_hi, dst_lo, y):
-    """y = q c (fp32, exact in fp16: bf16 q times a power of two within fp16's range) -> its two e4m3 terms,
-    hi = e4m3(y) into ``dst_hi`` and lo = e4m3(y - hi) into ``dst_lo``, the remainder formed in fp16, where it
-    is exact (at most 4 significant bits): half the conversions of going through fp32 (twelfth session).  hi
-    is stored before lo is formed (ws_wide's staging spilled twice as much with both held)."""
-    yh = y.to(gl.float16)
-    hi = yh.to(gl.float8e4nv)
-    dst_hi.store(hi)
-    dst_lo.store((yh - hi.to(gl.float16)).to(gl.float8e4nv))
-
 
 @gluon.jit
 def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr):
-    """The FP8-arithmetic variant's q: q * c_h as two e4m3 terms, hi = e4m3(q c_h) and lo = e4m3(q c_h - hi),
+    """FP8_QK's q: q * c_h as two e4m3 terms, hi = e4m3(q c_h) and lo = e4m3(q c_h - hi),
     [4 groups, 32, 128] (rows 0-15 hi, 16-31 lo: one MMA takes both as N = 32; natural order: the QK MMAs read
     the rows' e4m3 bytes straight from shared memory, so nothing is permuted); c_h is a power of two per head
     with amax_h * c_h in [128, 256) (e4m3's largest value is 448).  bf16 q has 8 significant bits, each term 4:
     hi + lo is exact but for elements below ~2^-9 of the head's largest (lo under e4m3's subnormals: error
-    <= 2^-17 of it).  One term alone (3 bits) gave 2-4 % output error on Gaussian data (H200, eleventh
-    session).  The rope part the same way for plain fp8 rows ([1, 32, 64]), bf16 x c_h for fp8_ds_mla.
+    <= 2^-17 of it).  One term alone keeps 4 significant bits of 8, a relative error up to 2^-4 per
+    element.  The rope part the same way for plain fp8 rows ([1, 32, 64]), bf16 x c_h for fp8_ds_mla.
     Returns 1 / c_h ([16], HEAD)."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     heads = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
     hm = (heads < H)[:, None]
     q_row = q_ptr + t.to(gl.int64) * stride_qt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_qh
-    x0 = _q_group(q_row, hm, 0, lay)
-    x1 = _q_group(q_row, hm, 128, lay)
-    x2 = _q_group(q_row, hm, 256, lay)
-    x3 = _q_group(q_row, hm, 384, lay)
+    x0 = load_q_group(q_row, hm, 0, lay)
+    x1 = load_q_group(q_row, hm, 128, lay)
+    x2 = load_q_group(q_row, hm, 256, lay)
+    x3 = load_q_group(q_row, hm, 384, lay)
     amax = gl.maximum(gl.maximum(gl.max(gl.abs(x0), 1), gl.max(gl.abs(x1), 1)),
                       gl.maximum(gl.max(gl.abs(x2), 1), gl.max(gl.abs(x3), 1)))
     if ROPE:
@@ -486,7 +283,7 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, RO
         xr = gl.load(q_row + 512 + k64[None, :], mask=hm, other=0.0).to(gl.float32)
         if not DS:
             amax = gl.maximum(amax, gl.max(gl.abs(xr), 1))
-    c, inv_c = _pow2_scale(amax)
+    c, inv_c = pow2_scale(amax)
     c = c[:, None]
     _store_hi_lo(qn, 0, x0 * c)
     _store_hi_lo(qn, 1, x1 * c)
@@ -499,14 +296,12 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, RO
             _store_hi_lo(qr, 0, xr * c)
     return gl.convert_layout(inv_c, HEAD)
 
-
 @gluon.jit
 def _store_hi_lo(buf, i: gl.constexpr, y):
-    """y [16 heads, n] (fp32) as its two e4m3 terms (_store_e4m3_terms): hi into rows 0-15 of buf[i], lo into
+    """y [16 heads, n] (fp32) as its two e4m3 terms (store_e4m3_terms): hi into rows 0-15 of buf[i], lo into
     rows 16-31."""
     b = buf.index(i)
-    _store_e4m3_terms(b.slice(0, 16, dim=0), b.slice(16, 16, dim=0), y)
-
+    store_e4m3_terms(b.slice(0, 16, dim=0), b.slice(16, 16, dim=0), y)
 
 @gluon.jit
 def _store_chunks(qn, C: gl.constexpr, x):
@@ -515,19 +310,11 @@ def _store_chunks(qn, C: gl.constexpr, x):
     qn.index(C).store(lo.to(gl.float16))
     qn.index(C + 1).store(hi.to(gl.float16))
 
-
 @gluon.jit
 def _relabel128(x):
     """[R, 128] indexed by byte -> indexed by fragment column (byte 32t + 16j + 4s + 2p + e is column
     64j + 16s + 8p + 2t + e): a relabelling of the registers, no data movement."""
     return x.reshape([x.shape[0], 4, 2, 4, 2, 2]).permute(0, 2, 3, 4, 1, 5).reshape([x.shape[0], 128])
-
-
-@gluon.jit
-def _relabel64(x):
-    """The same for [R, 64] (byte 16t + 4s + 2p + e is column 16s + 8p + 2t + e; see L_QK64)."""
-    return x.reshape([x.shape[0], 4, 4, 2, 2]).permute(0, 2, 3, 1, 4).reshape([x.shape[0], 64])
-
 
 @gluon.jit
 def _cols(x):
@@ -537,7 +324,6 @@ def _cols(x):
     c1, c3 = b.split()
     return (gl.convert_layout(c0, ROW), gl.convert_layout(c1, ROW), gl.convert_layout(c2, ROW),
             gl.convert_layout(c3, ROW))
-
 
 @gluon.jit
 def _qk_groups(rs, qn, z, s_zero):
@@ -555,13 +341,11 @@ def _qk_groups(rs, qn, z, s_zero):
     g3 = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     return g0, g1, g2, g3
 
-
 @gluon.jit
 def _pick(v, G: gl.constexpr):
     """Element G of a [4] vector in SliceLayout(0, SC_L), as a scalar (held in every thread)."""
     c = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
     return gl.sum(gl.where(c == G, v, 0.0), 0)
-
 
 @gluon.jit
 def _pv_issue(v0, v1, v2, v3, pb, P0, ks: gl.constexpr, a0, a1, a2, a3, DS: gl.constexpr):
@@ -582,7 +366,6 @@ def _pv_issue(v0, v1, v2, v3, pb, P0, ks: gl.constexpr, a0, a1, a2, a3, DS: gl.c
     a3 = warpgroup_mma(v3, b3, a3, is_async=True)
     return a0, a1, a2, a3
 
-
 @gluon.jit
 def _qk_chain(rs, qn, z, s_zero):
     """Plain fp8: issue S^T = K q^T over the four 128-dim groups as one chain of MMAs (A = the converted bytes,
@@ -601,7 +384,6 @@ def _qk_chain(rs, qn, z, s_zero):
     acc = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), acc, is_async=True)
     return acc, a2
 
-
 @gluon.jit
 def _softmax_step(x, valid, m_i, l_acc):
     """Online softmax over one block's scaled scores x [64 rows, 16 heads] (log2 units), -inf for rows without
@@ -612,23 +394,22 @@ def _softmax_step(x, valid, m_i, l_acc):
     p = gl.exp2(x - m_new[None, :])
     return p, alpha, m_new, l_acc * alpha[None, :] + p
 
-
 @gluon.jit
-def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
+def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
     """nvfp4 consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...  Each block is dequantized once, into this
     warpgroup's fp16 tile in shared memory [8 chunks, 64 rows, 64 dims], and both MMAs read it from there:
     S^T = K q^T (A = the tile), O^T += V^T P^T (A = the tile transposed), eight 64-dim accumulators.  The
     raw stage is released as soon as it is converted.  Warpgroup 0 then merges and stores."""
     (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-     stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
-     HAS_VC) = args
+     stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem,
+     bars) = args
     raw, scl, rope, qn, qr, pb, kt, vec = smem  # kt: the two warpgroups' tiles, [2 x 8 chunks, 64, 64] fp16
     q_bar, ready, free, done_bar = bars
     n_st: gl.constexpr = raw.shape[0]
-    t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    c = _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, False, ROPE, True)
+    c = _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, False, ROPE, True, False)
     score_scale = sm_scale_log2 / c
     s_zero = gl.zeros([64, 16], gl.float32, S_L)
     o0 = s_zero
@@ -640,14 +421,14 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
     o6 = s_zero
     o7 = s_zero
     l_acc = s_zero
-    m_i = gl.full([16], _NEG_BIG, gl.float32, HEAD)
+    m_i = gl.full([16], NEG_BIG, gl.float32, HEAD)
     n_mine = (n_blocks + 1 - WG) // 2
     for j in range(n_mine):
         b = 2 * j + WG
         z = j // (n_mine + 1)  # == 0 (see _consumer)
         st = b % n_st
         p0 = k_begin + b * 64
-        valid = _idx(idx_row, p0, k_end, ROW) >= 0
+        valid = block_indices(idx_row, p0, k_end, ROW) >= 0
         mbarrier.wait(ready.index(st), (b // n_st) & 1)
         kw = 8 * (WG + z)  # this warpgroup's tile: chunks kw .. kw + 7 of kt
         rs = raw.index(st)
@@ -657,7 +438,7 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
         if ROPE:
             ra = _rope_operand(rope.index(st))  # e4m3 rope: a register operand
         fence_async_shared()  # the tile's stores -> the wgmma (async proxy) reads
-        gl.thread_barrier()   # every warp's part of the tile is written; the raw stage is read
+        compat.barrier()   # every warp's part of the tile is written; the raw stage is read
         mbarrier.arrive(free.index(st), count=1)
         x = warpgroup_mma(kt.index(kw), qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         for C in gl.static_range(1, 8):
@@ -676,7 +457,7 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
         o6 = o6 * alpha[None, :]
         o7 = o7 * alpha[None, :]
         fence_async_shared()
-        gl.thread_barrier()  # every warp's part of P is in shared memory before the MMAs read it
+        compat.barrier()  # every warp's part of P is in shared memory before the MMAs read it
         pv = pb[0].index(WG + z)
         o0 = warpgroup_mma(kt.index(kw + 0).permute((1, 0)), pv, o0, is_async=True)
         o1 = warpgroup_mma(kt.index(kw + 1).permute((1, 0)), pv, o1, is_async=True)
@@ -689,7 +470,7 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
         o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
     l_i = gl.sum(l_acc, 0)
     # warpgroup 1's accumulators go over its own tile (free once its last MMAs are done)
-    mrg = kt._reinterpret(gl.float32, [32, 64, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # 16 + i: tile 1
+    mrg = compat.reinterpret(kt, gl.float32, [32, 64, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # 16 + i: tile 1
     if WG == 1:
         mrg.index(16).store(o0)
         mrg.index(17).store(o1)
@@ -715,40 +496,37 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr):
         gl.store(obase + 448 + d, (o7 * a0 + mrg.index(23).load(S_L) * a1).to(ty), mask=hm)
         gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
 
-
 @gluon.jit
 def _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
-             ROPE: gl.constexpr, CHUNKS: gl.constexpr, F8: gl.constexpr = False):
-    """Warpgroup 0 stages q (_stage_q, or _stage_q8 for F8) and publishes c; warpgroup 1 waits for it.  Returns
-    c: a scalar, or (F8) 1 / c_h, one power of two per head ([16], HEAD)."""
+             ROPE: gl.constexpr, CHUNKS: gl.constexpr, FP8_QK: gl.constexpr):
+    """Warpgroup 0 stages q (_stage_q, or _stage_q8 for FP8_QK) and publishes c; warpgroup 1 waits for it.  Returns
+    c: a scalar, or (FP8_QK) 1 / c_h, one power of two per head ([16], HEAD)."""
     if WG == 0:
-        if F8:
+        if FP8_QK:
             c = _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE)
             vec.index(0).store(c)
         else:
             c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE, CHUNKS)
             vec.index(0).store(gl.full([16], 1.0, gl.float32, HEAD) * c)  # c for warpgroup 1
         fence_async_shared()
-        gl.thread_barrier()
+        compat.barrier()
         mbarrier.arrive(q_bar, count=1)
     else:
         mbarrier.wait(q_bar, 0)
         fence_async_shared()
-        if F8:
+        if FP8_QK:
             c = vec.index(0).load(HEAD)
         else:
             c = gl.max(vec.index(0).load(HEAD), 0)
     return c
-
 
 @gluon.jit
 def _publish(m_i, l_i, vec, done_bar):
     """Warpgroup 1, its accumulators stored for the merge: its running max and sum to warpgroup 0."""
     vec.index(0).store(m_i)
     vec.index(1).store(l_i)
-    gl.thread_barrier()
+    compat.barrier()
     mbarrier.arrive(done_bar, count=1)
-
 
 @gluon.jit
 def _merge_start(m_i, l_i, vec, done_bar, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H):
@@ -760,29 +538,29 @@ def _merge_start(m_i, l_i, vec, done_bar, o_ptr, stride_ot, stride_os, stride_oh
     m = gl.maximum(m_i, m1)
     w0 = gl.exp2(m_i - m)
     w1 = gl.exp2(m1 - m)
-    inv_l, lse = _normalizer(m, l_i * w0 + l1 * w1)
+    inv_l, lse = normalizer(m, l_i * w0 + l1 * w1)
     heads = g * 16 + gl.arange(0, 16, layout=HEAD)
     hm = (heads < H)[None, :]
     obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh
     return (w0 * inv_l)[None, :], (w1 * inv_l)[None, :], lse, heads, hm, obase
 
-
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: gl.constexpr = False):
-    """Consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...; warpgroup 0 then merges and stores.  F8: the
-    FP8-arithmetic variant (QK on e4m3 MMAs straight from shared memory; see the kernel)."""
+def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_QK: gl.constexpr,
+              NG: gl.constexpr, HAS_VC: gl.constexpr):
+    """Consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...; warpgroup 0 then merges and stores.  FP8_QK: QK on
+    e4m3 MMAs straight from shared memory (see the module docstring)."""
     (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-     stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
-     HAS_VC) = args
+     stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem,
+     bars) = args
     raw, scl, rope, qn, qr, pb, mrg, vec = smem
     q_bar, ready, free, done_bar = bars
-    n_st: gl.constexpr = raw.shape[0] // (4 if F8 else 1)
-    MB: gl.constexpr = 4 if F8 else 0  # warpgroup 1's accumulators: mrg.index(MB + G) (stage 1's bytes)
-    t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    n_st: gl.constexpr = raw.shape[0] // (4 if FP8_QK else 1)
+    MB: gl.constexpr = 4 if FP8_QK else 0  # warpgroup 1's accumulators: mrg.index(MB + G) (stage 1's bytes)
+    t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    c = _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE, False, F8)
-    if F8:
+    c = _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE, False, FP8_QK)
+    if FP8_QK:
         score_scale = (sm_scale_log2 * c)[None, :]  # c = 1 / c_h, one power of two per head
     else:
         score_scale = sm_scale_log2 / c
@@ -792,17 +570,17 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
     o2 = o0
     o3 = o0
     l_acc = s_zero
-    m_i = gl.full([16], _NEG_BIG, gl.float32, HEAD)
+    m_i = gl.full([16], NEG_BIG, gl.float32, HEAD)
     u = gl.full([4], 1.0, gl.float32, gl.SliceLayout(0, SC_L))  # fp8_ds_mla: each group's accumulator unit
     n_mine = (n_blocks + 1 - WG) // 2
     for j in range(n_mine):
         b = 2 * j + WG
         # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in the
-        # loop instead of their wgmma descriptors being hoisted out of it and spilled (as in ws_pair)
+        # loop instead of their wgmma descriptors being hoisted out of it and spilled
         z = j // (n_mine + 1)
         st = b % n_st
         p0 = k_begin + b * 64
-        valid = _idx(idx_row, p0, k_end, ROW) >= 0
+        valid = block_indices(idx_row, p0, k_end, ROW) >= 0
         mbarrier.wait(ready.index(st), (b // n_st) & 1)
         fence_async_shared()  # cp.async data -> the wgmma (async proxy) reads of the rope part
         rs = raw.index(st)
@@ -812,7 +590,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
         # accumulator per 128-dim group, weighed with the rows' group scales after (32 multiply-adds a
         # block instead of 128 fp16 multiplies of the A registers)
         if DS:
-            if F8:
+            if FP8_QK:
                 g0, g1, g2, g3 = _qk_groups8(raw, st, qn, z)
             else:
                 g0, g1, g2, g3 = _qk_groups(rs, qn, z, s_zero)
@@ -822,7 +600,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
                 g0, g1, g2, g3, tr = warpgroup_mma_wait(0, deps=(g0, g1, g2, g3, tr))
             else:
                 g0, g1, g2, g3 = warpgroup_mma_wait(0, deps=(g0, g1, g2, g3))
-            if F8:  # q's two terms added
+            if FP8_QK:  # q's two terms added
                 g0 = _fold(g0)
                 g1 = _fold(g1)
                 g2 = _fold(g2)
@@ -832,7 +610,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
             else:
                 x = g0 * c0[:, None]
             x = x + g1 * c1[:, None] + g2 * c2[:, None] + g3 * c3[:, None]
-        elif F8:
+        elif FP8_QK:
             x = _qk_chain8(raw, rope, st, qn, qr, z, ROPE) * k_scale
         else:
             x, a2 = _qk_chain(rs, qn, z, s_zero)
@@ -846,7 +624,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
             # group units: the block's largest scale (a group without a positive scale keeps its unit)
             mx = gl.max(sv, 0)
             u_new = gl.where(mx > 0, mx, u)
-            inv = _rcp(u_new)
+            inv = rcp(u_new)
             f = u * inv
             pb[0].index(WG).store((p * (c0 * _pick(inv, 0))[:, None]).to(gl.float16))
             pb[1].index(WG).store((p * (c1 * _pick(inv, 1))[:, None]).to(gl.float16))
@@ -864,20 +642,20 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
             o2 = o2 * alpha[None, :]
             o3 = o3 * alpha[None, :]
         fence_async_shared()
-        gl.thread_barrier()  # every warp's part of P is in shared memory before the MMAs read it
+        compat.barrier()  # every warp's part of P is in shared memory before the MMAs read it
         # PV, one 16-row step at a time: the next step's operands are converted while this step's MMAs
         # run; each wait retires all four (waiting on an accumulator still in flight makes ptxas
         # serialize every wgmma: it then reads those registers)
-        v0, v1, v2, v3 = _pv_ops(raw, rs, st, 0, F8)
+        v0, v1, v2, v3 = _pv_ops(raw, rs, st, 0, FP8_QK)
         o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 0, o0, o1, o2, o3, DS)
-        v0, v1, v2, v3 = _pv_ops(raw, rs, st, 1, F8)
+        v0, v1, v2, v3 = _pv_ops(raw, rs, st, 1, FP8_QK)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 1, o0, o1, o2, o3, DS)
-        v0, v1, v2, v3 = _pv_ops(raw, rs, st, 2, F8)
+        v0, v1, v2, v3 = _pv_ops(raw, rs, st, 2, FP8_QK)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 2, o0, o1, o2, o3, DS)
-        v0, v1, v2, v3 = _pv_ops(raw, rs, st, 3, F8)
-        gl.thread_barrier()  # all of this warpgroup's reads of the stage are done (the MMAs read registers)
+        v0, v1, v2, v3 = _pv_ops(raw, rs, st, 3, FP8_QK)
+        compat.barrier()  # all of this warpgroup's reads of the stage are done (the MMAs read registers)
         mbarrier.arrive(free.index(st), count=1)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 3, o0, o1, o2, o3, DS)
@@ -902,7 +680,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
     else:
         a0, a1, lse, heads, hm, obase = _merge_start(m_i, l_i, vec, done_bar, o_ptr, stride_ot, stride_os, stride_oh,
                                                      t, s, g, H)
-        d0 = _dims(gl.arange(0, 128, layout=ROW))[:, None]
+        d0 = acc_dim(gl.arange(0, 128, layout=ROW))[:, None]
         d1 = d0 + 128
         d2 = d0 + 256
         d3 = d0 + 384
@@ -913,174 +691,14 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
         gl.store(obase + d3, (o3 * a0 + mrg.index(MB + 3).load(S_L) * a1).to(ty), mask=hm)
         gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
 
-
-# ---- the partitions of each format variant: (warpgroup, kind flags, rope width, bytes per token) as literals, the
-# kernel's values as one tuple (constexpr arguments do not survive warp_specialize: see the kernel) ----
 @gluon.jit
-def _c0_ds(args):
-    _consumer(args, 0, True, 64)
-
-
-@gluon.jit
-def _c1_ds(args):
-    _consumer(args, 1, True, 64)
-
-
-@gluon.jit
-def _p_ds(args):
-    _producer(args, 656, True, 64, False)
-
-
-@gluon.jit
-def _c0_ds_nope(args):
-    _consumer(args, 0, True, 0)
-
-
-@gluon.jit
-def _c1_ds_nope(args):
-    _consumer(args, 1, True, 0)
-
-
-@gluon.jit
-def _p_ds_nope(args):
-    _producer(args, 528, True, 0, False)
-
-
-@gluon.jit
-def _c0_fp8(args):
-    _consumer(args, 0, False, 64)
-
-
-@gluon.jit
-def _c1_fp8(args):
-    _consumer(args, 1, False, 64)
-
-
-@gluon.jit
-def _p_fp8(args):
-    _producer(args, 576, False, 64, False)
-
-
-@gluon.jit
-def _c0_fp8_nope(args):
-    _consumer(args, 0, False, 0)
-
-
-@gluon.jit
-def _c1_fp8_nope(args):
-    _consumer(args, 1, False, 0)
-
-
-@gluon.jit
-def _p_fp8_nope(args):
-    _producer(args, 512, False, 0, False)
-
-
-# the FP8-arithmetic variants
-@gluon.jit
-def _c0_ds8(args):
-    _consumer(args, 0, True, 64, True)
-
-
-@gluon.jit
-def _c1_ds8(args):
-    _consumer(args, 1, True, 64, True)
-
-
-@gluon.jit
-def _p_ds8(args):
-    _producer(args, 656, True, 64, False, True)
-
-
-@gluon.jit
-def _c0_ds8_nope(args):
-    _consumer(args, 0, True, 0, True)
-
-
-@gluon.jit
-def _c1_ds8_nope(args):
-    _consumer(args, 1, True, 0, True)
-
-
-@gluon.jit
-def _p_ds8_nope(args):
-    _producer(args, 528, True, 0, False, True)
-
-
-@gluon.jit
-def _c0_fp88(args):
-    _consumer(args, 0, False, 64, True)
-
-
-@gluon.jit
-def _c1_fp88(args):
-    _consumer(args, 1, False, 64, True)
-
-
-@gluon.jit
-def _p_fp88(args):
-    _producer(args, 576, False, 64, False, True)
-
-
-@gluon.jit
-def _c0_fp88_nope(args):
-    _consumer(args, 0, False, 0, True)
-
-
-@gluon.jit
-def _c1_fp88_nope(args):
-    _consumer(args, 1, False, 0, True)
-
-
-@gluon.jit
-def _p_fp88_nope(args):
-    _producer(args, 512, False, 0, False, True)
-
-
-@gluon.jit
-def _p_fp4(args):
-    _producer(args, 352, False, 64, True)
-
-
-@gluon.jit
-def _c0_fp4(args):
-    _consumer_fp4(args, 0, 64)
-
-
-@gluon.jit
-def _c1_fp4(args):
-    _consumer_fp4(args, 1, 64)
-
-
-@gluon.jit
-def _c0_fp4_nope(args):
-    _consumer_fp4(args, 0, 0)
-
-
-@gluon.jit
-def _c1_fp4_nope(args):
-    _consumer_fp4(args, 1, 0)
-
-
-@gluon.jit
-def _p_fp4_nope(args):
-    _producer(args, 288, False, 0, True)
-
-
-@gluon.jit
-def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
-                  o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
-                  sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-                  BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-                  FP4: gl.constexpr = False, F8: gl.constexpr = False):
-    """One program = one query token x 16 heads x one split; launch with num_warps=4 (warpgroup 0).
-
-    F8 (fp8 / fp8_ds_mla rows; opt-in): the FP8-arithmetic variant.  q is staged as two e4m3 terms (a power of
-    two per head, _stage_q8) and S^T = K q^T runs on e4m3 wgmma with both operands in shared memory, so the rows'
-    bytes feed the MMA as they were gathered and the QK half of the conversions is gone (fp8_ds_mla 1101 -> 1006
-    instructions a block, fp8 882 -> 731); PV is unchanged (fp16 P and V^T: wgmma takes an fp8 A operand only
-    K-major, and V^T would need a byte transpose costing as much as the conversion it replaces).  The ring holds
-    each stage as four [64, 128] pieces in wgmma's swizzled layout."""
+def few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+               o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
+               sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+               BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
+               NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, FP8_QK: gl.constexpr):
+    """One program = one query token x 16 heads (head group g of NG) x one split; launch with num_warps=4 (the
+    default partition, consumer warpgroup 0) and maxnreg=168 (see the module docstring and ``launch``)."""
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     pl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16)
     p0 = gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl)
@@ -1094,17 +712,17 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
         qn = gl.allocate_shared_memory(gl.float16, [8, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
         pb = (p0, p0, p0, p0)
         kt = gl.allocate_shared_memory(gl.float16, [16, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16))
-    elif F8:
+    elif FP8_QK:
         raw = gl.allocate_shared_memory(gl.uint8, [4 * NS, 64, 128], gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv))
         qn = gl.allocate_shared_memory(gl.float8e4nv, [4, 32, 128], gl.NVMMASharedLayout.get_default_for([32, 128], gl.float8e4nv))
         # warpgroup 1's accumulators for the final merge: indices 4 .. 7 of this view, stage 1's bytes (only
         # warpgroup 1 reads stage 1; the consumer's MB)
-        kt = raw._reinterpret(gl.float32, [4 * NS, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        kt = compat.reinterpret(raw, gl.float32, [4 * NS, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     else:
         raw = gl.allocate_shared_memory(gl.uint8, [NS, 64, 512], gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
         qn = gl.allocate_shared_memory(gl.float16, [4, 16, 128], gl.NVMMASharedLayout.get_default_for([16, 128], gl.float16))
         # warpgroup 1's accumulators for the final merge go over stage 1's bytes (only warpgroup 1 reads stage 1)
-        kt = raw.index(1)._reinterpret(gl.float32, [4, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        kt = compat.reinterpret(raw.index(1), gl.float32, [4, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     if DS:
         scl = gl.allocate_shared_memory(gl.float32, [NS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         rope = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16))
@@ -1113,7 +731,7 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
         # group so that the four stores need no barrier between them (the barrier analysis works per allocation)
         pb = (p0, gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl), gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl),
               gl.allocate_shared_memory(gl.float16, [2, 64, 16], pl))
-    elif F8:
+    elif FP8_QK:
         scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv))
         qr = gl.allocate_shared_memory(gl.float8e4nv, [1, 32, 64], gl.NVMMASharedLayout.get_default_for([32, 64], gl.float8e4nv))
@@ -1126,7 +744,7 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
     vec = gl.allocate_shared_memory(gl.float32, [2, 16], plain)
     bl: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
-    n_st: gl.constexpr = raw.shape[0] // (4 if F8 else 1)
+    n_st: gl.constexpr = raw.shape[0] // (4 if FP8_QK else 1)
     ready = gl.allocate_shared_memory(gl.int64, [n_st, 1], bl)
     free = gl.allocate_shared_memory(gl.int64, [n_st, 1], bl)
     done_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
@@ -1138,35 +756,52 @@ def ws_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_pt
     # kt: nvfp4's fp16 tiles; fp8 / fp8_ds_mla: warpgroup 1's accumulators for the final merge
     smem = (raw, scl, rope, qn, qr, pb, kt, vec)
     bars = (q_bar, ready, free, done_bar)
-    # Constexpr arguments do not survive warp_specialize (they arrive as tensors, and an `if` on them then
-    # traces both branches), so each warpgroup of each format variant has its own partition function.
-    ca = ((q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-           lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-           smem, bars, NG, HAS_VC), )
-    pa = ((kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem, bars, NG, HAS_VC), )
+    # (constexprs reach a partition as constexprs only when written into warp_specialize's argument tuples
+    # there: a tuple assigned to a name first holds them as tensors)
+    ca = (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+          lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+          smem, bars)
+    pa = (kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, raw, scl, rope, ready, free)
     if FP4:
-        if ROPE:
-            gl.warp_specialize([(_c0_fp4, ca), (_c1_fp4, ca), (_p_fp4, pa)], [4, 4], [232, 40])
-        else:
-            gl.warp_specialize([(_c0_fp4_nope, ca), (_c1_fp4_nope, ca), (_p_fp4_nope, pa)], [4, 4], [232, 40])
-    elif F8 and DS:
-        if ROPE:
-            gl.warp_specialize([(_c0_ds8, ca), (_c1_ds8, ca), (_p_ds8, pa)], [4, 4], [232, 40])
-        else:
-            gl.warp_specialize([(_c0_ds8_nope, ca), (_c1_ds8_nope, ca), (_p_ds8_nope, pa)], [4, 4], [232, 40])
-    elif F8:
-        if ROPE:
-            gl.warp_specialize([(_c0_fp88, ca), (_c1_fp88, ca), (_p_fp88, pa)], [4, 4], [232, 40])
-        else:
-            gl.warp_specialize([(_c0_fp88_nope, ca), (_c1_fp88_nope, ca), (_p_fp88_nope, pa)], [4, 4], [232, 40])
-    elif DS:
-        if ROPE:
-            gl.warp_specialize([(_c0_ds, ca), (_c1_ds, ca), (_p_ds, pa)], [4, 4], [232, 40])
-        else:
-            gl.warp_specialize([(_c0_ds_nope, ca), (_c1_ds_nope, ca), (_p_ds_nope, pa)], [4, 4], [232, 40])
+        gl.warp_specialize([(_consumer_fp4, (ca, 0, ROPE, NG, HAS_VC)), (_consumer_fp4, (ca, 1, ROPE, NG, HAS_VC)),
+                            (producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, FP8_QK, NG, HAS_VC))],
+                           [4, 4], [232, 40])
     else:
-        if ROPE:
-            gl.warp_specialize([(_c0_fp8, ca), (_c1_fp8, ca), (_p_fp8, pa)], [4, 4], [232, 40])
-        else:
-            gl.warp_specialize([(_c0_fp8_nope, ca), (_c1_fp8_nope, ca), (_p_fp8_nope, pa)], [4, 4], [232, 40])
+        gl.warp_specialize([(_consumer, (ca, 0, DS, ROPE, FP8_QK, NG, HAS_VC)),
+                            (_consumer, (ca, 1, DS, ROPE, FP8_QK, NG, HAS_VC)),
+                            (producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, FP8_QK, NG, HAS_VC))],
+                           [4, 4], [232, 40])
 
+KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")  # the row formats this kernel reads
+_built: set = set()
+
+
+def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
+         has_valid_counts: bool, fp8_qk: bool = False) -> dict:
+    """``few_kernel``'s constexprs and launch options for one variant.  ``kind``: one of ``KINDS``;
+    ``bytes_per_row``: the row stride in bytes; ``rope_dim`` 64 or 0 (NoPE: no rope byte is read);
+    ``rope_offset`` / ``scale_offset``: byte offsets of the rope part / the scales in a row (the format's
+    layout; ignored where absent); ``num_groups``: ceil(heads / 16); ``fp8_qk``: the FP8-QK mode (fp8 /
+    fp8_ds_mla rows)."""
+    ds, fp4 = kind == "fp8_ds_mla", kind == "nvfp4_ds_mla"
+    if kind not in KINDS or (fp8_qk and fp4):
+        raise ValueError(f"kind: expected one of {KINDS} (fp8_qk: not nvfp4_ds_mla), got {kind!r}, fp8_qk={fp8_qk}")
+    return dict(BPT=bytes_per_row, ROPE=rope_dim, SCALE_OFF=scale_offset if ds or fp4 else 0,
+                ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
+                FP4=fp4, FP8_QK=bool(fp8_qk), num_warps=4, maxnreg=168, enable_fp_fusion=True)
+
+
+def launch(grid, args, **variant):
+    """Launch ``few_kernel``; ``variant``: the keyword arguments of :func:`meta`.
+
+    ``grid``: ``(tokens x splits x num_groups,)``; program p serves head group p % num_groups of split
+    (p // num_groups) % splits of token p // (num_groups x splits).  12 warps (two consumer warpgroups and
+    the producer), 168 registers each at launch.
+    ``args`` (positional, in this order): q [tokens, heads, 576 or 512] bf16 and its strides (token, head);
+    the cache rows (uint8, row r at byte r x bytes_per_row, 16-byte aligned); indices [tokens, top-k] int32
+    (-1: no row) and its token stride; valid counts [tokens] int32 (any tensor when has_valid_counts is
+    False); out (bf16 [tokens, heads, 512], or the fp32 split partials) and its strides (token, split, head);
+    lse (fp32) and its strides (token, split, head); sm_scale x log2(e); k_scale (fp8 rows; 1.0 otherwise);
+    heads; top-k; rows per split (a multiple of 64); splits.
+    Raises :class:`~.common.KernelBuildError` before anything is launched if the variant does not compile."""
+    launch_built(few_kernel, _built, grid, args, meta(**variant))

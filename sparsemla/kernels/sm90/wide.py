@@ -1,49 +1,39 @@
-"""Warp-specialized sparse MLA decode for fp8 / fp8_ds_mla rows at 64 heads per program (Hopper, Gluon).
+"""sm_90 sparse MLA decode for ``fp8`` / ``fp8_ds_mla`` rows (RoPE or NoPE) at 64 heads per program,
+warp-specialized (Gluon).
 
-Why: above 32 heads these formats ran on the Triton wide kernel (``sparse_attention._fwd_wide_kernel``),
-which converts each tile into shared memory and then runs its phases one after the other in all warps:
-fp8_ds_mla took 228 us at D-h64 and 370 us at D-h128 where our bf16 rows take 161 / 241 us.  This kernel
-keeps the few-heads kernel's idea (``ws_few.py``: the cache rows are the wgmma's M dimension, their e4m3
-bytes are converted in registers into the A operand and never written back) and gives it the "pair"
-schedule of the bf16 kernel (``ws_pair.py``), so that each row is converted once for all 64 heads:
+It keeps the few-heads kernel's idea (``few.py``: the cache rows are the wgmma's M dimension, their e4m3
+bytes are converted in registers into the A operand and never written back) and gives it the pair schedule
+of the bf16 kernel (``bf16.py``), so that each row is converted once for all 64 heads:
 
-- a producer warpgroup gathers raw rows into a ring of three 64-row stages (``ws_few._producer``);
-- QK: consumer warpgroup w computes ``S^T = K q^T`` [64 rows, 64 heads] for blocks 2i + w (A = the
-  converted bytes, 64 dims at a time; B = q^T, fp16, in shared memory);
-- the two warpgroups exchange their blocks' per-head maxima (one mbarrier each way), so both hold the
-  pair's running max, and each writes its block's P^T to shared memory;
-- PV: warpgroup w owns output dims 256 w .. 256 w + 255 and multiplies both blocks' V^T (converted from
-  the raw bytes, its own 256 dims) with both P^T: ``O^T [256 dims, 64 heads] += V^T P^T``.
+- a producer warpgroup (``rows.producer``) gathers raw rows into a ring of three 64-row stages;
+- QK: consumer warpgroup w computes ``S^T = K q^T`` [64 rows, 64 heads] for blocks 2i + w (A = the converted
+  bytes, 64 dims at a time; B = q^T, fp16, in shared memory);
+- the two warpgroups exchange their blocks' per-head maxima (one mbarrier each way), so both hold the pair's
+  running max, and each writes its block's P^T to shared memory;
+- PV: warpgroup w owns output dims 256 w .. 256 w + 255 and multiplies both blocks' V^T (converted from the
+  raw bytes, its own 256 dims) with both P^T: ``O^T [256 dims, 64 heads] += V^T P^T``.
 
 Numbers.  fp8 rows: the MMAs run in fp16 (e4m3 is exact in fp16) with q brought into fp16 range by a
 per-program power of two, k_scale applied to the scores and the output.  fp8_ds_mla rows carry an fp32
 scale per 128-dim group: with u_r = the row's largest scale, the A operands hold e4m3 x (scale / u_r)
-(<= 448 in magnitude: fp16 is safe whatever the scales), so the MMAs give S / u_r and V / u_r.  The
-scores are multiplied back by u_r (folded into the log2 scaling), and instead of P the kernel stores
-``P' = P x u_r``, computed as ``exp2(s + log2 u_r - m)`` where m is the reference max of ``s + log2 u_r``,
+(<= 448 in magnitude: fp16 is safe whatever the scales), so the MMAs give S / u_r and V / u_r.  The scores
+are multiplied back by u_r (folded into the log2 scaling), and instead of P the kernel stores
+``P' = P x u_r``, computed as ``exp2(s + log2 u_r - m)`` where m is the reference max of ``s + log2 u_r``;
 ``P' (V / u_r) = P V``, and the normaliser adds ``P' / u_r``.  The reference max is lazy: a head's moves only
 when its scores pass it by more than 8 (log2 units), so P' <= 256 (fp16 again) and the accumulators are
 rescaled only in the pairs where some head's moved.  The bf16 rope part multiplies in bf16 first (A from
 shared memory) and is divided by u_r before the fp16 chain joins it.
 
-Once per program: both consumer warpgroups stage half of q each, and the output leaves through shared memory
-(a ring stage, free at the end) as 16-byte row stores; written directly from the accumulator layout it was
-128 scattered 2-byte stores a thread, and q staged by one warpgroup while the other waited (ninth session:
-one program of one pair 49 -> 39 us, of 16 pairs 163 -> 150 us).
+Once per program: both consumer warpgroups stage half of q each, and the output leaves through shared
+memory (a ring stage, free at the end) as 16-byte row stores, where written directly from the accumulator
+layout it would be 128 scattered 2-byte stores a thread.
 
-Measured on the H200 (BENCHMARKS.md sections 9-10; b 128, top-k 2048): fp8 117.9 / 211.5 us at 64 / 128
-heads (236 / 386 on the Triton wide kernel), fp8_ds_mla 147.4 / 273.0 us (228 / 370).  Small batches (while
-ws_few's 16-head programs fit in one wave) go to ws_few instead (``ws_attention.FEW_WAVES``).
+FP8_QK (fp8 / fp8_ds_mla rows): as in the few-heads kernel, q as two e4m3 terms with a power of two per head
+and S^T on e4m3 wgmma with the gathered bytes as the A operand; fp8_ds_mla's group scales by Horner's scheme
+on one accumulator (``_scores8``).  PV and the softmax are the default mode's.
 
-F8 (opt-in, ``sparse_mla_fwd(..., fp8_arith=True)`` / backend ``triton-fp8``; twelfth session): the FP8-arithmetic
-variant, as ws_few's -- q as two e4m3 terms with a power of two per head, S^T on e4m3 wgmma with the gathered
-bytes as the A operand; fp8_ds_mla's group scales by Horner's scheme on one accumulator (``_scores8``).  PV and
-the softmax are the default variant's.  H200, b 128: fp8_ds_mla 147 -> 138 / 272 -> 255 us at 64 / 128 heads
-(6 %), fp8 1 % / 0 % (BENCHMARKS.md section 13).
-
-Same arguments and output contract as ``ws_few.ws_few_kernel`` (split partials, normalized output,
-natural-log lse).  Gluon does not run under the Triton interpreter: CPU CI compiles it for sm_90
-(``tests/test_ws_attention.py``) and the GPU suite checks its numbers.
+Gluon kernels do not run under the Triton interpreter: ``tests/test_sm90_compile.py`` compiles every
+variant for sm_90 on the CPU; the GPU suite checks the numbers against the float64 reference.
 """
 from __future__ import annotations
 
@@ -52,17 +42,17 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .ws_attention import _NEG_BIG, _coords, _rcp
-from .ws_few import (L_QK64, L_V, SC_L, _absmax, _dims, _idx, _k8, _p_ds, _p_ds8, _p_ds8_nope,
-                     _p_ds_nope, _p_fp8, _p_fp88, _p_fp88_nope, _p_fp8_nope, _pow2_scale, _pv_rows, _pv_values,
-                     _q_group, _relabel64, _store_e4m3_terms)
+from . import compat
+from .common import NEG_BIG, absmax, launch_built, program_coords, rcp
+from .rows import (L_QK64, L_V, SC_L, block_indices, e4m3_view, load_q_group, pow2_scale, producer, pv_rows,
+                   pv_values, relabel64, store_e4m3_terms)
 
 NS = gl.constexpr(3)  # ring stages of 64 rows
 
 # S^T [64 rows, 64 heads] and O^T [128 dims, 64 heads] (one per 128-dim group) on wgmma m64n64
 S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_L.value, k_width=2))
-# F8: the e4m3 MMAs' accumulator (k = 32 per instruction); the same registers as S_L (convert_layout is free)
+# FP8_QK: the e4m3 MMAs' accumulator (k = 32 per instruction); the same registers as S_L (convert_layout is free)
 S8_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32]))
 ROW8 = gl.constexpr(gl.SliceLayout(1, S8_L.value))
 ROW = gl.constexpr(gl.SliceLayout(1, S_L.value))   # one value per cache row (or output dim)
@@ -88,11 +78,11 @@ def _col(x, G: gl.constexpr):
 @gluon.jit
 def _chunk(raw, C: gl.constexpr, r):
     """64-dim chunk C of a stage's e4m3 bytes -> the fp16 A operand [64 rows, 64 k] (k permuted like
-    L_QK64 / _relabel64), each row multiplied by r (fp16, <= 1) when r is given."""
+    L_QK64 / relabel64), each row multiplied by r (fp16, <= 1) when r is given."""
     a = raw.slice(64 * C, 64, dim=1).load(L_QK64).to(gl.float8e4nv, bitcast=True).to(gl.float16)
     if r is not None:
         a = a * r[:, None]
-    return gl.convert_layout(_relabel64(a), A_OP)
+    return gl.convert_layout(relabel64(a), A_OP)
 
 
 @gluon.jit
@@ -167,17 +157,17 @@ def _scores(rs, sc_st, rope_st, qn, qr, z, valid, ss, rbuf, rb0, DS: gl.constexp
 
 @gluon.jit
 def _group8(raw, st, qn, z, G: gl.constexpr, acc, use_acc: gl.constexpr):
-    """F8: acc (+)= K_G (q_G c)^T over group G's 128 dims: e4m3 MMAs with A = the stage's piece G (the gathered
+    """FP8_QK: acc (+)= K_G (q_G c)^T over group G's 128 dims: e4m3 MMAs with A = the stage's piece G (the gathered
     bytes, in shared memory) and B = q's two terms, hi then lo, into the same accumulator (both terms carry the
     same per-head power of two, so their products add)."""
-    a = _k8(raw, 4 * st + G)
+    a = e4m3_view(raw, 4 * st + G)
     acc = warpgroup_mma(a, qn.index(2 * G + z).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
     return warpgroup_mma(a, qn.index(2 * G + 1 + z).permute((1, 0)), acc, is_async=True)
 
 
 @gluon.jit
 def _scores8(raw, st, sc_st, rope_st, qn, qr, z, valid, ss, rbuf, rb0, DS: gl.constexpr, ROPE: gl.constexpr):
-    """F8: ``_scores`` on e4m3 MMAs (``ss``: one value per head, [64] in HEAD).  fp8_ds_mla's per-row group
+    """FP8_QK: ``_scores`` on e4m3 MMAs (``ss``: one value per head, [64] in HEAD).  fp8_ds_mla's per-row group
     scales s_g, with one accumulator (a second one in flight does not fit beside O^T's 128 registers): Horner's
     scheme, acc = (((K_0 q_0) s_0 / s_1 + K_1 q_1) s_1 / s_2 + K_2 q_2) s_2 / s_3 + K_3 q_3, then x s_3 and the
     bf16 rope MMA on top, each rescale between a group's MMAs and the next (a wait per group).  A zero scale is
@@ -195,7 +185,7 @@ def _scores8(raw, st, sc_st, rope_st, qn, qr, z, valid, ss, rbuf, rb0, DS: gl.co
         rbuf.index(rb0 + 2).store(_col(ratio, 2))
         rbuf.index(rb0 + 3).store(_col(ratio, 3))
         sf = gl.maximum(sv, (u1 * 5.9604644775390625e-08)[:, None])
-        rf = _rcp(sf)
+        rf = rcp(sf)
         s3 = gl.convert_layout(_col(sf, 3), ROW8)
         acc = _group8(raw, st, qn, z, 0, s8_zero, False)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -213,13 +203,13 @@ def _scores8(raw, st, sc_st, rope_st, qn, qr, z, valid, ss, rbuf, rb0, DS: gl.co
             x = warpgroup_mma(rope_st, qr.index(z).permute((1, 0)), x, is_async=True)
             x = warpgroup_mma_wait(0, deps=(x, ))
         bias = gl.where(valid, gl.log2(gl.convert_layout(u1, ROW)), float("-inf"))
-        return x * ss[None, :] + bias[:, None], gl.convert_layout(_rcp(u1), ROW)
+        return x * ss[None, :] + bias[:, None], gl.convert_layout(rcp(u1), ROW)
     else:
         acc = _group8(raw, st, qn, z, 0, s8_zero, False)
         for G in gl.static_range(1, 4):
             acc = _group8(raw, st, qn, z, G, acc, True)
         if ROPE:
-            a = rope_st._reinterpret(gl.float8e4nv, [64, 64], rope_st.layout)
+            a = compat.reinterpret(rope_st, gl.float8e4nv, [64, 64], rope_st.layout)
             acc = warpgroup_mma(a, qr.index(0 + z).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma(a, qr.index(1 + z).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -228,14 +218,14 @@ def _scores8(raw, st, sc_st, rope_st, qn, qr, z, valid, ss, rbuf, rb0, DS: gl.co
 
 
 @gluon.jit
-def _v_operand(rs, st, ks: gl.constexpr, G: gl.constexpr, rbuf, rb0, DS: gl.constexpr, F8: gl.constexpr):
-    """Rows 16 ks .. 16 ks + 15, group G -> the V^T A operand [128 dims (permuted, ws_few._dims), 16 rows];
+def _v_operand(rs, st, ks: gl.constexpr, G: gl.constexpr, rbuf, rb0, DS: gl.constexpr, FP8_QK: gl.constexpr):
+    """Rows 16 ks .. 16 ks + 15, group G -> the V^T A operand [128 dims (permuted, rows.acc_dim), 16 rows];
     fp8_ds_mla: each row multiplied by its scale / u_r (row rb0 + G of ``rbuf``).  ``rs``: the stage ([64, 512]),
-    or (F8) the whole ring, whose stage st is four [64, 128] pieces (rs.index(4 st + G))."""
-    if F8:
-        v = gl.convert_layout(_pv_rows(rs.index(4 * st + G).slice(16 * ks, 16, dim=0).load(L_V)), A_OP)
+    or (FP8_QK) the whole ring, whose stage st is four [64, 128] pieces (rs.index(4 st + G))."""
+    if FP8_QK:
+        v = gl.convert_layout(pv_rows(rs.index(4 * st + G).slice(16 * ks, 16, dim=0).load(L_V)), A_OP)
     else:
-        v = gl.convert_layout(_pv_values(rs, ks, G), A_OP)
+        v = gl.convert_layout(pv_values(rs, ks, G), A_OP)
     if DS:
         r = rbuf.index(rb0 + G).slice(16 * ks, 16, dim=0).load(KROW)
         v = v * r[None, :]
@@ -243,17 +233,17 @@ def _v_operand(rs, st, ks: gl.constexpr, G: gl.constexpr, rbuf, rb0, DS: gl.cons
 
 
 @gluon.jit
-def _pv(raw, st, pbuf, rbuf, rb0, oa, ob, WG: gl.constexpr, DS: gl.constexpr, F8: gl.constexpr):
+def _pv(raw, st, pbuf, rbuf, rb0, oa, ob, WG: gl.constexpr, DS: gl.constexpr, FP8_QK: gl.constexpr):
     """O^T of this warpgroup's groups 2 WG and 2 WG + 1 += V^T P^T over one block (P^T: ``pbuf``, [64 rows,
     64 heads] fp16), 16 rows a step: a step's MMAs are issued, the previous step's retired (their operand
     registers are free again; the wait names no accumulator, or ptxas would serialize the chain), then the
     next step's operands are converted while the MMAs run.  Returns the pending accumulators."""
-    if F8:
+    if FP8_QK:
         rs = raw
     else:
         rs = raw.index(st)
-    va = _v_operand(rs, st, 0, 2 * WG, rbuf, rb0, DS, F8)
-    vb = _v_operand(rs, st, 0, 2 * WG + 1, rbuf, rb0, DS, F8)
+    va = _v_operand(rs, st, 0, 2 * WG, rbuf, rb0, DS, FP8_QK)
+    vb = _v_operand(rs, st, 0, 2 * WG + 1, rbuf, rb0, DS, FP8_QK)
     for ks in gl.static_range(4):
         b = pbuf.slice(16 * ks, 16, dim=0)
         oa = warpgroup_mma(va, b, oa, is_async=True)
@@ -263,117 +253,117 @@ def _pv(raw, st, pbuf, rbuf, rb0, oa, ob, WG: gl.constexpr, DS: gl.constexpr, F8
         pa = va
         pb_ = vb
         if ks < 3:
-            va = _v_operand(rs, st, ks + 1, 2 * WG, rbuf, rb0, DS, F8)
-            vb = _v_operand(rs, st, ks + 1, 2 * WG + 1, rbuf, rb0, DS, F8)
+            va = _v_operand(rs, st, ks + 1, 2 * WG, rbuf, rb0, DS, FP8_QK)
+            vb = _v_operand(rs, st, ks + 1, 2 * WG + 1, rbuf, rb0, DS, FP8_QK)
     return oa, ob
 
 
 @gluon.jit
-def _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG: gl.constexpr, DS: gl.constexpr, F8: gl.constexpr):
+def _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG: gl.constexpr, DS: gl.constexpr, FP8_QK: gl.constexpr):
     """PV over this warpgroup's own block of the pair (its P^T is in pb[WG]); then releases the stage."""
-    oa, ob = _pv(raw, st, pb.index(WG + z), rbuf, 4 * (WG + z), oa, ob, WG, DS, F8)
+    oa, ob = _pv(raw, st, pb.index(WG + z), rbuf, 4 * (WG + z), oa, ob, WG, DS, FP8_QK)
     oa, ob = warpgroup_mma_wait(0, deps=(oa, ob))
-    gl.thread_barrier()  # all of this warpgroup's reads of the stage are done
+    compat.barrier()  # all of this warpgroup's reads of the stage are done
     mbarrier.arrive(free.index(st), count=1)
     return oa, ob
 
 
 @gluon.jit
 def _pv_other(raw, pb, rbuf, z, so, b_oth, ready, free, p_ready, p_free, ph, oa, ob, WG: gl.constexpr,
-              DS: gl.constexpr, F8: gl.constexpr):
+              DS: gl.constexpr, FP8_QK: gl.constexpr):
     """PV over the other warpgroup's block of the pair, once its P^T is published; then releases that P^T
     (and its ratios) and the stage."""
-    n_st: gl.constexpr = raw.shape[0] // (4 if F8 else 1)
+    n_st: gl.constexpr = raw.shape[0] // (4 if FP8_QK else 1)
     mbarrier.wait(p_ready.index(1 - WG), ph)
     mbarrier.wait(ready.index(so), (b_oth // n_st) & 1)  # passed already: makes the bytes visible here
-    oa, ob = _pv(raw, so, pb.index(1 - WG + z), rbuf, 4 * (1 - WG + z), oa, ob, WG, DS, F8)
+    oa, ob = _pv(raw, so, pb.index(1 - WG + z), rbuf, 4 * (1 - WG + z), oa, ob, WG, DS, FP8_QK)
     oa, ob = warpgroup_mma_wait(0, deps=(oa, ob))
-    gl.thread_barrier()
+    compat.barrier()
     mbarrier.arrive(p_free.index(1 - WG), count=1)
     mbarrier.arrive(free.index(so), count=1)
     return oa, ob
 
 
 @gluon.jit
-def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
+def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, q_amax, q_bar, WG: gl.constexpr, DS: gl.constexpr,
              ROPE: gl.constexpr):
     """q x c into shared memory as the QK B operand, once per program, half by each consumer warpgroup
     (WG w: latent groups 2w, 2w + 1; warpgroup 1 also the rope), in 64-dim chunks with columns permuted like
-    the A chunks (_relabel64); c: the power of two that brings this program's q into fp16 range (amax x c in
+    the A chunks (relabel64); c: the power of two that brings this program's q into fp16 range (amax x c in
     [2^13, 2^15); the rope dims count for plain fp8, whose rope is chunk 8).  fp8_ds_mla: the rope part bf16
-    in natural order.  The two halves' maxima meet through ``vec`` rows 7 / 8; ``q_bar[w]``: warpgroup w's
+    in natural order.  The two halves' maxima meet through ``q_amax[w]``; ``q_bar[w]``: warpgroup w's
     maximum is published, ``q_bar[2 + w]``: its chunks are stored (two barriers, not two phases of one: a
     warpgroup could otherwise complete both phases before the other waits for the first).  Returns c."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     heads = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
     hm = (heads < H)[:, None]
     q_row = q_ptr + t.to(gl.int64) * stride_qt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_qh
-    amax = gl.maximum(_absmax(_q_group(q_row, hm, 256 * WG, lay)), _absmax(_q_group(q_row, hm, 256 * WG + 128, lay)))
+    amax = gl.maximum(absmax(load_q_group(q_row, hm, 256 * WG, lay)), absmax(load_q_group(q_row, hm, 256 * WG + 128, lay)))
     if ROPE and WG == 1:
         k64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
         xr = gl.load(q_row + 512 + k64[None, :], mask=hm, other=0.0).to(gl.float32)
         if not DS:
-            amax = gl.maximum(amax, _absmax(xr))
-    vec.index(7 + WG).store(gl.full([64], 1.0, gl.float32, HEAD) * amax)
-    gl.thread_barrier()
+            amax = gl.maximum(amax, absmax(xr))
+    q_amax.index(WG).store(gl.full([64], 1.0, gl.float32, HEAD) * amax)
+    compat.barrier()
     mbarrier.arrive(q_bar.index(WG), count=1)
     mbarrier.wait(q_bar.index(1 - WG), 0)
-    amax = gl.maximum(amax, gl.max(vec.index(8 - WG).load(HEAD), 0))
+    amax = gl.maximum(amax, gl.max(q_amax.index(1 - WG).load(HEAD), 0))
     e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
     c = gl.where(amax > 0, gl.exp2(13.0 - e), 1.0)
     for G in gl.static_range(2):  # loaded again (from L1 / L2): q is not held across the wait
-        x = _q_group(q_row, hm, 256 * WG + 128 * G, lay)
+        x = load_q_group(q_row, hm, 256 * WG + 128 * G, lay)
         lo, hi = (x * c).reshape([64, 2, 64]).permute(0, 2, 1).split()
-        qn.index(4 * WG + 2 * G).store(_relabel64(lo).to(gl.float16))
-        qn.index(4 * WG + 2 * G + 1).store(_relabel64(hi).to(gl.float16))
+        qn.index(4 * WG + 2 * G).store(relabel64(lo).to(gl.float16))
+        qn.index(4 * WG + 2 * G + 1).store(relabel64(hi).to(gl.float16))
     if ROPE and WG == 1:
         if DS:
             qr.index(0).store((xr * c).to(gl.bfloat16))
         else:
-            qn.index(8).store(_relabel64(xr * c).to(gl.float16))
+            qn.index(8).store(relabel64(xr * c).to(gl.float16))
     fence_async_shared()  # generic stores -> the wgmma (async proxy) reads of q
-    gl.thread_barrier()
+    compat.barrier()
     mbarrier.arrive(q_bar.index(2 + WG), count=1)
     mbarrier.wait(q_bar.index(3 - WG), 0)
     return c
 
 
 @gluon.jit
-def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
+def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, q_amax, q_bar, WG: gl.constexpr, DS: gl.constexpr,
               ROPE: gl.constexpr):
-    """F8: q x c_h as two e4m3 terms (``ws_few._stage_q8``: hi + lo hold bf16 q exactly but for elements below
+    """FP8_QK: q x c_h as two e4m3 terms (as the few-heads kernel's ``_stage_q8``: hi + lo hold bf16 q exactly but for elements below
     ~2^-9 of the head's largest), c_h a power of two per head with amax_h x c_h in [128, 256).  Half by each
     warpgroup as in _stage_q (WG w: groups 2w, 2w + 1, as qn[2 G] = hi and qn[2 G + 1] = lo, [64 heads, 128],
     natural order: the A operands are the rows' bytes in shared memory); warpgroup 1 also the rope (bf16 x c_h
     for fp8_ds_mla, two e4m3 terms in qr[0], qr[1] for fp8).  The per-head maxima of the two halves meet
-    through ``vec`` rows 7 / 8.  Returns 1 / c_h ([64], HEAD)."""
+    through ``q_amax[w]``.  Returns 1 / c_h ([64], HEAD)."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     hl: gl.constexpr = gl.SliceLayout(1, lay)
     heads = g * 64 + gl.arange(0, 64, layout=hl)
     hm = (heads < H)[:, None]
     q_row = q_ptr + t.to(gl.int64) * stride_qt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_qh
-    amax = gl.maximum(gl.max(gl.abs(_q_group(q_row, hm, 256 * WG, lay)), 1),
-                      gl.max(gl.abs(_q_group(q_row, hm, 256 * WG + 128, lay)), 1))
+    amax = gl.maximum(gl.max(gl.abs(load_q_group(q_row, hm, 256 * WG, lay)), 1),
+                      gl.max(gl.abs(load_q_group(q_row, hm, 256 * WG + 128, lay)), 1))
     if ROPE and WG == 1:
         k64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
         xr = gl.load(q_row + 512 + k64[None, :], mask=hm, other=0.0).to(gl.float32)
         if not DS:
             amax = gl.maximum(amax, gl.max(gl.abs(xr), 1))
-    vec.index(7 + WG).store(amax)
-    gl.thread_barrier()
+    q_amax.index(WG).store(amax)
+    compat.barrier()
     mbarrier.arrive(q_bar.index(WG), count=1)
     mbarrier.wait(q_bar.index(1 - WG), 0)
-    c, inv_c = _pow2_scale(gl.maximum(amax, vec.index(8 - WG).load(hl)))
+    c, inv_c = pow2_scale(gl.maximum(amax, q_amax.index(1 - WG).load(hl)))
     for G in gl.static_range(2):  # loaded again (from L1 / L2): q is not held across the wait
-        x = _q_group(q_row, hm, 256 * WG + 128 * G, lay) * c[:, None]
-        _store_e4m3_terms(qn.index(2 * (2 * WG + G)), qn.index(2 * (2 * WG + G) + 1), x)
+        x = load_q_group(q_row, hm, 256 * WG + 128 * G, lay) * c[:, None]
+        store_e4m3_terms(qn.index(2 * (2 * WG + G)), qn.index(2 * (2 * WG + G) + 1), x)
     if ROPE and WG == 1:
         if DS:
             qr.index(0).store((xr * c[:, None]).to(gl.bfloat16))
         else:
-            _store_e4m3_terms(qr.index(0), qr.index(1), xr * c[:, None])
+            store_e4m3_terms(qr.index(0), qr.index(1), xr * c[:, None])
     fence_async_shared()  # generic stores -> the wgmma (async proxy) reads of q
-    gl.thread_barrier()
+    compat.barrier()
     mbarrier.arrive(q_bar.index(2 + WG), count=1)
     mbarrier.wait(q_bar.index(3 - WG), 0)
     return gl.convert_layout(inv_c, HEAD)
@@ -381,7 +371,7 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.c
 
 @gluon.jit
 def _unpermute(o):
-    """O^T [128 accumulator rows m, 64 heads] -> O [64 heads, 128 dims], row m being dim ws_few._dims(m)
+    """O^T [128 accumulator rows m, 64 heads] -> O [64 heads, 128 dims], row m being dim rows.acc_dim(m)
     (dim bits 6..0 = m bits 5, 4, 2, 1, 0, 6, 3): a register relabelling, no data movement."""
     x = o.reshape([2, 2, 2, 2, 2, 2, 2, 64]).permute(1, 2, 4, 5, 6, 0, 3, 7).reshape([128, 64])
     return x.permute(1, 0)
@@ -398,31 +388,32 @@ def _store_group(o, scale, buf, o_tok, g, H, stride_oh, col0):
     vec_n: gl.constexpr = 128 // ty.primitive_bitwidth
     out_l: gl.constexpr = gl.BlockedLayout([1, vec_n], [32 * vec_n // 128, 128 // vec_n], [4, 1], [1, 0])
     buf.store(_unpermute((o * scale[None, :]).to(ty)))
-    gl.thread_barrier()
+    compat.barrier()
     heads = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
     d = col0 + gl.arange(0, 128, layout=gl.SliceLayout(0, out_l))
     gl.store(o_tok + heads.to(gl.int64)[:, None] * stride_oh + d[None, :], buf.load(out_l),
              mask=(heads < H)[:, None])
-    gl.thread_barrier()  # every warp has read buf before it is written again
+    compat.barrier()  # every warp has read buf before it is written again
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: gl.constexpr = False):
+def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_QK: gl.constexpr,
+              NG: gl.constexpr, HAS_VC: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): QK and softmax of blocks 2 i + WG, PV of every block for output dims
-    256 WG .. 256 WG + 255.  F8: the FP8-arithmetic variant (QK on e4m3 MMAs; see the kernel)."""
+    256 WG .. 256 WG + 255.  FP8_QK: QK on e4m3 MMAs (see the module docstring)."""
     (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-     stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars, NG,
-     HAS_VC) = args
-    raw, scl, rope, qn, qr, pb, rbuf, vec = smem
+     stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem,
+     bars) = args
+    raw, scl, rope, qn, qr, pb, rbuf, pair_max, row_sum, run_max, q_amax = smem
     q_bar, ready, free, m_bar, p_ready, p_free, l_bar = bars
-    n_st: gl.constexpr = raw.shape[0] // (4 if F8 else 1)
-    t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    n_st: gl.constexpr = raw.shape[0] // (4 if FP8_QK else 1)
+    t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    if F8:  # 1 / c_h, one per head
-        ss = sm_scale_log2 * _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE)
+    if FP8_QK:  # 1 / c_h, one per head
+        ss = sm_scale_log2 * _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, q_amax, q_bar, WG, DS, ROPE)
     else:
-        c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE)
+        c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, q_amax, q_bar, WG, DS, ROPE)
         ss = sm_scale_log2 / c
     if not DS:
         ss = ss * k_scale
@@ -431,14 +422,14 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
     # the normaliser's partial sums: each thread adds its two rows of a block ([4 warps, 2, 8 lanes, 64]: row
     # 16 w + 8 h + g) and keeps [4, 8, 64] (16 registers instead of 32); reduced across threads at the end
     l_acc = gl.sum(gl.zeros([64, 64], gl.float32, S_L).reshape([4, 2, 8, 64]), 1)
-    # the running max lives in shared memory between pairs (row 5 + WG of vec): 16 registers fewer
-    vec.index(5 + WG).store(gl.full([64], _NEG_BIG, gl.float32, HEAD))
-    gl.thread_barrier()
+    # the running max lives in shared memory between pairs (run_max[WG]): 16 registers fewer
+    run_max.index(WG).store(gl.full([64], NEG_BIG, gl.float32, HEAD))
+    compat.barrier()
     n_pairs = gl.cdiv(n_blocks, 2)
     for i in range(n_pairs):
         ph = i & 1
         # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in the
-        # loop instead of their wgmma descriptors being hoisted out of it and spilled (as in ws_pair)
+        # loop instead of their wgmma descriptors being hoisted out of it and spilled
         z = i // (n_pairs + 1)
         b_own = 2 * i + WG
         b_oth = 2 * i + 1 - WG
@@ -451,8 +442,8 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
             fence_async_shared()  # cp.async data -> the wgmma (async proxy) reads of the rope part
             if i > 0:  # rbuf[WG] and pb[WG] are free once the other warpgroup's PV of the last pair read them
                 mbarrier.wait(p_free.index(WG), ph ^ 1)
-            valid = _idx(idx_row, k_begin + b_own * 64, k_end, ROW) >= 0
-            if F8:
+            valid = block_indices(idx_row, k_begin + b_own * 64, k_end, ROW) >= 0
+            if FP8_QK:
                 y, w = _scores8(raw, st, scl.index(st), rope.index(st), qn, qr, z, valid, ss, rbuf, 4 * (WG + z),
                                 DS, ROPE)
             else:
@@ -462,13 +453,13 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
             y = gl.full([64, 64], float("-inf"), gl.float32, S_L)
             w = gl.full([64], 1.0, gl.float32, ROW)
         # the pair's max: publish this block's, read the other's
-        m_i = vec.index(5 + WG).load(HEAD)
+        m_i = run_max.index(WG).load(HEAD)
         m_blk = gl.max(y, 0)
-        vec.index(WG).store(m_blk)
-        gl.thread_barrier()
+        pair_max.index(WG).store(m_blk)
+        compat.barrier()
         mbarrier.arrive(m_bar.index(WG), count=1)
         mbarrier.wait(m_bar.index(1 - WG), ph)
-        m_blk = gl.maximum(m_blk, vec.index(1 - WG).load(HEAD))
+        m_blk = gl.maximum(m_blk, pair_max.index(1 - WG).load(HEAD))
         # lazy rescaling: a head's reference max moves only when its scores pass it by more than 8 (log2
         # units; P <= 256 then, well inside fp16), and the accumulators are rescaled only in a pair where
         # some head's moved.  Both warpgroups decide alike: they hold the same maxima.
@@ -480,37 +471,36 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
             ob = ob * alpha[None, :]
             a3 = gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(0, l_acc.type.layout)))
             l_acc = l_acc * gl.expand_dims(gl.expand_dims(a3, 0), 0)
-            vec.index(5 + WG).store(m_new)
+            run_max.index(WG).store(m_new)
             m_i = m_new
         p = gl.exp2(y - m_i[None, :])
         l_acc = l_acc + gl.sum((p * w[:, None]).reshape([4, 2, 8, 64]), 1)
         if own:
             pb.index(WG + z).store(p.to(gl.float16))
             fence_async_shared()
-            gl.thread_barrier()  # every warp's part of P^T (and of the ratios) is in shared memory
+            compat.barrier()  # every warp's part of P^T (and of the ratios) is in shared memory
             mbarrier.arrive(p_ready.index(WG), count=1)
         # both warpgroups multiply block 2i first, so that its stage is free for block 2i + 3 (which
         # warpgroup 1 needs first thing in the next pair) while block 2i + 1 is multiplied
         if WG == 0:
-            oa, ob = _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG, DS, F8)
+            oa, ob = _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG, DS, FP8_QK)
             if oth:
                 oa, ob = _pv_other(raw, pb, rbuf, z, so, b_oth, ready, free, p_ready, p_free, ph, oa, ob, WG, DS,
-                                   F8)
+                                   FP8_QK)
         else:
-            oa, ob = _pv_other(raw, pb, rbuf, z, so, b_oth, ready, free, p_ready, p_free, ph, oa, ob, WG, DS, F8)
+            oa, ob = _pv_other(raw, pb, rbuf, z, so, b_oth, ready, free, p_ready, p_free, ph, oa, ob, WG, DS, FP8_QK)
             if own:
-                oa, ob = _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG, DS, F8)
+                oa, ob = _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG, DS, FP8_QK)
     # the normaliser: this warpgroup's blocks plus the other's (both use the same running max)
     l_own = gl.convert_layout(gl.sum(gl.sum(l_acc, 1), 0), HEAD)  # lanes first: a small cross-warp scratch
-    vec.index(2 + WG).store(l_own)
-    gl.thread_barrier()
+    row_sum.index(WG).store(l_own)
+    compat.barrier()
     mbarrier.arrive(l_bar.index(WG), count=1)
     mbarrier.wait(l_bar.index(1 - WG), 0)  # also: the other warpgroup has read every stage for the last time
-    l_i = l_own + vec.index(3 - WG).load(HEAD)
-    m_i = vec.index(5 + WG).load(HEAD)
-    # IEEE 1 / l and libdevice log2, written out here: through ws_attention._normalizer (approximate, inline
-    # asm) ptxas allocated the loop's registers differently and fp8_ds_mla ran ~9 % slower per pair (H200
-    # A/B, ninth session), as it did with approximate reciprocals in _scores
+    l_i = l_own + row_sum.index(1 - WG).load(HEAD)
+    m_i = run_max.index(WG).load(HEAD)
+    # IEEE 1 / l and libdevice log2, written out here rather than common.normalizer's approximate forms
+    # (inline asm), with which ptxas allocates the loop's registers differently and the loop runs slower
     has = l_i > 0
     inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
     lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -520,10 +510,11 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
     o_tok = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os
     ty: gl.constexpr = o_ptr.dtype.element_ty
     ol: gl.constexpr = gl.SwizzledSharedLayout(128 // ty.primitive_bitwidth, 1, 8, [1, 0])
-    if F8:  # the ring as [64, 128] tiles of the output type: two pieces each
-        buf = raw._reinterpret(ty, [raw.shape[0] * 128 // (ty.primitive_bitwidth * 16), 64, 128], ol).index(WG)
-    else:
-        buf = raw.index(WG)._reinterpret(ty, [64, 128], ol)
+    if FP8_QK:  # the ring as [64, 128] tiles of the output type: two pieces each
+        buf = compat.reinterpret(raw, ty, [raw.shape[0] * 128 // (ty.primitive_bitwidth * 16), 64, 128], ol).index(WG)
+    else:  # stage WG as [64, 128] tiles of the output type (two of bf16, one of fp32): the first one
+        n_tiles: gl.constexpr = raw.shape[2] * 8 // (128 * ty.primitive_bitwidth)
+        buf = compat.reinterpret(raw.index(WG), ty, [n_tiles, 64, 128], ol).index(0)
     _store_group(oa, inv_l, buf, o_tok, g, H, stride_oh, 256 * WG)
     _store_group(ob, inv_l, buf, o_tok, g, H, stride_oh, 256 * WG + 128)
     if WG == 1:
@@ -531,105 +522,17 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, F8: 
         gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
 
 
-# ---- the consumer partitions of each format variant (constexpr arguments do not survive warp_specialize;
-# the producers are ws_few's) ----
 @gluon.jit
-def _c0_ds(args):
-    _consumer(args, 0, True, 64)
-
-
-@gluon.jit
-def _c1_ds(args):
-    _consumer(args, 1, True, 64)
-
-
-@gluon.jit
-def _c0_ds_nope(args):
-    _consumer(args, 0, True, 0)
-
-
-@gluon.jit
-def _c1_ds_nope(args):
-    _consumer(args, 1, True, 0)
-
-
-@gluon.jit
-def _c0_fp8(args):
-    _consumer(args, 0, False, 64)
-
-
-@gluon.jit
-def _c1_fp8(args):
-    _consumer(args, 1, False, 64)
-
-
-@gluon.jit
-def _c0_fp8_nope(args):
-    _consumer(args, 0, False, 0)
-
-
-@gluon.jit
-def _c1_fp8_nope(args):
-    _consumer(args, 1, False, 0)
-
-
-# the FP8-arithmetic variants (producers: ws_few's F8 ones, the ring in [64, 128] pieces)
-@gluon.jit
-def _c0_ds8(args):
-    _consumer(args, 0, True, 64, True)
-
-
-@gluon.jit
-def _c1_ds8(args):
-    _consumer(args, 1, True, 64, True)
-
-
-@gluon.jit
-def _c0_ds8_nope(args):
-    _consumer(args, 0, True, 0, True)
-
-
-@gluon.jit
-def _c1_ds8_nope(args):
-    _consumer(args, 1, True, 0, True)
-
-
-@gluon.jit
-def _c0_fp88(args):
-    _consumer(args, 0, False, 64, True)
-
-
-@gluon.jit
-def _c1_fp88(args):
-    _consumer(args, 1, False, 64, True)
-
-
-@gluon.jit
-def _c0_fp88_nope(args):
-    _consumer(args, 0, False, 0, True)
-
-
-@gluon.jit
-def _c1_fp88_nope(args):
-    _consumer(args, 1, False, 0, True)
-
-
-@gluon.jit
-def ws_wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
-                   o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
-                   sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-                   BPT: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-                   F8: gl.constexpr = False):
-    """One program = one query token x 64 heads x one split; launch with num_warps=4 (warpgroup 0) and
-    maxnreg=168 (12 warps; setmaxnreg then gives the consumers 232 registers, the producer 40).
-
-    F8 (fp8 / fp8_ds_mla rows; opt-in, as ws_few's F8): q staged as two e4m3 terms with a power of two per head,
-    S^T on e4m3 wgmma with A = the gathered bytes in shared memory (the ring is four [64, 128] pieces a stage
-    in wgmma's swizzled layout) and B = hi, then lo, into one accumulator; fp8_ds_mla weighs each group's
-    accumulator with the rows' scales (one group in flight).  PV as in the default variant."""
+def wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+                o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
+                sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+                BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
+                NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP8_QK: gl.constexpr):
+    """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
+    default partition, consumer warpgroup 0) and maxnreg=168 (see ``launch``)."""
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     f16_64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16)
-    if F8:
+    if FP8_QK:
         f8_128: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
         raw = gl.allocate_shared_memory(gl.uint8, [4 * NS, 64, 128], f8_128)
         # q's two terms per 128-dim group: [2 G] hi, [2 G + 1] lo, [64 heads, 128 dims]
@@ -647,7 +550,7 @@ def ws_wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_p
         bf16_64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
         rope = gl.allocate_shared_memory(gl.bfloat16, [NS, 64, 64], bf16_64)
         qr = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], bf16_64)
-    elif F8:
+    elif FP8_QK:
         scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         f8_64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv)
         rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], f8_64)
@@ -656,8 +559,12 @@ def ws_wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_p
         scl = gl.allocate_shared_memory(gl.float32, [1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
         qr = qn
-    # the pair's maxima 0-1, sums 2-3, (4 unused), running maxima 5-6, q's two halves' abs maxima 7-8
-    vec = gl.allocate_shared_memory(gl.float32, [9, 64], plain)
+    # per consumer warpgroup (indexed by WG), one value per head: its block's max in the current pair, its
+    # normaliser sum, its running max, the abs max of its half of q
+    pair_max = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
+    row_sum = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
+    run_max = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
+    q_amax = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
     bl: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [4, 1], bl)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], bl)
@@ -676,29 +583,36 @@ def ws_wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_p
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(p_free.index(i), count=1)
         mbarrier.init(l_bar.index(i), count=1)
-    ca = ((q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
-           lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-           (raw, scl, rope, qn, qr, pb, rbuf, vec), (q_bar, ready, free, m_bar, p_ready, p_free, l_bar), NG, HAS_VC), )
-    # ws_few's producer: it reads (raw, scl, rope) of its smem tuple and (ready, free) of its barriers
-    pa = ((kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits,
-           (raw, scl, rope, qn, qr, pb, rbuf, vec), (q_bar, ready, free, l_bar), NG, HAS_VC), )
-    if F8 and DS:
-        if ROPE:
-            gl.warp_specialize([(_c0_ds8, ca), (_c1_ds8, ca), (_p_ds8, pa)], [4, 4], [232, 40])
-        else:
-            gl.warp_specialize([(_c0_ds8_nope, ca), (_c1_ds8_nope, ca), (_p_ds8_nope, pa)], [4, 4], [232, 40])
-    elif F8:
-        if ROPE:
-            gl.warp_specialize([(_c0_fp88, ca), (_c1_fp88, ca), (_p_fp88, pa)], [4, 4], [232, 40])
-        else:
-            gl.warp_specialize([(_c0_fp88_nope, ca), (_c1_fp88_nope, ca), (_p_fp88_nope, pa)], [4, 4], [232, 40])
-    elif DS:
-        if ROPE:
-            gl.warp_specialize([(_c0_ds, ca), (_c1_ds, ca), (_p_ds, pa)], [4, 4], [232, 40])
-        else:
-            gl.warp_specialize([(_c0_ds_nope, ca), (_c1_ds_nope, ca), (_p_ds_nope, pa)], [4, 4], [232, 40])
-    else:
-        if ROPE:
-            gl.warp_specialize([(_c0_fp8, ca), (_c1_fp8, ca), (_p_fp8, pa)], [4, 4], [232, 40])
-        else:
-            gl.warp_specialize([(_c0_fp8_nope, ca), (_c1_fp8_nope, ca), (_p_fp8_nope, pa)], [4, 4], [232, 40])
+    # (constexprs in warp_specialize's argument tuples written there, not in tuples assigned to names: see few.py)
+    ca = (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+          lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+          (raw, scl, rope, qn, qr, pb, rbuf, pair_max, row_sum, run_max, q_amax), (q_bar, ready, free, m_bar, p_ready, p_free, l_bar))
+    pa = (kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, raw, scl, rope, ready, free)
+    gl.warp_specialize([(_consumer, (ca, 0, DS, ROPE, FP8_QK, NG, HAS_VC)), (_consumer, (ca, 1, DS, ROPE, FP8_QK, NG, HAS_VC)),
+                        (producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, False, FP8_QK, NG, HAS_VC))],
+                       [4, 4], [232, 40])
+
+KINDS = ("fp8", "fp8_ds_mla")  # the row formats this kernel reads
+_built: set = set()
+
+
+def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
+         has_valid_counts: bool, fp8_qk: bool = False) -> dict:
+    """``wide_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
+    ``num_groups`` = ceil(heads / 64))."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+    ds = kind == "fp8_ds_mla"
+    return dict(BPT=bytes_per_row, ROPE=rope_dim, SCALE_OFF=scale_offset if ds else 0,
+                ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
+                FP8_QK=bool(fp8_qk), num_warps=4, maxnreg=168, enable_fp_fusion=True)
+
+
+def launch(grid, args, **variant):
+    """Launch ``wide_kernel``; ``variant``: the keyword arguments of :func:`meta`.
+
+    ``grid``: ``(tokens x splits x num_groups,)`` (program p: head group p % num_groups, 64 heads, of split
+    (p // num_groups) % splits of token p // (num_groups x splits)); ``args``: the positional arguments of
+    ``few.launch`` (k_scale included).  12 warps, 168 registers each at launch.  Raises
+    :class:`~.common.KernelBuildError` before anything is launched if the variant does not compile."""
+    launch_built(wide_kernel, _built, grid, args, meta(**variant))

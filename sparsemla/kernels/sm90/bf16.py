@@ -1,29 +1,28 @@
-"""Warp-specialized sparse MLA forward, "pair" schedule: each consumer warpgroup owns every other 64-row
-block (bf16 rows, 64 heads per program; Hopper only; Gluon).
+"""sm_90 sparse MLA forward for ``bf16`` rows (RoPE or NoPE) at 64 heads per program, warp-specialized
+(Gluon), pair schedule: each consumer warpgroup owns every other 64-row block.
 
-The first Gluon kernel (``ws_attention.ws_bf16_kernel``) has both consumer warpgroups share each 64-row
-tile: S is split 32/32 by keys (wgmma m64n32, both warpgroups reading all of q from shared memory for 32
-keys each), and the row max and P cross between them every tile.  Here the two warpgroups take different
-blocks, two at a time (block 2i -> warpgroup 0, block 2i+1 -> warpgroup 1):
+Two consumer warpgroups take different blocks, two at a time (block 2i -> warpgroup 0, block 2i+1 ->
+warpgroup 1):
 
-- QK: each warpgroup computes S for its own 64 rows (wgmma m64n64): half the q traffic per key;
+- QK: each warpgroup computes S for its own 64 rows (wgmma m64n64);
 - softmax: warpgroup 0 publishes its block's new row max, warpgroup 1 folds in its own and publishes the
   pair's max, warpgroup 0 rescales its P to it (one multiply, no second exp);
 - PV: warpgroup 0 owns output columns 0-255, warpgroup 1 columns 256-511; each multiplies its own P from
   registers with its own block's V columns, and the other warpgroup's P (through shared memory) with the
   other block's V columns;
 - each block's buffer is split into a left (dims 0-255) and a right (256-511 + rope) half with their own
-  ready/free mbarriers, so the producer refills a half as soon as its last reader is done: the left half
+  ready / free mbarriers, so the producer refills a half as soon as its last reader is done: the left half
   of block 0 and the right half of block 1 are free after the owner's local PV, the other two after the
-  other warpgroup's remote PV.  P of warpgroup 0 is written over block 0's rope part (read only by QK).
+  other warpgroup's remote PV.  P of warpgroup 0 is written over block 0's rope part (read only by QK);
 - a producer warpgroup (4 warps) loads the indices and gathers the halves with cp.async.
 
 Shared memory: q 72 KB + 2 blocks x 72 KB + P of warpgroup 1 (8 KB) = 224 KB (the same without rope: the
-rope buffers then hold only P0); one program per SM.  The
-schedule follows the one FlashMLA's SM90 sparse prefill kernel describes (warpgroup-owned blocks, max
-hand-off, split V columns); the code is written here for Gluon.
+rope buffers then hold only P0); one program per SM.  12 warps at launch (12 x 32 x 168 registers fill the
+register file); setmaxnreg then gives the consumers 232 and the producer 40.  The schedule follows the one
+FlashMLA's SM90 sparse prefill kernel describes (warpgroup-owned blocks, max hand-off, split V columns).
 
-Same arguments and output contract as ``sparse_attention._fwd_wide_kernel`` (bf16 rows, no k_scale).
+Gluon kernels do not run under the Triton interpreter: ``tests/test_sm90_compile.py`` compiles both variants
+for sm_90 on the CPU; the GPU suite checks the numbers against the float64 reference.
 """
 from __future__ import annotations
 
@@ -33,7 +32,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .ws_attention import _NEG_BIG, _coords
+from . import compat
+
+from .common import NEG_BIG, launch_built, program_coords
 
 # Each consumer warpgroup (4 warps): S [64 heads, 64 rows] and O [64 heads, 256 columns] on wgmma; its own
 # P enters PV from registers.
@@ -46,9 +47,10 @@ OROW = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))
 
 @gluon.jit
 def _copy(dst, row_ptr, col0: gl.constexpr, NCOL: gl.constexpr, valid, lay: gl.constexpr):
-    """cp.async rows [64] x columns col0..col0+NCOL of bf16 rows into dst; invalid rows zero-filled."""
+    """cp.async rows [64] x columns col0..col0+NCOL (bf16 elements) of bf16 rows into dst; invalid rows
+    zero-filled."""
     c = gl.arange(0, NCOL, layout=gl.SliceLayout(0, lay))
-    async_copy.async_copy_global_to_shared(dst, row_ptr[:, None] + col0 + c[None, :], mask=valid[:, None])
+    compat.async_load(dst, row_ptr[:, None] + col0 + c[None, :], mask=valid[:, None])
 
 
 @gluon.jit
@@ -62,12 +64,13 @@ def _block_rows(idx_row, p0, k_end, kv_ptr, BPT: gl.constexpr, rows_l: gl.conste
 
 @gluon.jit
 def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits,
-              smem, bars, BPT: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
+              smem, bars, BPT: gl.constexpr, ROPE: gl.constexpr, ROPE_OFF: gl.constexpr, NG: gl.constexpr,
+              HAS_VC: gl.constexpr):
     """q once, then per pair of blocks: left half of block 0, right half of block 1 (both freed early),
     right half of block 0, left half of block 1 (freed after the other warpgroup's remote PV)."""
     qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1 = smem
     q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar = bars
-    t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, lay)
     heads = g * 64 + gl.arange(0, 64, layout=rows_l)
@@ -91,12 +94,12 @@ def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H
         mbarrier.wait(free_r.index(1), ph)
         _copy(kR.index(1), r1, 256, 256, v1, lay)
         if ROPE:
-            _copy(kE.index(1), r1, 512, 64, v1, lay)
+            _copy(kE.index(1), r1, ROPE_OFF // 2, 64, v1, lay)
         async_copy.mbarrier_arrive(ready_r.index(1), increment_count=False)
         mbarrier.wait(free_r.index(0), ph)
         _copy(kR.index(0), r0, 256, 256, v0, lay)
         if ROPE:
-            _copy(kE.index(0), r0, 512, 64, v0, lay)
+            _copy(kE.index(0), r0, ROPE_OFF // 2, 64, v0, lay)
         async_copy.mbarrier_arrive(ready_r.index(0), increment_count=False)
         mbarrier.wait(free_l.index(1), ph)
         _copy(kL.index(1), r1, 0, 256, v1, lay)
@@ -118,7 +121,7 @@ def _masked_scores(sc, idx_row, p0, k_end, sm_scale_log2, cols_l: gl.constexpr):
 @gluon.jit
 def _vec_store(buf, v):
     buf.store(v)
-    gl.thread_barrier()  # the whole warpgroup wrote before its one thread arrives
+    compat.barrier()  # the whole warpgroup wrote before its one thread arrives
 
 
 @gluon.jit
@@ -126,7 +129,7 @@ def _consumer_start(t, k_begin, k_end, idx_ptr, stride_it, q_bar):
     """A consumer warpgroup's initial state (zero S operand, running max and sum, accumulator), its number
     of block pairs and index row; returns once q is in shared memory."""
     s_zero = gl.zeros([64, 64], gl.float32, S_LAYOUT)
-    m_i = gl.full([64], _NEG_BIG, gl.float32, SROW)
+    m_i = gl.full([64], NEG_BIG, gl.float32, SROW)
     l_i = gl.zeros([64], gl.float32, SROW)
     acc = gl.zeros([64, 256], gl.float32, O_LAYOUT)
     n_pairs = gl.cdiv(gl.cdiv(k_end - k_begin, 64), 2)
@@ -163,7 +166,7 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
     """Warpgroup 0: blocks 2i, output columns 0-255."""
     qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1 = smem
     q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar = bars
-    t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     sS0 = kE.index(0)
     s_zero, m_i, l_i, acc, n_pairs, idx_row = _consumer_start(t, k_begin, k_end, idx_ptr, stride_it, q_bar)
     if n_pairs > 0:
@@ -194,7 +197,7 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         # local PV: P0 (registers) x block 0's V columns 0-255
         acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_OP), kL.index(z), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        gl.thread_barrier()
+        compat.barrier()
         mbarrier.arrive(free_l.index(0), count=1)
         # the pair's max from warpgroup 1; rescale P0, the accumulator and l to it
         mbarrier.wait(m1_bar, ph)
@@ -206,7 +209,7 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         m_i = m_fin
         sS0.store(p.to(gl.bfloat16))  # over block 0's rope part: QK is done with it
         fence_async_shared()
-        gl.thread_barrier()
+        compat.barrier()
         mbarrier.arrive(p0_bar, count=1)
         # remote PV: P1 (shared memory) x block 1's V columns 0-255
         mbarrier.wait(p1_bar, ph)
@@ -217,7 +220,7 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
             fence_async_shared()
             sc = _qk_half(qL.index(z), kL.index(z), s_zero, False)
             acc = warpgroup_mma_wait(1, deps=(acc,))
-            gl.thread_barrier()
+            compat.barrier()
             mbarrier.arrive(free_l.index(1), count=1)
             mbarrier.wait(ready_r.index(0), ph ^ 1)
             fence_async_shared()
@@ -227,7 +230,7 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
             sc, acc = warpgroup_mma_wait(0, deps=(sc, acc))
         else:
             acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(sS1, kL.index(1 + z), acc, is_async=True),))
-            gl.thread_barrier()
+            compat.barrier()
             mbarrier.arrive(free_l.index(1), count=1)
     _epilogue(acc, l_i, m_i, sL0, sL1, l0_bar, l1_bar, 0, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
               stride_lt, stride_ls, stride_lh, t, s, g, H, False)
@@ -240,7 +243,7 @@ def _wg1(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
     """Warpgroup 1: blocks 2i + 1, output columns 256-511, and the lse."""
     qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1 = smem
     q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar = bars
-    t, s, g, k_begin, k_end = _coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     sS0 = kE.index(0)
     s_zero, m_i, l_i, acc, n_pairs, idx_row = _consumer_start(t, k_begin, k_end, idx_ptr, stride_it, q_bar)
     for i in range(n_pairs):
@@ -270,28 +273,29 @@ def _wg1(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         acc = warpgroup_mma(gl.convert_layout(pb, P_OP), kR.index(1 + z), acc, is_async=True)
         sS1.store(pb)
         fence_async_shared()
-        gl.thread_barrier()
+        compat.barrier()
         mbarrier.arrive(p1_bar, count=1)
         # remote PV: P0 (shared memory) x block 0's V columns 256-511
         mbarrier.wait(p0_bar, ph)
         acc = warpgroup_mma(sS0, kR.index(z), acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc,))
-        gl.thread_barrier()
+        compat.barrier()
         mbarrier.arrive(free_r.index(1), count=1)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        gl.thread_barrier()
+        compat.barrier()
         mbarrier.arrive(free_r.index(0), count=1)
     _epilogue(acc, l_i, m_i, sL1, sL0, l1_bar, l0_bar, 256, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
               stride_lt, stride_ls, stride_lh, t, s, g, H, True)
 
 
 @gluon.jit
-def ws_pair_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
-                   o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
-                   sm_scale_log2, H, K, rows_per_split, num_splits,
-                   BPT: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
-    """One program = one query token x 64 heads x one split; launch with num_warps=4 (warpgroup 0) and
-    maxnreg=168 (12 warps at launch; setmaxnreg then gives the consumers 232-240, the producer 40)."""
+def bf16_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+                o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
+                sm_scale_log2, H, K, rows_per_split, num_splits,
+                BPT: gl.constexpr, ROPE: gl.constexpr, ROPE_OFF: gl.constexpr, NG: gl.constexpr,
+                HAS_VC: gl.constexpr):
+    """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
+    default partition, warpgroup 0) and maxnreg=168 (see ``launch``)."""
     half: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)
     small: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -339,5 +343,30 @@ def ws_pair_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_p
         (_wg0, cargs),
         (_wg1, cargs),
         (_producer, (q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split,
-                     num_splits, smem, bars, BPT, ROPE, NG, HAS_VC)),
+                     num_splits, smem, bars, BPT, ROPE, ROPE_OFF, NG, HAS_VC)),
     ], [4, 4], [232, 40])
+
+
+_built: set = set()
+
+
+def meta(*, bytes_per_row: int, rope_dim: int, rope_offset: int, num_groups: int, has_valid_counts: bool) -> dict:
+    """``bf16_kernel``'s constexprs and launch options: ``bytes_per_row`` the row stride in bytes (1152 or
+    1024, or any larger multiple of 16), ``rope_dim`` 64 or 0, ``rope_offset`` the rope part's byte offset
+    (ignored without rope), ``num_groups`` = ceil(heads / 64)."""
+    return dict(BPT=bytes_per_row, ROPE=rope_dim, ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups,
+                HAS_VC=bool(has_valid_counts), num_warps=4, maxnreg=168, enable_fp_fusion=True)
+
+
+def launch(grid, args, **variant):
+    """Launch ``bf16_kernel``; ``variant``: the keyword arguments of :func:`meta`.
+
+    ``grid``: ``(tokens x splits x num_groups,)`` (program p: head group p % num_groups, 64 heads, of split
+    (p // num_groups) % splits of token p // (num_groups x splits)).  ``args`` (positional, in this order): q
+    [tokens, heads, 576 or 512] bf16 and its strides (token, head; 16-byte aligned rows); the cache rows
+    (row r at byte r x bytes_per_row, 16-byte aligned); indices [tokens, top-k] int32 (-1: no row) and its
+    token stride; valid counts [tokens] int32 (any tensor when has_valid_counts is False); out and its
+    strides (token, split, head); lse and its strides; sm_scale x log2(e); heads; top-k; rows per split (a
+    multiple of 64); splits (no k_scale: bf16 rows are unscaled).  Raises :class:`~.common.KernelBuildError`
+    before anything is launched if the variant does not compile."""
+    launch_built(bf16_kernel, _built, grid, args, meta(**variant))

@@ -1,0 +1,1 @@
+"""sm_90 (Hopper) warp-specialized Gluon kernels for sparse MLA attention."""

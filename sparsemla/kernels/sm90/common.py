@@ -1,0 +1,84 @@
+"""What every sm_90 kernel shares: the program's coordinates, fast fp32 reciprocal / log2, the softmax
+normalizer, ``NEG_BIG``, and the launch step that turns a failed build into :class:`KernelBuildError`.
+
+Output contract of every kernel here (the portable kernels' contract): with one split, ``o`` is the
+normalized output ``[tokens, heads, 512]`` and ``lse`` the natural-log log-sum-exp ``[tokens, heads]``
+(0 and -inf for a token without a valid row); with several, each split writes its normalized partial
+output and lse (strides ``stride_os`` / ``stride_ls``) and the combine kernel merges them.
+"""
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+NEG_BIG = gl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima (no inf - inf in exp2)
+
+
+@gluon.jit
+def program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG: gl.constexpr, HAS_VC: gl.constexpr):
+    """Program id -> (token, split, head group, first position, end position).  Head groups vary fastest so
+    that the programs that read the same rows run side by side (L2 reuse).  The portable kernels map
+    program ids the same way (the split plan is shared); positions past the token's valid count (``vc_ptr``,
+    when HAS_VC) are not read."""
+    pid = gl.program_id(0)
+    g = pid % NG
+    ts = pid // NG
+    s = ts % num_splits
+    t = ts // num_splits
+    n = K
+    if HAS_VC:
+        n = gl.minimum(gl.maximum(gl.load(vc_ptr + t), 0), K)
+    k_begin = s * rows_per_split
+    k_end = gl.minimum(k_begin + rows_per_split, n)
+    return t, s, g, k_begin, k_end
+
+
+@gluon.jit
+def rcp(x):
+    """1 / x for fp32, rounded approximately (``rcp.approx.f32``, within 1 ulp; subnormals kept): one MUFU
+    instruction where ``1.0 / x`` is the IEEE division, ~15 instructions a value."""
+    return gl.inline_asm_elementwise("rcp.approx.f32 $0, $1;", "=f,f", [x], gl.float32, True, 1)
+
+
+@gluon.jit
+def lg2(x):
+    """log2 x for fp32, approximately (``lg2.approx.f32``, absolute error ~2^-22): one MUFU instruction where
+    ``gl.log2`` is libdevice's log2f, ~25 instructions a value."""
+    return gl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], gl.float32, True, 1)
+
+
+@gluon.jit
+def normalizer(m, l):
+    """From a head's running max ``m`` (log2 units) and sum ``l``: 1 / l and the natural-log lse (approximate
+    reciprocal and log2, ~1e-7 relative); 0 and -inf for a head without a valid row (l == 0)."""
+    has = l > 0
+    l1 = gl.where(has, l, 1.0)
+    inv_l = gl.where(has, rcp(l1), 0.0)
+    lse = gl.where(has, (m + lg2(l1)) * 0.6931471805599453, float("-inf"))
+    return inv_l, lse
+
+
+@gluon.jit
+def absmax(x):
+    """max |x| over a 2-D tensor, as a scalar."""
+    return gl.max(gl.max(gl.abs(x), 1), 0)
+
+
+class KernelBuildError(RuntimeError):
+    """A kernel variant does not compile with the installed Triton (raised before anything is launched)."""
+
+
+def launch_built(kernel, built: set, grid, args, meta: dict):
+    """``kernel[grid](*args, **meta)``; the first call of each variant (constexprs, launch options, tensor
+    dtypes) compiles it without launching first, so that a build failure raises :class:`KernelBuildError`
+    before any device work is enqueued."""
+    key = (tuple(sorted(meta.items())), tuple(getattr(a, "dtype", None) for a in args))
+    if key not in built:
+        try:
+            kernel.warmup(*args, grid=grid, **meta)
+        except Exception as e:
+            raise KernelBuildError(f"{kernel.__name__} {meta} does not build with Triton {triton.__version__}: "
+                                   f"{type(e).__name__}: {str(e)[-2000:]}") from e
+        built.add(key)
+    kernel[grid](*args, **meta)

@@ -1,0 +1,17 @@
+"""The Gluon names the sm_90 kernels use that differ between the supported Triton releases (3.6, 3.8, 3.9).
+
+Each name is bound once, at import, to the form the installed release provides, so that one kernel source
+serves every release:
+
+- ``barrier()``: a CTA-wide barrier (``bar.sync``): ``gl.thread_barrier`` up to 3.6, ``gl.barrier`` from 3.8.
+- ``async_load(smem, pointer, mask=...)``: ``cp.async`` of a pointer tensor into shared memory:
+  ``async_copy_global_to_shared`` up to 3.6, ``async_load`` from 3.8 (3.9 removes the old name).
+- ``reinterpret(smem, dtype, shape, layout)``: a view of a shared-memory descriptor with another type, shape
+  and layout: the method ``_reinterpret`` up to 3.8, ``reinterpret`` from 3.9.
+"""
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.shared_memory_descriptor._reinterpret

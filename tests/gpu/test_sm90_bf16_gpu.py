@@ -1,0 +1,23 @@
+"""The sm_90 bf16 kernel (sparsemla/kernels/sm90/bf16.py, plan kernel ``sm90-bf16``) on the H200: RoPE and
+NoPE rows, 33-128 heads (odd counts, partial head groups), -1 padding, valid counts with garbage past them,
+empty rows, splits; against the float64 reference and the portable Triton kernels.  Run with `pytest -m gpu`."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from attn_cases import make_case  # noqa: E402
+from sm90_gpu import check_case, skip_unless_sm90  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "bf16-nope"])
+@pytest.mark.parametrize("heads,topk,splits", [(64, 2048, 1), (128, 2048, 4), (100, 64, 1), (33, 2051, 3),
+                                               (128, 192, None)])
+def test_bf16_matches_reference(fmt, heads, topk, splits):
+    skip_unless_sm90()
+    c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda")
+    check_case(c, c["fmt"].head_dim ** -0.5, "sm90-bf16", splits)

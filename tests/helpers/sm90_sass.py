@@ -1,0 +1,204 @@
+"""Compile every sm_90 Gluon kernel variant on the CPU and report, per variant, a hash of its SASS, its
+registers, stack (spill) bytes, shared memory, instruction counts, and whether the PTX is warp-specialized
+(setmaxnreg), mbarrier-fed (cp.async.mbarrier.arrive.noinc) and whether ptxas serialized the wgmma pipeline.
+
+    python tests/helpers/sm90_sass.py [NAME ...] [--json FILE] [--jobs N]
+
+The SASS hash is taken over the instructions of ``cuobjdump -sass`` with function names and instruction
+addresses / encodings removed; the PTX hash over the PTX without names, comments and line info.  Two
+sources that differ only in names hash alike in PTX; ptxas schedules around line-info labels, so moving
+source lines can reorder SASS instructions of an unchanged PTX program.
+Run it in a process without TRITON_INTERPRET (under the interpreter nothing is compiled).  It needs no GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+SIG = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "kv_ptr": "*u8", "idx_ptr": "*i32",
+       "stride_it": "i32", "vc_ptr": "*i32", "o_ptr": "*bf16", "stride_ot": "i32", "stride_os": "i32",
+       "stride_oh": "i32", "lse_ptr": "*fp32", "stride_lt": "i32", "stride_ls": "i32", "stride_lh": "i32",
+       "sm_scale_log2": "fp32", "H": "i32", "K": "i32", "rows_per_split": "i32", "num_splits": "i32"}
+SIG_K = dict(list(SIG.items())[:16] + [("k_scale", "fp32")] + list(SIG.items())[16:])
+
+
+# Row layouts by format id: (bytes per row, rope dims, rope offset, scale offset); the byte contract is
+# docs/kv-formats.md.  The "-nope" ids of the DS formats are vLLM's rows (the rope slot kept, zero); the
+# "-nope-compact" ones the library's own rows without it.
+LAYOUTS = {
+    "bf16": (1152, 64, 1024, -1), "bf16-nope": (1024, 0, -1, -1),
+    "fp8": (576, 64, 512, -1), "fp8-nope": (512, 0, -1, -1),
+    "fp8_ds_mla": (656, 64, 528, 512), "fp8_ds_mla-nope": (656, 0, -1, 512), "fp8_ds_mla-nope-compact": (528, 0, -1, 512),
+    "nvfp4_ds_mla": (352, 64, 256, 320), "nvfp4_ds_mla-nope": (352, 0, -1, 320),
+    "nvfp4_ds_mla-nope-compact": (288, 0, -1, 256),
+}
+
+
+def _variants():
+    """name -> (module, kernel, signature, meta); meta from the module's own ``meta`` (what ``launch`` uses),
+    with two head groups and valid counts."""
+    from sparsemla.kernels.sm90 import bf16, few, wide
+    v = {}
+    for fid, (bpr, rope, rope_off, scale_off) in LAYOUTS.items():
+        kind = fid.split("-")[0]
+        if kind == "bf16":
+            v[f"bf16-{fid}"] = ("bf16", "bf16_kernel", SIG, bf16.meta(
+                bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, num_groups=2, has_valid_counts=True))
+            continue
+        for mod, name in ((few, "few"), (wide, "wide")):
+            for fp8_qk in (False, True):
+                if kind not in mod.KINDS or (fp8_qk and kind == "nvfp4_ds_mla"):
+                    continue
+                v[f"{name}-{fid}" + ("-fp8qk" if fp8_qk else "")] = (name, f"{name}_kernel", SIG_K, mod.meta(
+                    kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
+                    num_groups=2, has_valid_counts=True, fp8_qk=fp8_qk))
+    return v
+
+
+VARIANTS = _variants()
+
+
+def _tool(name):
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def normalized_sass(sass: str) -> list:
+    """The instructions of ``cuobjdump -sass`` output, without addresses, encodings or function names."""
+    names = set(re.findall(r"Function\s*:\s*(\S+)", sass))
+    out = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if not m:
+            continue
+        ins = m.group(1)
+        for n in names:
+            ins = ins.replace(n, "<fn>")
+        out.append(re.sub(r"\s+", " ", ins))
+    return out
+
+
+def normalized_ptx(ptx: str) -> list:
+    """The PTX instructions without comments, line info (``.loc`` / ``.file``, ``$L__tmp`` labels, debug
+    sections) or the kernel's name: equal for two sources that differ only in names, comments and line
+    numbers.  (ptxas schedules around the line-info labels, so such sources can still differ in SASS.)"""
+    names = set(re.findall(r"\.entry\s+(\w+)\(", ptx))
+    out = []
+    for line in ptx.split(".section\t.debug")[0].splitlines():
+        line = line.split("//")[0].strip()
+        if not line or line.startswith((".loc", ".file")) or re.fullmatch(r"\$L__(tmp|func_begin|func_end)\d+:", line):
+            continue
+        for n in names:
+            line = line.replace(n, "<fn>")
+        out.append(re.sub(r"\s+", " ", line))
+    return out
+
+
+def _opcode(ins: str) -> str:
+    tok = ins.split()
+    if tok and tok[0].startswith("@"):
+        tok = tok[1:]
+    return tok[0] if tok else ""
+
+
+def compile_variant(name: str):
+    """Compile one variant for sm_90; returns (CompiledKernel, ptxas log)."""
+    import importlib
+
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    mod, fn_name, sig, meta = VARIANTS[name]
+    fn = getattr(importlib.import_module(f"sparsemla.kernels.sm90.{mod}"), fn_name)
+    options = {k: meta[k] for k in ("num_warps", "maxnreg", "enable_fp_fusion")}
+    cons = {k: v for k, v in meta.items() if k not in options}
+    sig = dict(sig, **{k: "constexpr" for k in cons})
+    log = io.StringIO()
+    with tempfile.TemporaryDirectory() as cache, contextlib.redirect_stdout(log):
+        knobs.cache.dir = cache  # a fresh build, so that ptxas runs and its log is seen
+        knobs.nvidia.dump_ptxas_log = True
+        k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=cons),
+                           target=GPUTarget("cuda", 90, 32), options=options)
+    return k, log.getvalue()
+
+
+def report(name: str) -> dict:
+    """Compile ``name`` and summarize it (see the module docstring)."""
+    k, log = compile_variant(name)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        res = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    regs, stack = (int(x) for x in re.search(r"REG:(\d+) STACK:(\d+)", res).groups())
+    ins = normalized_sass(sass)
+    counts = {}
+    for i in ins:
+        op = _opcode(i).split(".")[0]
+        counts[op] = counts.get(op, 0) + 1
+    ptx = k.asm["ptx"]
+    return dict(sass_sha=hashlib.sha256("\n".join(ins).encode()).hexdigest()[:16],
+                ptx_sha=hashlib.sha256("\n".join(normalized_ptx(k.asm["ptx"])).encode()).hexdigest()[:16],
+                instructions=len(ins),
+                regs=regs, stack=stack, smem=k.metadata.shared, setmaxnreg="setmaxnreg" in ptx,
+                mbarrier_cp_async="cp.async.mbarrier.arrive.noinc" in ptx, serialized="serialized" in log,
+                ops={op: counts[op] for op in sorted(counts)})
+
+
+def _report_or_error(name):
+    try:
+        return name, report(name)
+    except Exception as e:  # reported per variant: one failure does not hide the others
+        return name, {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
+
+
+def run(names, jobs=1) -> dict:
+    """{name: report} for ``names``, compiled in ``jobs`` processes."""
+    if jobs <= 1:
+        return dict(_report_or_error(n) for n in names)
+    with ProcessPoolExecutor(jobs) as ex:
+        return dict(ex.map(_report_or_error, names))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help="variants (default: all)")
+    ap.add_argument("--json", help="write the full reports here")
+    ap.add_argument("--jobs", type=int, default=1)
+    a = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET"):
+        sys.exit("unset TRITON_INTERPRET: nothing is compiled under the interpreter")
+    names = a.names or list(VARIANTS)
+    out = run(names, a.jobs)
+    import triton
+    print(f"triton {triton.__version__}")
+    for n in names:
+        r = out[n]
+        if "error" in r:
+            print(f"{n:34s} ERROR {r['error'].splitlines()[0][:200]}")
+        else:
+            print(f"{n:34s} sass {r['sass_sha']} ptx {r['ptx_sha']} ins {r['instructions']:6d} regs {r['regs']:3d} stack {r['stack']:4d} "
+                  f"smem {r['smem']:6d} setmaxnreg {int(r['setmaxnreg'])} cp.async-mbar {int(r['mbarrier_cp_async'])} "
+                  f"serialized {int(r['serialized'])}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"triton": triton.__version__, "variants": out}, f, indent=1, sort_keys=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""The sm_90 Gluon kernels compile for sm_90 on a machine without a GPU, on whichever Triton is installed
+(Gluon does not run under the interpreter; tests/gpu/test_sm90_*_gpu.py check their numbers on the H200):
+every variant builds, fits Hopper's shared memory, is warp-specialized (setmaxnreg) and mbarrier-fed
+(cp.async.mbarrier.arrive), keeps ptxas' wgmma pipeline unserialized, and spills no more than it does on
+that release (``STACK``).  Every variant is compiled once per process (tests/helpers/sm90_sass.py, two
+worker processes)."""
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
+import sm90_sass  # noqa: E402
+
+from sparsemla.kernels.sm90 import common, compat, few, rows, wide  # noqa: E402
+
+HOPPER_SMEM = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
+# Stack bytes (spill slots) per kernel family and Triton release, the largest over the family's variants.
+# The wide kernel keeps part of its loop state (the normaliser's partial sums) in local memory on every
+# release; a variant above its bound spills more than this code does on that release.  Releases not
+# listed get the largest bound of any.
+STACK = {
+    "3.6": {"bf16": 56, "few": 0, "wide": 104, "wide-fp8qk": 128},
+    "3.8": {"bf16": 64, "few": 16, "wide": 96, "wide-fp8qk": 136},
+    "3.9": {"bf16": 96, "few": 0, "wide": 160, "wide-fp8qk": 216},
+}
+
+
+def _stack_limit(name):
+    family = name.split("-")[0] + ("-fp8qk" if name.startswith("wide") and name.endswith("-fp8qk") else "")
+    release = ".".join(triton.__version__.split(".")[:2])
+    if release in STACK:
+        return STACK[release][family]
+    return max(limits[family] for limits in STACK.values())
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sm90") / "reports.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, sm90_sass.__file__, "--jobs", "2", "--json", str(out)],
+                         capture_output=True, text=True, env=env, timeout=1800)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(out.read_text())["variants"]
+
+
+@pytest.mark.parametrize("name", list(sm90_sass.VARIANTS))
+def test_compiles_for_sm90_within_limits(compiled, name):
+    r = compiled[name]
+    assert "error" not in r, r.get("error")
+    assert r["smem"] <= HOPPER_SMEM, r
+    assert r["setmaxnreg"] and r["mbarrier_cp_async"], r
+    assert r["stack"] <= _stack_limit(name), r
+    # a wait that names accumulators still in flight makes ptxas serialize every wgmma (visible only in its
+    # log): the kernel then runs about half as fast
+    assert not r["serialized"], r
+
+
+def test_every_format_layout_has_variants():
+    """Each row layout the kernels read, NoPE rows with and without a (zero) rope slot included, is compiled
+    with and without FP8-QK where the mode exists."""
+    names = set(sm90_sass.VARIANTS)
+    for fid in sm90_sass.LAYOUTS:
+        kind = fid.split("-")[0]
+        if kind == "bf16":
+            assert f"bf16-{fid}" in names
+            continue
+        assert f"few-{fid}" in names
+        if kind != "nvfp4_ds_mla":
+            assert {f"few-{fid}-fp8qk", f"wide-{fid}", f"wide-{fid}-fp8qk"} <= names
+
+
+def test_meta_takes_offsets_from_the_layout_and_rejects_what_a_kernel_cannot_read():
+    m = few.meta(kind="nvfp4_ds_mla", bytes_per_row=352, rope_dim=0, rope_offset=-1, scale_offset=320,
+                 num_groups=1, has_valid_counts=False)
+    assert (m["BPT"], m["ROPE"], m["SCALE_OFF"], m["ROPE_OFF"], m["FP4"], m["DS"]) == (352, 0, 320, 0, True, False)
+    m = wide.meta(kind="fp8", bytes_per_row=576, rope_dim=64, rope_offset=512, scale_offset=-1, num_groups=2,
+                  has_valid_counts=True, fp8_qk=True)
+    assert (m["SCALE_OFF"], m["ROPE_OFF"], m["FP8_QK"]) == (0, 512, True)
+    with pytest.raises(ValueError, match="kind"):
+        few.meta(kind="nvfp4_ds_mla", bytes_per_row=352, rope_dim=64, rope_offset=256, scale_offset=320,
+                 num_groups=1, has_valid_counts=False, fp8_qk=True)
+    with pytest.raises(ValueError, match="kind"):
+        wide.meta(kind="nvfp4_ds_mla", bytes_per_row=352, rope_dim=64, rope_offset=256, scale_offset=320,
+                  num_groups=1, has_valid_counts=False)
+
+
+def test_a_build_failure_raises_before_anything_is_launched():
+    """``launch`` compiles a variant without launching it the first time (``warmup``), so a kernel that does
+    not build on the installed Triton raises KernelBuildError and nothing reaches the device."""
+    class Kernel:
+        __name__ = "k"
+        launched = 0
+
+        def warmup(self, *args, grid, **meta):
+            raise RuntimeError("error encountered during parsing")
+
+        def __getitem__(self, grid):
+            def run(*args, **meta):
+                Kernel.launched += 1
+            return run
+
+    k, built = Kernel(), set()
+    with pytest.raises(common.KernelBuildError, match="does not build with Triton"):
+        common.launch_built(k, built, (1,), (1, 2), dict(A=1))
+    assert Kernel.launched == 0 and not built
+    k.warmup = lambda *args, grid, **meta: None
+    common.launch_built(k, built, (1,), (1, 2), dict(A=1))
+    common.launch_built(k, built, (1,), (1, 2), dict(A=1))
+    assert Kernel.launched == 2 and len(built) == 1
+
+
+def test_compat_names_exist_on_this_release():
+    assert all(callable(f) for f in (compat.barrier, compat.async_load, compat.reinterpret))
+
+
+def test_wide_output_relabelling_matches_the_accumulator_dims():
+    """The wide kernel writes its output through shared memory after relabelling O^T's accumulator rows as
+    output dims (``wide._unpermute``: a reshape into bits, a permute, a reshape back).  That permutation must
+    be the inverse of ``rows.acc_dim`` (accumulator row -> dim, which the PV operands follow): both are read
+    from the kernels' source and compared on every row, so neither can change alone."""
+    dims_expr = re.search(r"return (.+)", inspect.getsource(rows.acc_dim.fn)).group(1)
+    m = np.arange(128)
+    dim_of_row = eval(dims_expr, {"m": m})  # noqa: S307 (the kernel's own expression, integer ops only)
+    assert sorted(dim_of_row) == list(range(128))
+    src = inspect.getsource(wide._unpermute.fn)
+    order = [int(v) for v in re.search(r"\.permute\(([\d, ]+)\)\.reshape\(\[128, 64\]\)", src).group(1).split(",")]
+    assert order[-1] == 7  # the head axis stays last
+    row_at_dim = m.reshape([2] * 7).transpose(order[:-1]).reshape(128)  # position d holds accumulator row m
+    assert (dim_of_row[row_at_dim] == np.arange(128)).all()
+
+
+def test_kernel_modules_hold_no_policy_and_import_no_other_kernel():
+    """Kernel modules import only compat / common / rows (no import circles, no private names across
+    kernels) and read no environment variables."""
+    pkg = os.path.dirname(common.__file__)
+    for f in ("common.py", "rows.py", "few.py", "wide.py", "bf16.py", "compat.py"):
+        src = open(os.path.join(pkg, f)).read()
+        assert "os.environ" not in src and "getenv" not in src, f
+        local = re.findall(r"^\s*from \.(\w*) import (.+)$", src, re.M)
+        for mod, names in local:
+            assert mod in ("", "compat", "common", "rows"), (f, mod)
+            assert not any(n.strip().startswith("_") for n in names.strip("()").split(",")), (f, names)
