@@ -22,7 +22,7 @@ from ..bench import backends as B
 from ..bench.configs import BenchConfig
 from ..bench.runner import compare_to_reference, resolve_formats
 from ..bench.workload import build_cache, build_queries, make_layout
-from ..kernels._runtime import interpreting
+from .._device import interpreting
 from ..reference import sparse_mla as reference_sparse_mla
 
 TOLERANCE, LSE_TOLERANCE = B.EXACT_TOLERANCE  # issue 4's bounds; a lossy path gets B.tolerance(...)

@@ -50,7 +50,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv[:1] == ["check"] and _no_gpu() and "TRITON_INTERPRET" not in os.environ:
         # Triton picks interpreter or compiler when a kernel is defined (module import), so this only
         # helps if no kernel module was imported yet; say so rather than fail obscurely later.
-        early = [m for m in sys.modules if m.startswith("sparsemla.kernels.") and m != "sparsemla.kernels._runtime"]
+        early = [m for m in sys.modules if m.startswith("sparsemla.kernels.")]
         if early:
             print("note: Triton kernels were imported before `check` could switch on the interpreter; run "
                   "`TRITON_INTERPRET=1 sparsemla check` to check the Triton backends on this CPU", file=sys.stderr)

@@ -46,19 +46,21 @@ _LAUNCHES: dict = {}
 
 
 def _sm90_launch(plan, fmt, has_vc: bool) -> Launch:
-    # Imported on first use: the Gluon modules need triton.experimental.gluon, and a Triton where they fail to
-    # import must still serve every call with the portable kernels.
-    options = dict(num_warps=4, maxnreg=168)  # 12 warps at launch (4 here + two 4-warp workers), then setmaxnreg
-    common = dict(BPT=fmt.bytes_per_token, ROPE=fmt.rope_dim, NG=plan.num_groups, HAS_VC=has_vc)
+    # Imported on first use: the Gluon modules need triton.experimental.gluon, and a Triton without it must still
+    # serve every call with the portable kernels.
+    lay = fmt.layout
+    common = dict(bytes_per_row=fmt.bytes_per_token, rope_dim=fmt.rope_dim, rope_offset=max(lay.rope_offset, 0),
+                  num_groups=plan.num_groups, has_valid_counts=has_vc)
     if plan.kernel == "sm90-few":
-        from .ws_few import ws_few_kernel
-        return Launch(ws_few_kernel, dict(DS=plan.kind == "fp8_ds_mla", FP4=plan.kind == "nvfp4_ds_mla",
-                                          F8=plan.fp8_qk, **common), options)
+        from .sm90 import few
+        return Launch(few.few_kernel, few.meta(kind=plan.kind, scale_offset=max(lay.scale_offset, 0),
+                                               fp8_qk=plan.fp8_qk, **common), {})
     if plan.kernel == "sm90-wide":
-        from .ws_wide import ws_wide_kernel
-        return Launch(ws_wide_kernel, dict(DS=plan.kind == "fp8_ds_mla", F8=plan.fp8_qk, **common), options)
-    from .ws_pair import ws_pair_kernel
-    return Launch(ws_pair_kernel, common, options)
+        from .sm90 import wide
+        return Launch(wide.wide_kernel, wide.meta(kind=plan.kind, scale_offset=max(lay.scale_offset, 0),
+                                                  fp8_qk=plan.fp8_qk, **common), {})
+    from .sm90 import bf16
+    return Launch(bf16.bf16_kernel, bf16.meta(**common), {})
 
 
 def _portable_launch(plan, fmt, has_vc: bool, interp: bool) -> Launch:
