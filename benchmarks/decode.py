@@ -1,131 +1,134 @@
-"""Kernel-only timings of our decode and the peers' in one process (H200), for the headline configurations.
+"""Decode kernel time of sparsemla and the peers in one process: every format x head count, b 128.
 
-Unlike `sparsemla bench` (which times every backend the way the runner calls it, glue included: index
-compaction for FlashInfer's page table, -1 masking and head padding for FlashMLA), this times only each
-library's attention call on prepared inputs: FlashInfer's `run()` after one `plan()`, FlashMLA's
-`flash_mla_with_kvcache` with its metadata made once (q already padded to 64 heads), our `sparse_mla_fwd`.
+    python3 benchmarks/decode.py --heads 16,64,128 --results benchmarks/results/h200.jsonl
+    python3 benchmarks/decode.py --formats fp8_ds_mla --heads 128 --reps 50          # print only
+    python3 benchmarks/decode.py --dry-run --results /tmp/r.jsonl                      # CPU check
 
-    python benchmarks/peer_kernels.py --out peers.json
+Per format, one cache of b requests x 32,768 tokens (shuffled 64-token blocks, heavy-tailed values written
+through the library's cache write), then per head count the same queries and indices for everyone:
+
+* ``sparsemla``: ``sparse_mla_decode`` with its default backend; ``sparsemla-fp8qk``: backend
+  ``triton-fp8qk`` (the FP8-QK mode; fp8 and fp8_ds_mla rows, sm_90);
+* the peer that reads the same bytes: FlashMLA for fp8_ds_mla (q padded to 64 / 128 heads), FlashInfer for
+  bf16 and fp8 (page size 1), prepared once outside the timed call (``sparsemla.bench.peers``).
+
+Every call is timed by CUDA-graph replay (kernel time, no launch gaps), the L2 flushed before each replay,
+median of ``--reps``; SOL by ``docs/benchmarking.md``'s accounting with ceilings measured in this process.
+Our output is checked against the float64 reference on a few tokens before it is timed.
 """
+from __future__ import annotations
+
 import argparse
-import inspect
-import json
 import os
 import sys
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from sparsemla.bench.drivers import prepare_environment  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-from decode_sweep import build, ceilings, heavy, time_fn, unique_bytes  # noqa: E402
+prepare_environment()
 
-from sparsemla.bench.timing import graph_replay  # noqa: E402
-from sparsemla.formats import get_format  # noqa: E402
-from sparsemla.kernels.sparse_attention import sparse_mla_fwd  # noqa: E402
+import torch  # noqa: E402
 
-SM = 576 ** -0.5
+from sparsemla.bench import drivers as D  # noqa: E402
+from sparsemla.bench.accounting import achieved, attention_work  # noqa: E402
 
-
-def ours(fmt, cache, idx, h, fp8_arith=False):
-    q = heavy(idx.shape[0], h, fmt.head_dim).to(torch.bfloat16)
-    out = torch.empty(idx.shape[0], h, 512, dtype=torch.bfloat16, device="cuda")
-    lse = torch.empty(idx.shape[0], h, dtype=torch.float32, device="cuda")
-    return lambda: sparse_mla_fwd(q, cache.rows, fmt, idx, SM, out=out, lse=lse, fp8_arith=fp8_arith)
+FP8QK_BACKEND = "triton-fp8qk"
+FP8QK_FORMATS = ("fp8", "fp8_ds_mla", "fp8-nope", "fp8_ds_mla-nope")
+ALL_FORMATS = "bf16,fp8,fp8_ds_mla,nvfp4_ds_mla,bf16-nope,fp8-nope,fp8_ds_mla-nope,nvfp4_ds_mla-nope"
+CHECK_TOKENS = 4
+REL_TOL = 2e-2  # a wrong kernel is far off; the formats' own error is ~1e-3 against float64 on their rows
 
 
-def ours_graph(fmt, cache, idx, h):
-    """``ours`` replayed from a CUDA graph (``graph_replay``)."""
-    return graph_replay(ours(fmt, cache, idx, h))
+def ours_call(wl, backend="auto"):
+    import sparsemla
+    t, h, _ = wl.q.shape
+    out = torch.empty(t, h, 512, dtype=torch.bfloat16, device=wl.q.device)
+    lse = torch.empty(t, h, dtype=torch.float32, device=wl.q.device)
+
+    def call():
+        return sparsemla.sparse_mla_decode(wl.q, wl.cache, wl.indices, wl.sm_scale, wl.valid_counts, wl.k_scale,
+                                           backend=backend, out=out, lse=lse)
+    return call, out
 
 
-def ours_f8_graph(fmt, cache, idx, h):
-    """Our opt-in FP8-arithmetic mode (``fp8_arith=True``, backend ``triton-fp8``), replayed from a CUDA graph."""
-    return graph_replay(ours(fmt, cache, idx, h, fp8_arith=True))
+def check_against_reference(wl, call, out) -> float:
+    """Relative error of the first tokens' output against float64 over the cache's own rows."""
+    from sparsemla.reference import sparse_mla
+    call()
+    n = min(CHECK_TOKENS, wl.q.shape[0])
+    ref, _ = sparse_mla(wl.q[:n], wl.cache, wl.indices[:n], wl.sm_scale, valid_counts=wl.valid_counts[:n],
+                        k_scale=wl.k_scale)
+    err = ((out[:n].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    if not err < REL_TOL:
+        raise AssertionError(f"output off by {err:.2e} relative to float64 (limit {REL_TOL}): not timed")
+    return err
 
 
-def flashinfer_call(fmt, cache, idx, h):
-    from flashinfer.mla import BatchMLAPagedAttentionWrapper
-    t, k = idx.shape
-    dtype = torch.float8_e4m3fn if fmt.name == "fp8" else torch.bfloat16
-    vals = cache.rows.view(dtype)
-    ckv, kpe = vals[:, :512].unsqueeze(1), vals[:, 512:].unsqueeze(1)
-    ws = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device="cuda")
-    w = BatchMLAPagedAttentionWrapper(ws, backend="fa3")
-    qo = torch.arange(t + 1, dtype=torch.int32, device="cuda")
-    kv_indptr = torch.arange(t + 1, dtype=torch.int32, device="cuda") * k
-    lens = torch.full((t,), k, dtype=torch.int32, device="cuda")
-    w.plan(qo, kv_indptr, idx.reshape(-1).contiguous(), lens, h, 512, fmt.rope_dim, 1, False, SM, torch.bfloat16,
-           dtype)
-    q = heavy(t, h, fmt.head_dim).to(torch.bfloat16)
-    qn, qp = q[..., :512].contiguous(), q[..., 512:].contiguous()
-    kw = {}
-    if fmt.name == "fp8" and "ckv_scale" in inspect.signature(w.run).parameters:
-        kw = {"ckv_scale": 1.0, "kpe_scale": 1.0}  # this build's FP8 plans require the per-tensor scales
-    return lambda: w.run(qn, qp, ckv, kpe, return_lse=True, **kw)
+def measure(rec, cfg_name: str, wl, impl: str, make, *, variant=None, check=True):
+    """Time one implementation on one workload and record the row."""
+    call, out = make()
+    err = check_against_reference(wl, call, out) if check else None
+    us, timing = rec.time(call)
+    fmt = wl.fmt
+    work = attention_work(wl.q, wl.indices, fmt.bytes_per_token, wl.valid_counts)
+    a = achieved(us * 1e-6, work, rec.ceilings)
+    cfg = wl.config
+    row = rec.add(config=cfg_name, kind="decode", fmt=fmt.id, heads=cfg.num_heads, batch=cfg.batch, s_q=cfg.s_q,
+                  topk=cfg.topk, impl=impl, timing=timing, value=us, sol_pct=a["pct_sol"], sol_us=a["sol_us"],
+                  tflops=a["tflops"], bytes=work.nbytes, context=cfg.context, variant=variant, rel_err=err)
+    D.print_row(row)
 
 
-def flashmla_call(fmt, cache, idx, h):
-    import flash_mla
-    t, k = idx.shape
-    hp = 64 if h <= 64 else 128
-    rows = cache.rows
-    k_cache = rows.view(rows.shape[0] // 64, 64, 1, rows.shape[1])
-    from sparsemla.backends.peer_flashmla import _takes_no_required_args
-    gm = flash_mla.get_mla_metadata
-    if _takes_no_required_args(gm):
-        meta, splits = gm()
-    else:  # the older interface plans from per-batch lengths and the head layout
-        meta, splits = gm(torch.full((t,), k, dtype=torch.int32, device="cuda"), hp, 1, hp, True, k)
-    q = heavy(t, hp, fmt.head_dim).to(torch.bfloat16).view(t, 1, hp, fmt.head_dim)
-    ind = idx.view(t, 1, k).contiguous()
-    return lambda: flash_mla.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, splits, SM, False,
-                                                    is_fp8_kvcache=True, indices=ind, use_legacy=True)
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="peers.json")
-    ap.add_argument("--formats", default="bf16,fp8,fp8_ds_mla,nvfp4_ds_mla", help="comma list of formats")
-    ap.add_argument("--batches", default="128", help="comma list of batch sizes (D-small: 1,4,16)")
-    ap.add_argument("--heads", default="16,64,128", help="comma list of head counts")
-    ap.add_argument("--graph", action="store_true", help="also time our call replayed from a CUDA graph")
-    ap.add_argument("--fp8-arith", action="store_true", help="also time our FP8-arithmetic mode (fp8 / fp8_ds_mla "
-                    "rows, CUDA graph)")
-    a = ap.parse_args()
-    copy_bw, mm = ceilings()
-    print(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s, bf16 mm {mm / 1e12:.0f} TFLOP/s", flush=True)
-    rows = []
-    for fname, peers in [("bf16", ["flashinfer"]), ("fp8", ["flashinfer"]), ("fp8_ds_mla", ["flashmla"]),
-                         ("nvfp4_ds_mla", []), ("bf16-nope", []), ("fp8-nope", []), ("fp8_ds_mla-nope", []),
-                         ("nvfp4_ds_mla-nope", [])]:
-        if fname not in a.formats.split(","):
-            continue
+def run_decode(rec, config_names, formats, *, fp8qk=True, peers=True):
+    """Every (format, configuration): sparsemla, its FP8-QK mode and the same-format peer."""
+    from sparsemla.bench import peers as P
+    from sparsemla.bench.workload import build_queries, build_workload
+    from sparsemla.formats import get_format
+    by_batch = {}
+    for name in config_names:
+        cfg = D.scaled(D.config_named(name), rec.dry)
+        by_batch.setdefault((cfg.batch, cfg.context, cfg.s_q), []).append((name, cfg))
+    for fname in formats:
         fmt = get_format(fname)
-        for b in [int(x) for x in a.batches.split(",")]:
-            torch.cuda.empty_cache()
-            cache, idx = build(fmt, b)
-            for h in [int(x) for x in a.heads.split(",")]:
-                nbytes = unique_bytes(cache, idx, h, idx.shape[0])
-                flops = 2 * h * idx.numel() * (fmt.head_dim + 512)
-                sol = max(nbytes / copy_bw, flops / mm) * 1e6
-                f8 = ["ours-f8-graph"] if a.fp8_arith and fmt.name in ("fp8", "fp8_ds_mla") else []
-                for who in ["ours"] + (["ours-graph"] if a.graph else []) + f8 + peers:
-                    r = dict(fmt=fname, b=b, h=h, backend=who, sol_us=sol)
-                    try:
-                        fn = {"ours": ours, "ours-graph": ours_graph, "ours-f8-graph": ours_f8_graph,
-                              "flashinfer": flashinfer_call,
-                              "flashmla": flashmla_call}[who](fmt, cache, idx, h)
-                        r["us"] = time_fn(fn, reps=30)
-                        r["pct_sol"] = 100 * sol / r["us"]
-                        print(f"{fname:13s} b={b:3d} h={h:3d} {who:13s} {r['us']:8.1f} us  {r['pct_sol']:5.1f}% SOL",
-                              flush=True)
-                    except Exception as e:
-                        r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                        print(f"{fname:13s} b={b:3d} h={h:3d} {who:10s} ERROR {r['error']}", flush=True)
-                    rows.append(r)
-            del cache, idx
-    json.dump(dict(copy_bw=copy_bw, mm=mm, rows=rows), open(a.out, "w"), indent=1)
+        for (b, ctx, s_q), group in by_batch.items():
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            base = build_workload(group[0][1], fmt, device=rec.device)
+            layout, cache = base.layout, base.cache
+            print(f"{fname}: cache of {b} x {ctx} tokens ({cache.rows.numel() / 2 ** 30:.2f} GiB)", flush=True)
+            for name, cfg in group:
+                wl = base if cfg is group[0][1] else build_queries(cfg, cache, layout)
+                rec.attempt(f"{name} {fname} sparsemla", lambda: measure(rec, name, wl, "sparsemla",
+                                                                          lambda: ours_call(wl)))
+                if fp8qk and fname in FP8QK_FORMATS:
+                    rec.attempt(f"{name} {fname} {FP8QK_BACKEND}",
+                                lambda: measure(rec, name, wl, "sparsemla-fp8qk",
+                                                lambda: ours_call(wl, FP8QK_BACKEND)))
+                if not peers:
+                    continue
+                for peer, fmts in P.PEER_FORMATS.items():
+                    if fname in fmts:
+                        variant = ("heads padded to 64" if peer == "flashmla" and cfg.num_heads < 64 else
+                                   "fa3, page size 1" if peer == "flashinfer" else None)
+                        rec.attempt(f"{name} {fname} {peer}",
+                                    lambda: measure(rec, name, wl, peer,
+                                                    lambda: (P.DECODE_BUILDERS[peer](wl), None),
+                                                    variant=variant, check=False))
+            del base, cache, layout
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    D.common_args(ap, formats=ALL_FORMATS)
+    ap.add_argument("--heads", default="16,64,128", help="comma list of head counts (configurations D-h<H>)")
+    ap.add_argument("--configs", default=None, help="comma list of configuration names instead of --heads "
+                    "(e.g. D-h128-mtp,D-k-k1024-h128)")
+    ap.add_argument("--no-fp8qk", action="store_true", help="leave out the FP8-QK mode")
+    a = ap.parse_args(argv)
+    names = a.configs.split(",") if a.configs else [f"D-h{h}" for h in D.int_list(a.heads)]
+    rec = D.Recorder(a)
+    run_decode(rec, names, D.fmt_list(a.formats), fp8qk=not a.no_fp8qk, peers=not a.no_peers)
+    return rec.finish()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

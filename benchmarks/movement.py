@@ -1,243 +1,161 @@
-"""H200 benchmark of the data-movement kernels, as achieved bandwidth against the copy bandwidth
-measured in the same run.
+"""Data-movement kernels as achieved bandwidth against the copy bandwidth measured in the same process.
 
-    python3 benchmarks/bench_movement.py --out movement.json [--quick] [--sweep]
+    python3 benchmarks/movement.py --results benchmarks/results/h200.jsonl
+    python3 benchmarks/movement.py --only write --formats nvfp4_ds_mla,nvfp4_ds_mla-nope
+    python3 benchmarks/movement.py --dry-run --results /tmp/r.jsonl                # CPU check
 
-* cache write: 65,536 tokens per format (bf16 kv_c + k_pe in, 64-token blocks), two slot patterns:
-  ``scatter`` (every slot shuffled: the worst case, decode-like) and ``prefill`` (whole blocks of
-  consecutive slots, the blocks shuffled: what a prefill or chunked-prefill step writes); bytes = input
-  read (kv_c, k_pe, slot mapping) + rows written.
-* top-k gather to FP8: b 128 query tokens, top-k 2048, each of its own request with a 32K-token context
-  (distinct random positions, block size 64, blocks shuffled), rows from ``convert_indices``;
-  bytes = valid rows read + indices read + staged rows written.
-* context upconvert to bf16: 4 requests x 32K tokens, shuffled blocks; bytes = rows read + table read
-  + bf16 workspace written.
-* index conversion (b 128 x 2048, compact + counts), for information.
+* ``W-scatter`` / ``W-prefill``: ``PagedKVCache.write`` of 65,536 tokens (bf16 kv_c + k_pe in, 64-token
+  blocks) with every slot shuffled (decode-like) or whole blocks of consecutive slots, the blocks shuffled
+  (prefill); bytes = input read (kv_c, k_pe, slots) + rows written.
+* ``G-fp8``: the top-k gather to FP8 rows (``triton-staged``'s first step), b 128 query tokens x top-k 2048
+  over 32K-token contexts; bytes = valid rows read + indices and counts read + staged rows written.
+* ``U-bf16``: the context upconvert to a bf16 workspace (the prefill input), 4 requests x 32K tokens;
+  bytes = rows read + block table read + workspace written.
+* ``I-convert``: index conversion, b 128 x 2048, compacted, with valid counts.
 
-Timing: CUDA events around each call, the L2 flushed before every call (a 256 MB write), median of
-``--reps`` (>= 30; 5 with --quick) after warm-up.  Copy ceiling: a 1 GiB device-to-device ``copy_``,
-bytes read + written.  ``--sweep`` also times other tilings of each kernel and reports the best (used to
-choose the defaults).  Writes JSON to --out and prints a table with % of copy bandwidth (target >= 70 %).
+Each call is timed by CUDA-graph replay, the L2 flushed before each, median of ``--reps``; the row's
+``sol_pct`` is achieved GB/s over the copy ceiling.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from sparsemla.bench.drivers import prepare_environment  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+prepare_environment()
 
-from sparsemla.bench.ceilings import measure_copy_bandwidth  # noqa: E402
-from sparsemla.bench.timing import time_fn as _time  # noqa: E402
-from sparsemla.cache import PagedKVCache  # noqa: E402
-from sparsemla.formats import all_formats  # noqa: E402
-from sparsemla.indices import convert_indices_torch  # noqa: E402
-from sparsemla.kernels import cache_write as cw  # noqa: E402
-from sparsemla.kernels import staging as st  # noqa: E402
-from sparsemla.kernels.convert_indices import convert_indices_triton  # noqa: E402
+import torch  # noqa: E402
 
-DEV = "cuda"
+from sparsemla.bench import drivers as D  # noqa: E402
+from sparsemla.bench.workload import heavy_tailed  # noqa: E402
+
 BS = 64
+ALL = "bf16,fp8,fp8_ds_mla,nvfp4_ds_mla,bf16-nope,fp8-nope,fp8_ds_mla-nope,nvfp4_ds_mla-nope"
 
 
-def time_us(fn, reps, warmup=3):
-    """Median time of ``fn`` in microseconds, L2 flushed before each call (sparsemla.bench.timing)."""
-    return _time(fn, device=DEV, reps=reps, warmup=warmup).median_us
+def sizes(dry: bool) -> dict:
+    if dry:
+        return dict(write=1024, b=2, topk=64, ctx=512, up_req=2, up_ctx=512)
+    return dict(write=65536, b=128, topk=2048, ctx=32768, up_req=4, up_ctx=32768)
 
 
-def copy_bandwidth(reps):
-    """Device-to-device copy of 1 GiB, bytes read + written per second."""
-    return measure_copy_bandwidth(DEV, reps=reps)
+def gen(dev, seed):
+    return torch.Generator(device=dev).manual_seed(seed)
 
 
-def heavy(n, d, seed):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    x = torch.randn(n, d, generator=g, device=DEV) * torch.exp(torch.randn(n, 1, generator=g, device=DEV))
-    x[:, 7] *= 20
-    return x.to(torch.bfloat16)
+def bf16(n, d, dev, seed):
+    return heavy_tailed((n, d), generator=gen(dev, seed), device=dev)
 
 
-# ------------------------------------------------------------------------------------------------
-# workloads: each returns (label, bytes moved, {config name: callable})
-# ------------------------------------------------------------------------------------------------
-WRITE_CONFIGS = {"default": None, "tok4_w4": {"TOK": 4, "num_warps": 4}, "tok8_w8": {"TOK": 8, "num_warps": 8},
-                 "tok16_w4": {"TOK": 16, "num_warps": 4}, "tok16_w8": {"TOK": 16, "num_warps": 8},
-                 "tok32_w8": {"TOK": 32, "num_warps": 8}, "tok2_w4": {"TOK": 2, "num_warps": 4},
-                 "tok8_w4": {"TOK": 8, "num_warps": 4}, "tok8_w2": {"TOK": 8, "num_warps": 2},
-                 "tok4_w2": {"TOK": 4, "num_warps": 2}}
-GATHER_CONFIGS = {"default": None, "bk8_w4": {"BK": 8, "num_warps": 4}, "bk16_w8": {"BK": 16, "num_warps": 8},
-                  "bk32_w4": {"BK": 32, "num_warps": 4}, "bk32_w8": {"BK": 32, "num_warps": 8}}
-UPCONVERT_CONFIGS = {"default": None, "bp8_w4": {"BP": 8, "num_warps": 4}, "bp16_w8": {"BP": 16, "num_warps": 8},
-                     "bp32_w4": {"BP": 32, "num_warps": 4}, "bp32_w8": {"BP": 32, "num_warps": 8}}
-
-
-def write_workload(fmt, n=65536, seed=0, pattern="scatter"):
-    num_blocks = 2 * n // BS
-    cache = PagedKVCache(fmt, num_blocks, BS, DEV)
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    if pattern == "scatter":
-        slots = torch.randperm(cache.num_slots, generator=g, device=DEV)[:n].to(torch.int32)
-    else:  # prefill: consecutive slots in shuffled blocks
-        blocks = torch.randperm(num_blocks, generator=g, device=DEV)[:n // BS]
-        slots = (blocks[:, None] * BS + torch.arange(BS, device=DEV)[None, :]).flatten().to(torch.int32)
-    kv = heavy(n, 512, seed + 1)
-    pe = heavy(n, fmt.rope_dim, seed + 2) if fmt.rope_dim else None
-    nbytes = n * (512 * 2 + fmt.rope_dim * 2 + 4 + fmt.bytes_per_token)
-
-    def run(cfg):
-        return lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0, _config=cfg)
-    extra = {}
-    if fmt.name == "nvfp4_ds_mla":     # the other NVFP4 paths and tilings, for comparison
-        extra["fp32_path"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0,
-                                                    _config={"pairs": False})
-        extra["int_path"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0, _emulate=True)
-        for tok, w in ((8, 4), (8, 2), (32, 8), (16, 8), (16, 4), (16, 2), (4, 1), (4, 2), (8, 1)):
-            extra[f"cvt_tok{tok}_w{w}"] = (lambda tok=tok, w=w: cw.cache_write(
-                cache.rows, fmt, kv, pe, slots, BS, BS, 1.0, _emulate=False, _config={"TOK": tok, "num_warps": w}))
-        extra["no_hint"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0,
-                                                  _config={"aligned": False})
-        extra["mask_path"] = lambda: cw.cache_write(cache.rows, fmt, kv, pe, slots, BS, BS, 1.0,
-                                                    _config={"fma": False})
-    return nbytes, run, extra
-
-
-def decode_rows(b=128, topk=2048, ctx=32768, seed=0):
-    """Distinct random positions of b requests with ctx-token contexts in shuffled blocks -> cache rows."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    max_blocks = ctx // BS
-    table = torch.randperm(b * max_blocks, generator=g, device=DEV).reshape(b, max_blocks).to(torch.int32)
-    pos = torch.argsort(torch.rand(b, ctx, generator=g, device=DEV), dim=1)[:, :topk].to(torch.int32)
-    req = torch.arange(b, dtype=torch.int32, device=DEV)
-    return pos, req, table
-
-
-def filled_cache(fmt, num_blocks, seed):
-    cache = PagedKVCache(fmt, num_blocks, BS, DEV)
+def filled_cache(fmt, num_blocks, dev, seed):
+    from sparsemla.cache import PagedKVCache
+    cache = PagedKVCache(fmt, num_blocks, BS, dev)
     chunk = 1 << 20
     for s0 in range(0, cache.num_slots, chunk):
         n = min(chunk, cache.num_slots - s0)
-        kv = heavy(n, 512, seed + s0)
-        pe = heavy(n, fmt.rope_dim, seed + s0 + 1) if fmt.rope_dim else None
-        cache.write(kv, pe, torch.arange(s0, s0 + n, dtype=torch.int32, device=DEV), check=False)
+        pe = bf16(n, fmt.rope_dim, dev, seed + s0 + 1) if fmt.rope_dim else None
+        cache.write(bf16(n, 512, dev, seed + s0), pe, torch.arange(s0, s0 + n, dtype=torch.int32, device=dev),
+                    check=False)
     return cache
 
 
-def gather_workload(fmt, pos, req, table):
-    cache = filled_cache(fmt, table.numel(), seed=5)
+def record(rec, cfg, fmt_id, call, nbytes, batch, topk=0):
+    us, timing = rec.time(call)
+    gbps = nbytes / (us * 1e-6) / 1e9
+    row = rec.add(config=cfg, kind="movement", fmt=fmt_id, heads=0, batch=batch, s_q=1, topk=topk, impl="sparsemla",
+                  timing=timing, value=us, gbps=gbps, sol_pct=100 * gbps * 1e9 / rec.ceilings.copy_bytes_per_s,
+                  bytes=nbytes)
+    D.print_row(row, f"  {gbps:.0f} GB/s")
+
+
+def write(rec, fmt, n, pattern):
+    from sparsemla.cache import PagedKVCache
+    dev = rec.device
+    num_blocks = 2 * n // BS
+    cache = PagedKVCache(fmt, num_blocks, BS, dev)
+    g = gen(dev, 3)
+    if pattern == "scatter":
+        slots = torch.randperm(cache.num_slots, generator=g, device=dev)[:n].to(torch.int32)
+    else:
+        blocks = torch.randperm(num_blocks, generator=g, device=dev)[:n // BS]
+        slots = (blocks[:, None] * BS + torch.arange(BS, device=dev)[None, :]).flatten().to(torch.int32)
+    kv = bf16(n, 512, dev, 1)
+    pe = bf16(n, fmt.rope_dim, dev, 2) if fmt.rope_dim else None
+    nbytes = n * (512 * 2 + fmt.rope_dim * 2 + 4 + fmt.bytes_per_token)
+    record(rec, f"W-{pattern}", fmt.id, lambda: cache.write(kv, pe, slots, check=False), nbytes, n)
+
+
+def decode_positions(dev, b, topk, ctx):
+    g = gen(dev, 0)
+    nblk = ctx // BS
+    table = torch.randperm(b * nblk, generator=g, device=dev).reshape(b, nblk).to(torch.int32)
+    pos = torch.argsort(torch.rand(b, ctx, generator=g, device=dev), dim=1)[:, :topk].to(torch.int32)
+    return pos, torch.arange(b, dtype=torch.int32, device=dev), table
+
+
+def gather(rec, fmt, s):
+    from sparsemla.indices import convert_indices_torch
+    from sparsemla.kernels.staging import gather_topk_fp8
+    dev = rec.device
+    pos, req, table = decode_positions(dev, s["b"], s["topk"], s["ctx"])
+    cache = filled_cache(fmt, table.numel(), dev, 5)
     rows, counts = convert_indices_torch(pos, req, table, BS, BS, True)
-    out = torch.empty(*rows.shape, fmt.head_dim, dtype=torch.float8_e4m3fn, device=DEV)
-    n_valid = int((rows >= 0).sum())
-    nbytes = n_valid * fmt.bytes_per_token + rows.numel() * 4 + counts.numel() * 4 + out.numel()
-
-    def run(cfg):
-        return lambda: st.gather_topk_fp8(cache.rows, fmt, rows, counts, 1.0, out=out, check=False, _config=cfg)
-    return nbytes, run, cache
+    out = torch.empty(*rows.shape, fmt.head_dim, dtype=torch.float8_e4m3fn, device=dev)
+    nbytes = int((rows >= 0).sum()) * fmt.bytes_per_token + rows.numel() * 4 + counts.numel() * 4 + out.numel()
+    record(rec, "G-fp8", fmt.id, lambda: gather_topk_fp8(cache.rows, fmt, rows, counts, out=out, check=False),
+           nbytes, s["b"], s["topk"])
 
 
-def upconvert_workload(fmt, n_req=4, ctx=32768, seed=7):
-    max_blocks = ctx // BS
-    cache = filled_cache(fmt, n_req * max_blocks, seed)
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    table = torch.randperm(n_req * max_blocks, generator=g, device=DEV).reshape(n_req, max_blocks).to(torch.int32)
-    seq = torch.full((n_req,), ctx, dtype=torch.int32, device=DEV)
-    starts = (torch.arange(n_req, device=DEV) * ctx).to(torch.int32)
-    out = torch.empty(n_req * ctx, fmt.head_dim, dtype=torch.bfloat16, device=DEV)
+def upconvert(rec, fmt, s):
+    from sparsemla.kernels.staging import upconvert_context
+    dev = rec.device
+    n_req, ctx = s["up_req"], s["up_ctx"]
+    nblk = ctx // BS
+    cache = filled_cache(fmt, n_req * nblk, dev, 7)
+    table = torch.randperm(n_req * nblk, generator=gen(dev, 7), device=dev).reshape(n_req, nblk).to(torch.int32)
+    seq = torch.full((n_req,), ctx, dtype=torch.int32, device=dev)
+    starts = (torch.arange(n_req, device=dev) * ctx).to(torch.int32)
+    out = torch.empty(n_req * ctx, fmt.head_dim, dtype=torch.bfloat16, device=dev)
     nbytes = n_req * ctx * fmt.bytes_per_token + table.numel() * 4 + out.numel() * 2
-
-    def run(cfg):
-        return lambda: st.upconvert_context(cache.rows, fmt, table, seq, BS, BS, 1.0, out=out,
-                                            workspace_start=starts, check=False, _config=cfg)
-    return nbytes, run, cache
+    record(rec, "U-bf16", fmt.id, lambda: upconvert_context(cache.rows, fmt, table, seq, BS, BS, out=out,
+                                                            workspace_start=starts, check=False), nbytes, n_req)
 
 
-def measure(results, kernel, fmt_id, nbytes, run, configs, reps, copy_bw, sweep, extra=None):
-    """Time the default tiling (and the others with --sweep); a failing variant is recorded, not fatal."""
-    best = None
-    names = list(configs) if sweep else ["default"]
-    fns = [(name, run(configs[name])) for name in names] + list((extra or {}).items())
-    entries = []
-    for name, fn in fns:
-        try:
-            entries.append((name, time_us(fn, reps)))
-        except Exception as e:  # noqa: BLE001 - keep the other results of a one-shot GPU run
-            results.append({"kernel": kernel, "format": fmt_id, "config": name, "error": f"{type(e).__name__}: {e}"[:300]})
-    for name, t in entries:
-        gbps = nbytes / (t * 1e-6) / 1e9
-        rec = {"kernel": kernel, "format": fmt_id, "config": name, "time_us": round(t, 2), "bytes": nbytes,
-               "GBps": round(gbps, 1), "pct_copy": round(100 * gbps * 1e9 / copy_bw, 1)}
-        results.append(rec)
-        if name == "default":
-            best = rec
-    return best
+def convert(rec, s):
+    from sparsemla.indices import convert_indices
+    pos, req, table = decode_positions(rec.device, s["b"], s["topk"], s["ctx"])
+    nbytes = pos.numel() * 8 + s["b"] * 4
+    record(rec, "I-convert", "-", lambda: convert_indices(pos, req, table, BS, BS, True, compact=True, check=False),
+           nbytes, s["b"], s["topk"])
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="JSON file to write")
-    ap.add_argument("--quick", action="store_true", help="5 timed runs, smaller gather/upconvert (smoke test)")
-    ap.add_argument("--sweep", action="store_true", help="also time other tilings of each kernel")
-    ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--only", default=None, help="comma list of kernels: write,gather,upconvert,convert")
-    ap.add_argument("--formats", default=None, help="comma list of format ids (default: all)")
-    args = ap.parse_args()
-    reps = 5 if args.quick else max(args.reps, 30)
-    torch.manual_seed(0)
-    copy_bw = copy_bandwidth(reps)
-    results = []
-    fmts = all_formats()
-    if args.formats:
-        fmts = [f for f in fmts if f.id in args.formats.split(",")]
-
-    only = set(args.only.split(",")) if args.only else {"write", "gather", "upconvert", "convert"}
-    for fmt in fmts if "write" in only else []:
-        for pattern in ("scatter", "prefill"):
-            nbytes, run, extra = write_workload(fmt, n=65536, pattern=pattern)
-            name = "cache_write_65536" + ("" if pattern == "scatter" else "_prefill")
-            measure(results, name, fmt.id, nbytes, run, WRITE_CONFIGS, reps, copy_bw, args.sweep, extra)
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    D.common_args(ap, formats=ALL)
+    ap.add_argument("--only", default="write,gather,upconvert,convert", help="comma list of kernels")
+    a = ap.parse_args(argv)
+    from sparsemla.formats import get_format
+    rec = D.Recorder(a)
+    s = sizes(rec.dry)
+    only = set(a.only.split(","))
+    fmts = [get_format(f) for f in D.fmt_list(a.formats)]
+    for fmt in fmts:
+        if "write" in only:
+            for pattern in ("scatter", "prefill"):
+                rec.attempt(f"W-{pattern} {fmt.id}", lambda: write(rec, fmt, s["write"], pattern))
+        if "gather" in only:
+            rec.attempt(f"G-fp8 {fmt.id}", lambda: gather(rec, fmt, s))
+        if "upconvert" in only:
+            rec.attempt(f"U-bf16 {fmt.id}", lambda: upconvert(rec, fmt, s))
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-    b = 16 if args.quick else 128
-    pos, req, table = decode_rows(b=b)
-    for fmt in fmts if "gather" in only else []:
-        nbytes, run, cache = gather_workload(fmt, pos, req, table)
-        measure(results, f"gather_topk_b{b}_k2048", fmt.id, nbytes, run, GATHER_CONFIGS, reps, copy_bw, args.sweep)
-        del cache
-        torch.cuda.empty_cache()
-
-    n_req = 1 if args.quick else 4
-    for fmt in fmts if "upconvert" in only else []:
-        nbytes, run, cache = upconvert_workload(fmt, n_req=n_req)
-        measure(results, f"upconvert_{n_req}x32k", fmt.id, nbytes, run, UPCONVERT_CONFIGS, reps, copy_bw, args.sweep)
-        del cache
-        torch.cuda.empty_cache()
-
-    pos, req, table = decode_rows(b=128)
-    t = time_us(lambda: convert_indices_triton(pos, req, table, BS, BS, True, True), reps)
-    nbytes = pos.numel() * 8 + 128 * 4
     if "convert" in only:
-            results.append({"kernel": "convert_indices_b128_k2048_compact", "format": "-", "config": "default",
-                        "time_us": round(t, 2), "bytes": nbytes, "GBps": round(nbytes / (t * 1e-6) / 1e9, 1),
-                        "pct_copy": round(100 * nbytes / (t * 1e-6) / copy_bw, 1)})
-
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": __import__("triton").__version__, "copy_GBps": round(copy_bw / 1e9, 1),
-              "reps": reps, "quick": args.quick, "results": results}
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-
-    print(f"\n{report['device']}: copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write), median of {reps}")
-    print(f"{'kernel':36s} {'format':18s} {'config':10s} {'us':>9s} {'GB/s':>8s} {'% copy':>7s}")
-    for r in results:
-        if "error" in r:
-            print(f"{r['kernel']:36s} {r['format']:18s} {r['config']:10s} ERROR {r['error'][:60]}")
-            continue
-        flag = "" if r["config"] != "default" or r["pct_copy"] >= 70 or r["kernel"].startswith("convert") else "  < 70%"
-        print(f"{r['kernel']:36s} {r['format']:18s} {r['config']:10s} {r['time_us']:9.1f} {r['GBps']:8.0f} "
-              f"{r['pct_copy']:6.1f}%{flag}")
+        rec.attempt("I-convert", lambda: convert(rec, s))
+    return rec.finish()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,88 +1,110 @@
-"""H200: sparse prefill through the ``SparseMLA`` runner, per format, with and without the bf16 workspace.
+"""Sparse prefill through the runner, per format, with native reads and through the bf16 workspace; FlashMLA's
+sparse prefill on bf16 rows in the same process.
 
-    python3 benchmarks/prefill_runner.py --out prefill_runner.json [--heads 128 16]
+    python3 benchmarks/prefill.py --results benchmarks/results/h200.jsonl        # P-32k, P-h64, P-h16
+    python3 benchmarks/prefill.py --dry-run --formats fp8_ds_mla --results /tmp/r.jsonl
 
-P-32k geometry (benchmarking guide): one request with a 32,768-token context, its last 4,096 tokens as
-query tokens, top-k 2048 distinct positions per token (random), block size 64, blocks shuffled.  Timed:
-``runner.run`` (index conversion + [upconvert] + attention), L2 flushed before each call, median of
-``--reps``.  TFLOP/s = 2 * h * valid pairs * (576 + 512) / time.  ``native`` reads the quantized cache in
-the attention kernel; ``workspace`` upconverts the context to bf16 first (``prefill_workspace_tokens``).
+Geometry (``docs/benchmarking.md``, P-32k): one request with a 32,768-token context, its last 4,096 tokens
+as queries, top-k 2048 distinct causal positions per token, 64-token blocks shuffled.  Timed: one
+``SparseMLA.run`` (index conversion, the upconvert of the context when the runner has a bf16 workspace,
+attention), CUDA-graph replay, L2 flushed, median of ``--reps``; TFLOP/s = 2 h (valid pairs) (576 + 512) /
+time.  ``native reads``: the attention kernel reads the quantized rows; ``bf16 workspace``:
+``SparseMLA(..., prefill_workspace_tokens=32768)``.  FlashMLA: ``flash_mla_sparse_fwd(..., use_legacy=True)``
+on the bf16 cache's rows, q padded to 64 / 128 heads.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+from dataclasses import replace
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from sparsemla.bench.drivers import prepare_environment  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+prepare_environment()
 
-from sparsemla.bench.timing import time_fn  # noqa: E402
-from sparsemla.cache import PagedKVCache  # noqa: E402
-from sparsemla.reference import sparse_mla  # noqa: E402
-from sparsemla.indices import convert_indices_torch  # noqa: E402
-from sparsemla.runner import BatchMetadata, SparseMLA  # noqa: E402
+import torch  # noqa: E402
 
-BS, CTX, SQ, TOPK = 64, 32768, 4096, 2048
+from sparsemla.bench import drivers as D  # noqa: E402
+from sparsemla.bench.accounting import achieved, attention_work  # noqa: E402
+
+REL_TOL = 2e-2
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="prefill_runner.json")
-    ap.add_argument("--heads", nargs="+", type=int, default=[128, 16])
-    ap.add_argument("--formats", default="bf16,fp8,fp8_ds_mla,nvfp4_ds_mla")
-    ap.add_argument("--reps", type=int, default=10)
-    a = ap.parse_args()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    nblk = CTX // BS
-    table = torch.randperm(nblk + 16, generator=g, device="cuda")[:nblk].to(torch.int32)
-    md = BatchMetadata.from_lists([SQ], [CTX], [table.tolist()], block_size=BS, device="cuda")
-    ctx = torch.tensor(md.context_lens_host(), device="cuda")
-    # distinct random positions below each token's causal limit (all of them when the context is shorter)
-    keys = torch.rand(SQ, CTX, generator=g, device="cuda")
-    keys[torch.arange(CTX, device="cuda")[None, :] >= ctx[:, None]] = 2.0
-    topk_local = keys.argsort(dim=1)[:, :TOPK].to(torch.int32)
-    topk_local[torch.arange(TOPK, device="cuda")[None, :] >= ctx[:, None]] = -1
-    del keys
-    pairs = int((topk_local >= 0).sum())
-    rows = []
-    for fname in a.formats.split(","):
-        cache = PagedKVCache(fname, nblk + 16, BS, "cuda")
-        n = cache.num_slots
-        kv = torch.randn(n, 512, generator=g, device="cuda") * torch.exp(0.5 * torch.randn(n, 1, generator=g, device="cuda"))
-        cache.write(kv, torch.randn(n, 64, generator=g, device="cuda"), torch.arange(n, dtype=torch.int32, device="cuda"))
-        del kv
-        for h in a.heads:
-            q = (torch.randn(SQ, h, 576, generator=g, device="cuda")).to(torch.bfloat16)
-            flops = 2 * h * pairs * (576 + 512)
-            for mode in (["native", "workspace"] if fname != "bf16" else ["native"]):
-                r = dict(format=fname, heads=h, mode=mode)
-                try:
-                    runner = SparseMLA(SQ, 1, nblk, h, 576, TOPK, fname, backend="triton", block_size=BS,
-                                       sm_scale=576 ** -0.5, device="cuda",
-                                       prefill_workspace_tokens=CTX if mode == "workspace" else 0)
-                    runner.plan(md)
-                    out, lse = runner.run(q, cache, topk_local)
-                    sel = torch.arange(0, SQ, SQ // 8, device="cuda")  # a few tokens against float64
-                    rr = convert_indices_torch(topk_local[sel], md.req_id_per_token[sel], md.block_table, BS)
-                    ro, _ = sparse_mla(q[sel], cache, rr, 576 ** -0.5)
-                    r["rel_err"] = ((out[sel].double() - ro).norm() / ro.norm()).item()
-                    us = time_fn(lambda: runner.run(q, cache, topk_local), device="cuda", reps=a.reps,
-                                 warmup=2).median_us
-                    r.update(us=us, tflops=flops / us / 1e6)
-                    print(f"{fname:13s} h={h:3d} {mode:9s} {us / 1e3:8.2f} ms  {r['tflops']:6.1f} TFLOP/s  "
-                          f"err {r['rel_err']:.1e}", flush=True)
-                except Exception as e:  # report, go on
-                    r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    print(f"{fname} h={h} {mode}: ERROR {r['error']}", flush=True)
-                rows.append(r)
-                del runner
-        del cache
-        torch.cuda.empty_cache()
-    json.dump(dict(pairs=pairs, rows=rows), open(a.out, "w"), indent=1)
+def runner_call(wl, workspace: bool):
+    from sparsemla import BatchMetadata, SparseMLA
+    cfg, lay = wl.config, wl.layout
+    nblk = lay.block_table.shape[1]
+    ctx = int(lay.context_lens[0])
+    md = BatchMetadata.from_lists([cfg.s_q], [ctx], [lay.block_table[0].tolist()], block_size=lay.block_size,
+                                  device=wl.q.device)
+    attn = SparseMLA(cfg.s_q, 1, nblk, cfg.num_heads, wl.fmt.head_dim, cfg.topk, wl.fmt, block_size=lay.block_size,
+                     sm_scale=wl.sm_scale, device=wl.q.device, prefill_workspace_tokens=ctx if workspace else 0)
+    attn.plan(md)
+    out = torch.empty(cfg.s_q, cfg.num_heads, 512, dtype=torch.bfloat16, device=wl.q.device)
+    lse = torch.empty(cfg.s_q, cfg.num_heads, dtype=torch.float32, device=wl.q.device)
+    return (lambda: attn.run(wl.q, wl.cache, wl.topk_local, wl.k_scale, out=out, lse=lse)), out
+
+
+def rel_err(wl, out) -> float:
+    from sparsemla.reference import sparse_mla
+    sel = torch.linspace(0, wl.q.shape[0] - 1, 4, device=wl.q.device).long()
+    ref, _ = sparse_mla(wl.q[sel], wl.cache, wl.indices[sel], wl.sm_scale, valid_counts=wl.valid_counts[sel],
+                        k_scale=wl.k_scale)
+    return ((out[sel].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def measure(rec, name, wl, impl, call, out, variant):
+    err = None
+    if out is not None:
+        call()
+        err = rel_err(wl, out)
+        if not err < REL_TOL:
+            raise AssertionError(f"output off by {err:.2e} relative to float64: not timed")
+    us, timing = rec.time(call)
+    work = attention_work(wl.q, wl.indices, wl.fmt.bytes_per_token, wl.valid_counts)
+    a = achieved(us * 1e-6, work, rec.ceilings)
+    c = wl.config
+    row = rec.add(config=name, kind="prefill", fmt=wl.fmt.id, heads=c.num_heads, batch=c.batch, s_q=c.s_q,
+                  topk=c.topk, impl=impl, timing=timing, value=us, tflops=a["tflops"], sol_pct=a["pct_sol"],
+                  sol_us=a["sol_us"], bytes=work.nbytes, context=c.context, variant=variant, rel_err=err)
+    D.print_row(row, f"  {a['tflops']:.0f} TFLOP/s")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    D.common_args(ap, formats="bf16,fp8,fp8_ds_mla,nvfp4_ds_mla", reps=10)
+    ap.add_argument("--heads", default="128,64,16", help="comma list: 128 = P-32k, 16 = P-h16, others P-h<H>")
+    a = ap.parse_args(argv)
+    from sparsemla.bench import peers as P
+    from sparsemla.bench.workload import build_queries, build_workload
+    from sparsemla.formats import get_format
+    rec = D.Recorder(a)
+    base_cfg = D.config_named("P-32k")
+    for fname in D.fmt_list(a.formats):
+        fmt = get_format(fname)
+        base = None
+        for h in D.int_list(a.heads):
+            name = {128: "P-32k", 16: "P-h16"}.get(h, f"P-h{h}")
+            cfg = D.scaled(replace(base_cfg, id=name, name=name, num_heads=h), rec.dry)
+            if base is None:
+                base = build_workload(cfg, fmt, device=rec.device)
+            wl = build_queries(cfg, base.cache, base.layout)
+            modes = [("native reads", False)] + ([("bf16 workspace", True)] if fmt.name != "bf16" else [])
+            for variant, ws in modes:
+                rec.attempt(f"{name} {fname} {variant}",
+                            lambda: measure(rec, name, wl, "sparsemla", *runner_call(wl, ws), variant))
+            if fmt.name == "bf16" and fmt.rope_dim and not a.no_peers:
+                rec.attempt(f"{name} {fname} flashmla",
+                            lambda: measure(rec, name, wl, "flashmla",
+                                            P.flashmla_prefill(wl, wl.cache.rows.view(torch.bfloat16)), None,
+                                            "bf16 rows, use_legacy=True"))
+        del base
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rec.finish()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -238,14 +238,16 @@ def movement_section(t: Table) -> List[str]:
     return out + [""]
 
 
-HOST = [("H-decode", "`sparse_mla_decode`, default arguments"),
-        ("H-prefill", "`sparse_mla_prefill`, default arguments"),
-        ("H-run", "`SparseMLA.run`, one layer"),
+HOST = [("H-decode-b1", "`sparse_mla_decode`, default arguments, b 1"),
+        ("H-decode-b128", "`sparse_mla_decode`, default arguments, b 128"),
+        ("H-prefill", "`sparse_mla_prefill`, default arguments, 128 tokens"),
+        ("H-run", "`SparseMLA.run`, one layer, b 128"),
         ("H-plan", "`SparseMLA.plan`, 128 requests"),
         ("H-metadata", "`BatchMetadata.from_tensors`, 128 requests")]
 
 
-HOST_TARGET_US = {"H-decode": 25, "H-prefill": 25, "H-run": 25, "H-plan": 100, "H-metadata": 100}
+HOST_TARGET_US = {"H-decode-b1": 25, "H-decode-b128": 25, "H-prefill": 25, "H-run": 25, "H-plan": 100,
+                  "H-metadata": 100}
 
 
 def host_section(t: Table) -> List[str]:
@@ -262,7 +264,8 @@ def host_section(t: Table) -> List[str]:
         for r in rows:
             if r["config"] == cfg and r["timing"] == "host":
                 g = t.get(cfg, r["format"], r["impl"], "graph")
-                call = what if r["impl"].startswith("sparsemla") else f"{PEERS[r['impl']]} {r.get('variant', '')}"
+                call = what if r["impl"].startswith("sparsemla") else \
+                    f"{PEERS[r['impl']]} ({r.get('variant', '')}), b {r['batch']}"
                 body.append([call.strip(), f"`{r['format']}`", r["batch"], r["heads"], f"{r['value']:.1f} us",
                              us(g, False) if g else "--"])
     out += md_table(["call", "format", "b", "heads", "host time per call", "GPU time (graph)"], body)
@@ -427,12 +430,40 @@ def render_readme_block(rows: Sequence[dict], triton: Optional[str] = None) -> s
         body.append(cells)
     env = collections.Counter((r["gpu"], r["torch"], r["triton"]) for r in dec).most_common(1)
     gpu, torch_v, triton_v = env[0][0] if env else ("?", "?", "?")
-    lines = [BEGIN, "", f"Decode, b 128, top-k 2048, 32K-token contexts; {gpu}, torch {torch_v}, Triton {triton_v}; "
+    lines = [BEGIN, f"Decode, b 128, top-k 2048, 32K-token contexts; {gpu}, torch {torch_v}, Triton {triton_v}; "
              f"{provenance(dec)}; sparsemla by CUDA-graph replay, peers in the same process "
              "(FlashMLA pads 16 heads to 64). Lower is better.", ""]
     lines += md_table(head, body)
-    lines += ["", END]
+    summary = ratio_summary(t)
+    if summary:
+        lines += ["", summary]
+    lines += [END]
     return "\n".join(lines)
+
+
+def ratio_summary(t: Table) -> str:
+    """One sentence: sparsemla's speed relative to the fastest peer at 16 and at 64-128 heads, per format group."""
+    groups = (("fp8 / fp8_ds_mla", ("fp8", "fp8_ds_mla")), ("nvfp4_ds_mla", ("nvfp4_ds_mla",)), ("bf16", ("bf16",)))
+    parts = []
+    for heads, label in (((16,), "16 heads"), ((64, 128), "64-128 heads")):
+        seg = []
+        for name, fmts in groups:
+            xs = []
+            for h in heads:
+                best = t.best_peer(f"D-h{h}")
+                for f in fmts:
+                    ours = t.get(f"D-h{h}", f, "sparsemla")
+                    if best and ours:
+                        xs.append(best["value"] / ours["value"])
+            if xs:
+                lo, hi = min(xs), max(xs)
+                seg.append(f"{name} {lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{name} {lo:.2f}-{hi:.2f}x")
+        if seg:
+            parts.append(f"at {label} {', '.join(seg)}")
+    if not parts:
+        return ""
+    return ("Speed relative to the fastest peer at the same head count (any format; above 1x sparsemla is "
+            "faster): " + "; ".join(parts) + ".")
 
 
 def splice(readme: str, block: str) -> str:
