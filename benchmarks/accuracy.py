@@ -3,7 +3,7 @@ top-k overlap with float64, and the small model's greedy-token agreement with it
 
 On the H200 (DeepSeek-V3.2 layer geometry, 32K-token contexts, 256 generated tokens):
 
-    python3 benchmarks/accuracy_report.py --out $OUT/accuracy.json --md $OUT/accuracy.md
+    python3 benchmarks/accuracy.py --out $OUT/accuracy.json --md $OUT/accuracy.md
 
 On a CPU, ``--quick`` runs tiny shapes in about a minute.  The JSON holds the rows, the sizes and the
 environment; the markdown file holds the table (for docs/accuracy.md).  What each column means is in
