@@ -35,7 +35,7 @@ RULES: List[Tuple[str, "re.Pattern", str]] = [
     ("session", re.compile(r"(?<![\w\"'])sessions?(?!\w)(?![\"'])", re.I), "all"),
     ("ordinal run", re.compile(rf"\b(?:{_ORD})[- ](?:session|device call|device run)s?\b", re.I), "all"),
     ("numbered call", re.compile(r"\bcall \d+\b"), "tree"),
-    ("run letter", re.compile(r"\b(?:run|Run|rerun) [A-H]\b(?![-\w])"), "tree"),
+    ("run letter", re.compile(r"\b(?:run|Run|rerun) [A-H](?=\s*[),.;:]|\s*$)"), "tree"),
     ("numbered run", re.compile(r"\b(?:re)?run\d+\b"), "tree"),
     ("artifact path", re.compile(r"\btools/exp\b|\bdocs/data\b"), "tree"),
     ("experiment script", re.compile(r"\bs\d{1,2}_(?:ab|run\d*|final|small|pdl|f8|cli)\w*"), "tree"),
