@@ -6,7 +6,8 @@
 The project speaks of itself: docstrings and comments state rules, math, layouts, invariants and bounds;
 measured figures live in BENCHMARKS.md (generated) and history in CHANGELOG.md.  What this looks for
 (:data:`RULES`): work sessions and ordinal runs ("the fifth session", "call 5", "run B", "rerun2"), paths of
-run artifacts that left the tree (``tools/exp``, ``docs/data``), experiment script names (``s12_ab``),
+run artifacts that left the tree (``tools/exp``, ``docs/data``), experiment script names (``s12_ab``), scripts
+and switches that are archived (``decode_sweep``, ``kernel-notes``, ``SPARSEMLA_WS``, ...),
 references to numbered BENCHMARKS sections or tables, issue numbers, who-did-what names of the workers
 (``H1``-``H5``, "the lead"), before/after narration of figures ("was 72 us", "153 -> 120 us"), and dates
 inside the package's code.
@@ -38,6 +39,9 @@ RULES: List[Tuple[str, "re.Pattern", str]] = [
     ("run letter", re.compile(r"\b(?:run|Run|rerun) [A-H](?=\s*[),.;:]|\s*$)"), "tree"),
     ("numbered run", re.compile(r"\b(?:re)?run\d+\b"), "tree"),
     ("artifact path", re.compile(r"\btools/exp\b|\bdocs/data\b"), "tree"),
+    ("archived script", re.compile(r"\b(?:bench_movement|decode_sweep|few_sweep|small_sweep|ws_sweep|peer_kernels|"
+                                   r"prefill_runner|profile_one|gpu_bench)\b|accuracy_report\.py|kernel-notes|"
+                                   r"SPARSEMLA_WS\b"), "tree"),
     ("experiment script", re.compile(r"\bs\d{1,2}_(?:ab|run\d*|final|small|pdl|f8|cli)\w*"), "tree"),
     ("BENCHMARKS section", re.compile(r"BENCHMARKS(?:\.md)?,? (?:sections?|tables?|§) ?\d+|\bsections? \d+[a-c]?\b", re.I),
      "tree"),
