@@ -11,7 +11,8 @@
 # Carry (see scripts/peers_env.sh): .whl (FlashMLA), .peers (FlashInfer); for another Triton release set
 # TRITON_BUNDLE=.carry/triton-3.8.0.tar.xz.  Time: BUDGET seconds in all (default 570); each test group
 # gets GROUP_TIMEOUT (default 420).  BENCH picks drivers (default "decode small_batch prefill movement
-# host_overhead"); BENCH_FORMATS narrows their formats.  Afterwards, on your machine:
+# host_overhead"); BENCH_FORMATS narrows their formats; SPARSEMLA_COMMIT=<sha> names the commit in the rows
+# when the copy of the tree has no git history.  Afterwards, on your machine:
 #   cat <files_at>/results.jsonl >> benchmarks/results/h200.jsonl && python3 benchmarks/render.py
 set -u
 MODE=all; DRY=0
@@ -124,7 +125,7 @@ run_bench() {
 [ "$MODE" = tests ] || run_bench
 
 python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0], 'cuda', torch.version.cuda, 'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')" > "$OUT/logs/versions.txt" 2>&1
-git rev-parse HEAD > "$OUT/logs/commit.txt" 2>/dev/null || true
+{ [ -n "${SPARSEMLA_COMMIT:-}" ] && echo "$SPARSEMLA_COMMIT"; } > "$OUT/logs/commit.txt" || git rev-parse HEAD > "$OUT/logs/commit.txt" 2>/dev/null || true
 tar czf "$OUT/gpu-suite.tgz" -C "$OUT" logs $( [ -f "$RESULTS" ] && echo results.jsonl )
 echo
 echo "== $(cat "$OUT/logs/versions.txt"); $(( $(date +%s) - START )) s"

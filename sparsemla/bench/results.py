@@ -135,7 +135,8 @@ def append(path: str, rows: Sequence[dict]) -> None:
 
 
 def environment_fields(device=None) -> dict:
-    """The environment keys of a row for a measurement taken now, in this process."""
+    """The environment keys of a row for a measurement taken now, in this process (``SPARSEMLA_COMMIT``, when
+    set, names the commit of a tree that has no git history)."""
     import torch
 
     from .env import git_commit
@@ -154,7 +155,8 @@ def environment_fields(device=None) -> dict:
         "triton": triton_version,
         "python": platform.python_version(),
         "cuda": torch.version.cuda or "none",
-        "commit": git_commit() or "unknown",
+        # A copy of the tree without its git history (a GPU machine) gets the commit from the caller.
+        "commit": os.environ.get("SPARSEMLA_COMMIT") or git_commit() or "unknown",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": " ".join(["python3"] + [os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] else ""]
                             + sys.argv[1:]),
