@@ -216,7 +216,7 @@ def test_check_list(capsys):
     assert "decode" in out and "prefill" in out
 
 
-def test_demo_prints_the_accuracy_table(capsys):
+def test_demo_prints_the_accuracy_table(capsys, no_interpreter):
     rc = main(["demo", "--cpu", "--requests", "2", "--context", "256", "--topk", "64", "--heads", "4",
                "--formats", "bf16", "--no-progress", "--accuracy"])
     assert rc == 0
