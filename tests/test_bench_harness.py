@@ -309,3 +309,142 @@ def test_tolerances():
     assert B.tolerance("triton-staged", "nvfp4_ds_mla") == B.LOSSY_TOLERANCE
     assert B.tolerance("triton-staged", "bf16-nope") == B.LOSSY_TOLERANCE
     assert B.tolerance("torch-gather", "bf16") == B.TORCH_TOLERANCE
+
+
+# --- results file, renderer, history check ---------------------------------------------------------------
+
+import importlib.util  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from sparsemla.bench import results as R  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_script(rel):
+    spec = importlib.util.spec_from_file_location(os.path.basename(rel)[:-3], os.path.join(ROOT, rel))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ENV = dict(gpu="NVIDIA H200", torch="2.11.0+cu130", triton="3.6.0", python="3.12", cuda="13.0",
+           commit="0" * 40, date="2026-12-01T00:00:00Z", command="python3 benchmarks/decode.py")
+
+
+def _row(**kw):
+    base = dict(config="D-h16", kind="decode", fmt="fp8_ds_mla", heads=16, batch=128, s_q=1, topk=2048,
+                impl="sparsemla", timing="graph", value=70.0, sol_pct=59.0)
+    base.update(kw)
+    return R.make_row(ENV, **base)
+
+
+def test_results_file_rows_follow_the_schema():
+    rows = R.load(os.path.join(ROOT, "benchmarks", "results", "h200.jsonl"))
+    assert rows, "the results file is empty"
+    for r in rows:
+        assert r["source"] or r["command"]
+    # every standard decode format at 16 / 64 / 128 heads, b 128, has a sparsemla row
+    have = {(r["config"], r["format"]) for r in rows if r["impl"] == "sparsemla" and r["kind"] == "decode"}
+    for fmt in ("bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla"):
+        for h in (16, 64, 128):
+            assert (f"D-h{h}", fmt) in have
+
+
+@pytest.mark.parametrize("bad", [dict(impl="mine"), dict(timing="wall"), dict(value=-1.0), dict(heads="16"),
+                                 dict(date="yesterday"), dict(extra_key=1)])
+def test_schema_rejects_bad_rows(bad):
+    row = _row()
+    row.update(bad)
+    with pytest.raises(R.SchemaError):
+        R.validate_row(row)
+    missing = _row()
+    del missing["commit"]
+    with pytest.raises(R.SchemaError, match="commit"):
+        R.validate_row(missing)
+
+
+def test_latest_row_wins_and_append_validates(tmp_path):
+    p = str(tmp_path / "r.jsonl")
+    R.append(p, [_row(value=80.0), _row(config="D-h64", heads=64, value=150.0)])
+    R.append(p, [_row(value=70.0)])
+    rows = R.latest(R.load(p))
+    assert [(r["config"], r["value"]) for r in rows] == [("D-h64", 150.0), ("D-h16", 70.0)]
+    with pytest.raises(R.SchemaError):
+        R.append(p, [dict(_row(), kind="training")])
+    assert len(R.load(p)) == 3  # nothing of the bad batch was written
+
+
+def test_render_tables_ratios_and_shortfalls(tmp_path):
+    render = _load_script("benchmarks/render.py")
+    p = str(tmp_path / "r.jsonl")
+    R.append(p, [_row(config="D-h128", heads=128, value=272.0, sol_pct=34.0),
+                 _row(config="D-h128", heads=128, fmt="bf16", value=243.0),
+                 _row(config="D-h128", heads=128, impl="flashmla", timing="eager", value=179.4),
+                 _row(config="D-h128", heads=128, fmt="bf16", impl="flashinfer", timing="eager", value=148.8),
+                 _row(value=74.0, sol_pct=56.0)])
+    rows = R.load(p)
+    bench = render.render_benchmarks(rows, "r.jsonl")
+    assert "| `fp8_ds_mla` | 128 | 272.0 us (34 %) |" in bench
+    assert "0.66x" in bench and "0.55x" in bench       # 179.4 / 272 (same format), 148.8 / 272 (fastest peer)
+    assert "Shortfalls" in bench and "reaches 56 % of speed-of-light" in bench
+    block = render.render_readme_block(rows)
+    assert block.startswith(render.BEGIN) and block.endswith(render.END)
+    assert "| 128 | 243 us | -- | 272 us | -- | 149 us | -- | 179 us |" in block
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{render.BEGIN}\nold\n{render.END}\ntail\n")
+    out = tmp_path / "B.md"
+    assert render.main(["--results", p, "--benchmarks", str(out), "--readme", str(readme)]) == 0
+    assert render.main(["--results", p, "--benchmarks", str(out), "--readme", str(readme), "--check"]) == 0
+    assert "old" not in readme.read_text() and readme.read_text().endswith("tail\n")
+    R.append(p, [_row(value=60.0)])
+    assert render.main(["--results", p, "--benchmarks", str(out), "--readme", str(readme), "--check"]) == 1
+
+
+def test_render_per_release_table(tmp_path):
+    render = _load_script("benchmarks/render.py")
+    rows = [_row(), dict(_row(value=71.0), triton="3.8.0"), dict(_row(value=72.0), triton="3.9.0")]
+    bench = render.render_benchmarks(rows, "r.jsonl", triton="3.6.0")
+    assert "## Per Triton release" in bench
+    assert "| D-h16 | `fp8_ds_mla` | 70.0 us | 71.0 us | 72.0 us |" in bench
+
+
+def test_the_documents_match_the_results_file():
+    render = _load_script("benchmarks/render.py")
+    assert render.main(["--check"]) == 0, "run python3 benchmarks/render.py"
+
+
+def test_history_check_finds_narration_and_leaves_plain_words():
+    ch = _load_script("scripts/check_history.py")
+    sess = "ses" + "sion"  # spelled apart so that this file does not trip the check
+    hits = [
+        f"measured in the twelfth {sess}", f"see {'tools'}/exp/ab.py", f"raw data in docs/{'data'}/s12",
+        "in ru" + "n B, the", "call " + "5 script", "the A/B of BENCHMARKS sec" + "tion 11", "fp8 79 -" + "> 50 us", "run" + "2 of the sweep",
+        "as in ta" + "ble 1b", "is" + "sue 4's bounds", "wa" + "s 72.1 us before",
+    ]
+    for line in hits:
+        assert ch.check_text("docs/x.md", line), line
+    assert ch.check_text("sparsemla/x.py", "# chosen on 2026-" + "11-29")
+    clean = ["@pytest.fixture(scope=\"" + sess + "\")", "def pytest_" + sess + "start(s):",
+             "the first call compiles the kernels", "a first pass counts the valid entries", "run B blocks",
+             "fn() -> None", "bytes 528..655 zero", "kv-formats.md §7", "H100 and H200", "2026-11-29 on the H200"]
+    for line in clean:
+        assert not ch.check_text("docs/x.md", line), line
+    # CHANGELOG may narrate versions, not how the work was organized
+    assert not ch.check_text("CHANGELOG.md", "fp8_ds_mla D-h128 294 -" + "> 273 us (is" + "sue 4)")
+    assert ch.check_text("CHANGELOG.md", f"in the ninth {sess}")
+
+
+@pytest.mark.parametrize("driver,args", [
+    ("decode.py", ["--formats", "bf16", "--heads", "16"]),
+    ("prefill.py", ["--formats", "fp8_ds_mla", "--heads", "16"]),
+    ("movement.py", ["--formats", "fp8", "--only", "gather,convert"]),
+])
+def test_drivers_dry_run_write_valid_rows(tmp_path, driver, args):
+    out = tmp_path / "rows.jsonl"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", driver), "--dry-run", "--results",
+                        str(out)] + args, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = R.load(str(out))
+    assert rows and all(row["gpu"] == "cpu" and "dry run" in row["variant"] for row in rows)

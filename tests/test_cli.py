@@ -27,7 +27,8 @@ def test_help_lists_every_subcommand(capsys):
 def test_capacity_headline(capsys):
     assert main(["capacity"]) == 0
     out = capsys.readouterr().out
-    assert "1.86x the tokens of fp8_ds_mla" in out and "1.64x those of fp8" in out
+    # with the indexer's 132 B per token per layer: (656 + 132) / (352 + 132), (576 + 132) / (352 + 132)
+    assert "1.63x the tokens of fp8_ds_mla" in out and "1.46x those of fp8" in out
     assert "61 layers" in out and "16 per GPU at TP 8" in out
     for fmt, bpt in (("bf16", 1152), ("fp8", 576), ("fp8_ds_mla", 656), ("nvfp4_ds_mla", 352)):
         assert any(line.split()[:2] == [fmt, str(bpt)] for line in out.splitlines())
@@ -35,7 +36,7 @@ def test_capacity_headline(capsys):
 
 def test_capacity_numbers(capsys):
     args = ["capacity", "--layers", "10", "--tp", "2", "--gpu-mem-gib", "100", "--utilization", "0.5",
-            "--weights-gib", "40", "--reserve-gib", "5", "--json"]
+            "--weights-gib", "40", "--reserve-gib", "5", "--indexer-bytes", "0", "--json"]
     assert main(args) == 0
     c = json.loads(capsys.readouterr().out)
     assert c["kv_budget_gib"] == pytest.approx(100 * 0.5 - 40 / 2 - 5)
@@ -51,13 +52,45 @@ def test_capacity_numbers(capsys):
 
 
 def test_capacity_no_room(capsys):
-    assert main(["capacity", "--tp", "1", "--gpu-mem-gib", "80"]) == 1
-    assert "no memory left" in capsys.readouterr().out
+    # 640 GiB of weights on 8 x 80 GiB: no room for a KV cache; the answer says from which TP there is.
+    assert main(["capacity", "--tp", "8", "--gpu-mem-gib", "80", "--weights-gib", "640", "--reserve-gib", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "no memory left for a KV cache at TP 8" in out and "room from TP 11 on" in out  # 640 / (72 - 8) = 10
+    assert main(["capacity", "--tp", "8", "--gpu-mem-gib", "80", "--weights-gib", "640", "--json"]) == 0
+    c = json.loads(capsys.readouterr().out)
+    assert c["min_tp"] == 9 and all(f["tokens_per_gpu"] == 0 for f in c["formats"])
+
+
+def test_capacity_counts_the_indexer_cache_of_the_preset(capsys):
+    assert main(["capacity", "--json"]) == 0
+    c = json.loads(capsys.readouterr().out)
+    assert c["indexer_bytes"] == 132
+    f = {x["format"]: x for x in c["formats"]}["fp8_ds_mla"]
+    assert f["bytes_per_token_model"] == 61 * (656 + 132)
+    assert main(["capacity", "--json", "--indexer-bytes", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["indexer_bytes"] == 0
 
 
 def test_capacity_bad_flag(capsys):
     assert main(["capacity", "--utilization", "1.5"]) == 2
     assert "--utilization" in capsys.readouterr().err
+
+
+def test_python_dash_m_sparsemla():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "sparsemla", "capacity", "--json"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["model"] == "deepseek-v3.2"
+
+
+def test_own_backends_are_not_peers():
+    from sparsemla.bench import backends as B
+    for name in ("triton", "triton-portable", "triton-fp8qk", "triton-staged", "reference"):
+        assert not B.is_peer(name), name
+    for name in ("flashmla", "flashinfer", "torch-gather"):
+        assert B.is_peer(name), name
 
 
 def test_info(capsys):
@@ -183,7 +216,7 @@ def test_check_list(capsys):
     assert "decode" in out and "prefill" in out
 
 
-def test_demo_prints_the_accuracy_table(capsys):
+def test_demo_prints_the_accuracy_table(capsys, no_interpreter):
     rc = main(["demo", "--cpu", "--requests", "2", "--context", "256", "--topk", "64", "--heads", "4",
                "--formats", "bf16", "--no-progress", "--accuracy"])
     assert rc == 0

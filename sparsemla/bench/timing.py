@@ -4,10 +4,9 @@ On CUDA each run is bracketed by CUDA events, after writing a buffer larger than
 least) so that the cache starts cold, as it does in a serving step where other layers ran in
 between -- and then reading half of it back, so that L2 is left holding clean lines.  Without the
 read, the flush's last ~60 MB stay dirty in L2 and are written back *inside* the timed run as the
-kernel's own traffic evicts them: on the H200 that made cache-write timings bimodal (the same kernel
-at 48 % and 77 % of copy bandwidth in one sweep, third session) and charged every memory-bound kernel
-up to one L2 of extra DRAM writes.  Everything the call launches (split-KV partials and the combine, index conversion) lies
-between the two events.  The flush itself lies outside them.
+kernel's own traffic evicts them, which charges a memory-bound kernel up to one L2 of extra DRAM
+writes and makes cache-write timings bimodal.  Everything the call launches (split-KV partials and
+the combine, index conversion) lies between the two events.  The flush itself lies outside them.
 
 On CPU (no GPU: the scaled-down path) the same loop uses ``time.perf_counter``; there is no
 cache flush, and the figures only say how long the CPU path takes, nothing about kernels.

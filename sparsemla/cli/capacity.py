@@ -5,9 +5,13 @@ Arithmetic only (no GPU needed):
     KV budget per GPU = GPU memory x utilisation - weights / TP - reserve
     tokens per GPU    = budget / (layers x (bytes_per_token + indexer bytes per token)), in whole blocks
 
+When the weights leave no room (budget <= 0) the answer is 0 tokens for every format, with the smallest
+tensor-parallel size that leaves room.
+
 MLA keeps one latent KV head, so every tensor-parallel rank stores every token of its requests:
 the capacity of a TP group equals that of one GPU.  The defaults are DeepSeek-V3.2 (61 layers, 128
-heads, 671B parameters stored in FP8 at about one byte each) on 8 H200s.
+heads, 671B parameters stored in FP8 at about one byte each, and the lightning indexer's key cache: 128 e4m3
+values plus one fp32 scale, 132 bytes per token per layer) on 8 H200s.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from ..formats import FORMAT_NAMES, get_format
 GIB = 2 ** 30
 PRESETS = {
     # layers, query heads, parameters (for the weight estimate), bytes per parameter
-    "deepseek-v3.2": {"layers": 61, "heads": 128, "params": 671e9, "bytes_per_param": 1.0},
+    "deepseek-v3.2": {"layers": 61, "heads": 128, "params": 671e9, "bytes_per_param": 1.0, "indexer_bytes": 132},
 }
 DEFAULT_GPU_GIB = 140.0  # H200 (141 GB); measured memory on CUDA machines is used instead when present
 
@@ -38,8 +42,9 @@ def add_parser(sub, name, help_):
                    help="total weight size in GiB over all TP ranks (default: preset parameters x bytes each)")
     p.add_argument("--reserve-gib", type=float, default=0.0,
                    help="per-GPU memory kept for activations, CUDA graphs, workspaces (default 0)")
-    p.add_argument("--indexer-bytes", type=int, default=0,
-                   help="extra bytes per token per layer, e.g. 132 for DSA's lightning-indexer key cache (default 0)")
+    p.add_argument("--indexer-bytes", type=int, default=None,
+                   help="extra bytes per token per layer for the indexer's key cache (default: the preset's, "
+                        "132 for deepseek-v3.2; 0 for a model without one)")
     p.add_argument("--nope", action="store_true", help="NoPE geometry (512-dim keys): the -nope formats")
     p.add_argument("--block-size", type=int, default=64, help="tokens per cache page (default 64)")
     p.add_argument("--context", type=int, default=32768, help="context length for the 'contexts' column")
@@ -68,7 +73,8 @@ def compute(args) -> dict:
             raise ValueError(f"--{name}: expected a positive integer, got {v}")
     if not 0 < args.utilization <= 1:
         raise ValueError(f"--utilization: expected a fraction in (0, 1], got {args.utilization}")
-    if args.indexer_bytes < 0 or args.reserve_gib < 0:
+    indexer = preset.get("indexer_bytes", 0) if args.indexer_bytes is None else args.indexer_bytes
+    if indexer < 0 or args.reserve_gib < 0:
         raise ValueError("--indexer-bytes and --reserve-gib: expected >= 0")
     if args.gpu_mem_gib is not None:
         mem, mem_src = args.gpu_mem_gib, "given"
@@ -83,17 +89,20 @@ def compute(args) -> dict:
     out = {"model": args.model, "layers": layers, "heads": heads, "heads_per_gpu": heads / args.tp, "tp": args.tp,
            "gpu_mem_gib": mem, "gpu_mem_source": mem_src, "utilization": args.utilization,
            "weights_gib": weights, "weights_source": w_src, "weights_per_gpu_gib": weights / args.tp,
-           "reserve_gib": args.reserve_gib, "kv_budget_gib": budget, "indexer_bytes": args.indexer_bytes,
+           "reserve_gib": args.reserve_gib, "kv_budget_gib": budget, "indexer_bytes": indexer,
            "block_size": args.block_size, "context": args.context, "formats": []}
     if budget <= 0:
-        out["error"] = (f"no memory left for a KV cache: {mem:.1f} GiB x {args.utilization:g} - "
-                        f"{weights / args.tp:.1f} GiB of weights per GPU - {args.reserve_gib:g} GiB reserve <= 0 "
-                        f"(raise --tp or --gpu-mem-gib)")
-        return out
+        room = mem * args.utilization - args.reserve_gib  # per GPU before weights
+        min_tp = int(weights // room) + 1 if room > 0 else None
+        out["no_room"] = (f"no memory left for a KV cache at TP {args.tp}: {mem:.1f} GiB x {args.utilization:g} - "
+                          f"{weights / args.tp:.1f} GiB of weights per GPU - {args.reserve_gib:g} GiB reserve <= 0; "
+                          + (f"the weights leave room from TP {min_tp} on" if min_tp else
+                             "the reserve alone exceeds the usable memory"))
+        out["min_tp"] = min_tp
     for name in FORMAT_NAMES:
         fmt = get_format(name, 0 if args.nope else 64)
-        per_token = layers * (fmt.bytes_per_token + args.indexer_bytes)
-        tokens = int(budget * GIB // per_token) // args.block_size * args.block_size
+        per_token = layers * (fmt.bytes_per_token + indexer)
+        tokens = max(0, int(budget * GIB // per_token) // args.block_size * args.block_size)
         out["formats"].append({"format": fmt.id, "bytes_per_token_layer": fmt.bytes_per_token,
                                "bytes_per_token_model": per_token, "tokens_per_gpu": tokens,
                                "contexts": tokens // args.context})
@@ -110,8 +119,8 @@ def render(c: dict) -> str:
              f"weights {c['weights_gib']:.1f} GiB ({c['weights_source']}) = {c['weights_per_gpu_gib']:.1f} GiB per GPU",
              f"KV budget per GPU: {c['gpu_mem_gib']:.1f} GiB ({c['gpu_mem_source']}) x {c['utilization']:g} - "
              f"{c['weights_per_gpu_gib']:.1f} GiB weights - {c['reserve_gib']:g} GiB reserve = {c['kv_budget_gib']:.1f} GiB"]
-    if "error" in c:
-        lines.append("error: " + c["error"])
+    if "no_room" in c:
+        lines.append(c["no_room"] + ".")
         return "\n".join(lines)
     lines.append("MLA keeps one latent KV head: every TP rank stores every token, so per GPU = per TP group.")
     if c["indexer_bytes"]:
@@ -128,12 +137,11 @@ def render(c: dict) -> str:
     lines.append("")
     lines.append(f"nvfp4_ds_mla holds {nv['vs_fp8_ds_mla']:.2f}x the tokens of fp8_ds_mla and {nv['vs_fp8']:.2f}x "
                  f"those of fp8 ({nv['vs_bf16']:.2f}x bf16)"
-                 + ("" if c["indexer_bytes"] else "; the indexer's key cache, if any, is not counted "
-                    "(--indexer-bytes 132 for DSA models)") + ".")
+                 + ("" if c["indexer_bytes"] else "; no indexer key cache counted (--indexer-bytes)") + ".")
     return "\n".join(lines)
 
 
 def run(args) -> int:
     c = compute(args)
     print(json.dumps(c, indent=1) if args.json else render(c))
-    return 1 if "error" in c else 0
+    return 0

@@ -25,7 +25,7 @@ from ..bench.workload import build_cache, build_queries, make_layout
 from .._device import interpreting
 from ..reference import sparse_mla as reference_sparse_mla
 
-TOLERANCE, LSE_TOLERANCE = B.EXACT_TOLERANCE  # issue 4's bounds; a lossy path gets B.tolerance(...)
+TOLERANCE, LSE_TOLERANCE = B.EXACT_TOLERANCE  # an exact path's bounds; a lossy path gets B.tolerance(...)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
 """``sparsemla info``: what this machine has, and which backend a call would get.
 
 Prints the GPU and its compute capability, the versions of Python / PyTorch / Triton, the optional
-peers found, each backend's probe on this machine, and for one call (default: the D-h16 decode of
-an fp8_ds_mla cache) the backend ``backend="auto"`` picks and, for every other backend, why not.
+peers found, each backend's probe on this machine, the kernels that cannot be built here and why
+(``sparsemla.kernels.attention.unavailable_kernels``), and for one call (default: the D-h16 decode of an
+fp8_ds_mla cache) the backend ``backend="auto"`` picks, the plan it runs (``sparsemla.plan.explain``) and, for
+every other backend, why not.
 """
 from __future__ import annotations
 
@@ -49,8 +51,40 @@ def gather(args) -> dict:
     problem = B.make_problem(args.mode, args.format, args.heads, args.topk, args.tokens)
     chosen, reasons, err = B.select(problem)
     info["example"] = {"call": problem.describe(), "chosen": chosen, "select_error": err,
-                       "priority": list(B.priority(problem)), "why_not": reasons}
+                       "priority": list(B.priority(problem)), "why_not": reasons, "plan": _plan(args)}
+    info["unavailable_kernels"] = _unavailable_kernels()
     return info
+
+
+def _plan(args):
+    """The plan's own explanation of the example call, as text (None where the library has no plan module)."""
+    try:
+        from .. import plan
+    except ImportError:
+        return None
+    explain = getattr(plan, "explain", None)
+    if explain is None:
+        return None
+    try:
+        return str(explain(mode=args.mode, fmt=args.format, num_tokens=args.tokens, num_heads=args.heads,
+                           topk=args.topk))
+    except Exception as e:  # a device without the kernels, or an unservable call: say so
+        return f"no plan: {type(e).__name__}: {e}"
+
+
+def _unavailable_kernels():
+    """{kernel: reason} for kernels the installed Triton cannot build here (None where not reported)."""
+    try:
+        from ..kernels import attention
+    except ImportError:
+        return None
+    fn = getattr(attention, "unavailable_kernels", None)
+    if fn is None:
+        return None
+    try:
+        return {str(k): str(v) for k, v in dict(fn()).items()}
+    except Exception as e:
+        return {"(unknown)": f"{type(e).__name__}: {e}"}
 
 
 def render(info: dict) -> str:
@@ -77,10 +111,18 @@ def render(info: dict) -> str:
         lines.append(f"  {name:<14}{tag:<7} {state}")
         if b["description"] and b["description"] != name:
             lines.append(f"  {'':<21} {b['description']}")
+    un = info.get("unavailable_kernels")
+    if un:
+        lines.append("kernels this Triton cannot build here (their calls run the portable Triton kernels):")
+        lines += [f"  {k}: {v}" for k, v in un.items()]
+    elif un is not None:
+        lines.append("kernels: every kernel builds here")
     ex = info["example"]
     lines.append(f"for a {ex['call']}:")
     if ex["chosen"]:
         lines.append(f"  backend=\"auto\" chooses: {ex['chosen']}")
+        if ex.get("plan"):
+            lines += [f"  plan: {line}" for line in ex["plan"].splitlines()]
     else:
         lines.append(f"  backend=\"auto\" finds no backend: {ex['select_error']}")
     order = ex.get("priority") or []

@@ -1,0 +1,134 @@
+"""Decode kernel time of sparsemla and the peers in one process: every format x head count, b 128.
+
+    python3 benchmarks/decode.py --heads 16,64,128 --results benchmarks/results/h200.jsonl
+    python3 benchmarks/decode.py --formats fp8_ds_mla --heads 128 --reps 50          # print only
+    python3 benchmarks/decode.py --dry-run --results /tmp/r.jsonl                      # CPU check
+
+Per format, one cache of b requests x 32,768 tokens (shuffled 64-token blocks, heavy-tailed values written
+through the library's cache write), then per head count the same queries and indices for everyone:
+
+* ``sparsemla``: ``sparse_mla_decode`` with its default backend; ``sparsemla-fp8qk``: backend
+  ``triton-fp8qk`` (the FP8-QK mode; fp8 and fp8_ds_mla rows, sm_90);
+* the peer that reads the same bytes: FlashMLA for fp8_ds_mla (q padded to 64 / 128 heads), FlashInfer for
+  bf16 and fp8 (page size 1), prepared once outside the timed call (``sparsemla.bench.peers``).
+
+Every call is timed by CUDA-graph replay (kernel time, no launch gaps), the L2 flushed before each replay,
+median of ``--reps``; SOL by ``docs/benchmarking.md``'s accounting with ceilings measured in this process.
+Our output is checked against the float64 reference on a few tokens before it is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from sparsemla.bench.drivers import prepare_environment  # noqa: E402
+
+prepare_environment()
+
+import torch  # noqa: E402
+
+from sparsemla.bench import drivers as D  # noqa: E402
+from sparsemla.bench.accounting import achieved, attention_work  # noqa: E402
+
+FP8QK_BACKEND = "triton-fp8qk"
+FP8QK_FORMATS = ("fp8", "fp8_ds_mla", "fp8-nope", "fp8_ds_mla-nope")
+ALL_FORMATS = "bf16,fp8,fp8_ds_mla,nvfp4_ds_mla,bf16-nope,fp8-nope,fp8_ds_mla-nope,nvfp4_ds_mla-nope"
+CHECK_TOKENS = 4
+REL_TOL = 2e-2  # a wrong kernel is far off; the formats' own error is ~1e-3 against float64 on their rows
+
+
+def ours_call(wl, backend="auto"):
+    import sparsemla
+    t, h, _ = wl.q.shape
+    out = torch.empty(t, h, 512, dtype=torch.bfloat16, device=wl.q.device)
+    lse = torch.empty(t, h, dtype=torch.float32, device=wl.q.device)
+
+    def call():
+        return sparsemla.sparse_mla_decode(wl.q, wl.cache, wl.indices, wl.sm_scale, wl.valid_counts, wl.k_scale,
+                                           backend=backend, out=out, lse=lse)
+    return call, out
+
+
+def check_against_reference(wl, call, out) -> float:
+    """Relative error of the first tokens' output against float64 over the cache's own rows."""
+    from sparsemla.reference import sparse_mla
+    call()
+    n = min(CHECK_TOKENS, wl.q.shape[0])
+    ref, _ = sparse_mla(wl.q[:n], wl.cache, wl.indices[:n], wl.sm_scale, valid_counts=wl.valid_counts[:n],
+                        k_scale=wl.k_scale)
+    err = ((out[:n].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    if not err < REL_TOL:
+        raise AssertionError(f"output off by {err:.2e} relative to float64 (limit {REL_TOL}): not timed")
+    return err
+
+
+def measure(rec, cfg_name: str, wl, impl: str, make, *, variant=None, check=True):
+    """Time one implementation on one workload and record the row."""
+    call, out = make()
+    err = check_against_reference(wl, call, out) if check else None
+    us, timing = rec.time(call)
+    fmt = wl.fmt
+    work = attention_work(wl.q, wl.indices, fmt.bytes_per_token, wl.valid_counts)
+    a = achieved(us * 1e-6, work, rec.ceilings)
+    cfg = wl.config
+    row = rec.add(config=cfg_name, kind="decode", fmt=fmt.id, heads=cfg.num_heads, batch=cfg.batch, s_q=cfg.s_q,
+                  topk=cfg.topk, impl=impl, timing=timing, value=us, sol_pct=a["pct_sol"], sol_us=a["sol_us"],
+                  tflops=a["tflops"], bytes=work.nbytes, context=cfg.context, variant=variant, rel_err=err)
+    D.print_row(row)
+
+
+def run_decode(rec, config_names, formats, *, fp8qk=True, peers=True):
+    """Every (format, configuration): sparsemla, its FP8-QK mode and the same-format peer."""
+    from sparsemla.bench import peers as P
+    from sparsemla.bench.workload import build_queries, build_workload
+    from sparsemla.formats import get_format
+    by_batch = {}
+    for name in config_names:
+        cfg = D.scaled(D.config_named(name), rec.dry)
+        by_batch.setdefault((cfg.batch, cfg.context, cfg.s_q), []).append((name, cfg))
+    for fname in formats:
+        fmt = get_format(fname)
+        for (b, ctx, s_q), group in by_batch.items():
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            base = build_workload(group[0][1], fmt, device=rec.device)
+            layout, cache = base.layout, base.cache
+            print(f"{fname}: cache of {b} x {ctx} tokens ({cache.rows.numel() / 2 ** 30:.2f} GiB)", flush=True)
+            for name, cfg in group:
+                wl = base if cfg is group[0][1] else build_queries(cfg, cache, layout)
+                rec.attempt(f"{name} {fname} sparsemla", lambda: measure(rec, name, wl, "sparsemla",
+                                                                          lambda: ours_call(wl)))
+                if fp8qk and fname in FP8QK_FORMATS:
+                    rec.attempt(f"{name} {fname} {FP8QK_BACKEND}",
+                                lambda: measure(rec, name, wl, "sparsemla-fp8qk",
+                                                lambda: ours_call(wl, FP8QK_BACKEND)))
+                if not peers:
+                    continue
+                for peer, fmts in P.PEER_FORMATS.items():
+                    if fname in fmts:
+                        variant = ("heads padded to 64" if peer == "flashmla" and cfg.num_heads < 64 else
+                                   "fa3, page size 1" if peer == "flashinfer" else None)
+                        rec.attempt(f"{name} {fname} {peer}",
+                                    lambda: measure(rec, name, wl, peer,
+                                                    lambda: (P.DECODE_BUILDERS[peer](wl), None),
+                                                    variant=variant, check=False))
+            del base, cache, layout
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    D.common_args(ap, formats=ALL_FORMATS)
+    ap.add_argument("--heads", default="16,64,128", help="comma list of head counts (configurations D-h<H>)")
+    ap.add_argument("--configs", default=None, help="comma list of configuration names instead of --heads "
+                    "(e.g. D-h128-mtp,D-k-k1024-h128)")
+    ap.add_argument("--no-fp8qk", action="store_true", help="leave out the FP8-QK mode")
+    a = ap.parse_args(argv)
+    names = a.configs.split(",") if a.configs else [f"D-h{h}" for h in D.int_list(a.heads)]
+    rec = D.Recorder(a)
+    run_decode(rec, names, D.fmt_list(a.formats), fp8qk=not a.no_fp8qk, peers=not a.no_peers)
+    return rec.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

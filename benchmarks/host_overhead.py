@@ -1,0 +1,130 @@
+"""Host time of one call (what an engine pays per layer when a step is not one CUDA graph), sparsemla and the
+peers in one process, and the GPU time of the same call by graph replay.
+
+    python3 benchmarks/host_overhead.py --results benchmarks/results/h200.jsonl
+    python3 benchmarks/host_overhead.py --dry-run --results /tmp/r.jsonl           # CPU check
+
+Host time: ``--calls`` back-to-back calls between two ``time.perf_counter`` reads, with no synchronization
+after the last call (a launch returns when it is queued), divided by the count; the median of ``--reps``
+such loops, after a synchronization and a warm-up.  The loops are short enough that the launch queue never
+fills, so the GPU's speed does not enter.  Measured (aims in parentheses):
+
+* ``H-decode-b1`` / ``H-decode-b128``: ``sparse_mla_decode(q, cache, indices, sm_scale)``, default arguments,
+  fp8_ds_mla, 16 heads (25 us);
+* ``H-prefill``: ``sparse_mla_prefill`` with default arguments, 128 query tokens of one request (25 us);
+* ``H-run``: ``SparseMLA.run`` of one layer, b 128 (25 us);
+* ``H-plan``: ``SparseMLA.plan`` of a 128-request decode step (100 us);
+* ``H-metadata``: ``BatchMetadata.from_tensors`` of 128 requests whose tensors are on the GPU (100 us);
+* peers: FlashMLA ``flash_mla_with_kvcache`` (fp8_ds_mla, q padded to 64 heads) and FlashInfer's ``run()``
+  after one ``plan()`` (bf16), b 1 and b 128.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from sparsemla.bench.drivers import prepare_environment  # noqa: E402
+
+prepare_environment()
+
+import torch  # noqa: E402
+
+from sparsemla.bench import drivers as D  # noqa: E402
+
+HEADS = 16
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def host_us(fn, dev, calls: int, reps: int) -> float:
+    """Median over ``reps`` loops of the host time per call of ``calls`` back-to-back calls, no final sync."""
+    fn()
+    sync(dev)
+    per_call = []
+    for _ in range(reps):
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - t0) / calls * 1e6)
+    sync(dev)
+    return statistics.median(per_call)
+
+
+def record(rec, cfg, fmt, batch, s_q, topk, impl, fn, *, graph=True, variant=None):
+    dev = rec.device
+    calls, reps = (3, 2) if rec.dry else (rec.args.calls, rec.args.reps)
+    us = host_us(fn, dev, calls, reps)
+    common = dict(config=cfg, kind="host", fmt=fmt, heads=HEADS, batch=batch, s_q=s_q, topk=topk, impl=impl,
+                  variant=variant)
+    row = rec.add(timing="host", value=us, **common)
+    D.print_row(row)
+    if graph and dev.type == "cuda":
+        g, timing = rec.time(fn)
+        if timing == "graph":
+            D.print_row(rec.add(timing="graph", value=g, **common))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    D.common_args(ap, formats="fp8_ds_mla", reps=15)
+    ap.add_argument("--calls", type=int, default=50, help="back-to-back calls per timed loop")
+    a = ap.parse_args(argv)
+    import sparsemla
+    from sparsemla import BatchMetadata, SparseMLA
+    from sparsemla.bench import peers as P
+    from sparsemla.bench.workload import build_workload
+    from sparsemla.formats import get_format
+    rec = D.Recorder(a)
+    dev = rec.device
+    fname = D.fmt_list(a.formats)[0]
+    fmt = get_format(fname)
+    for b in (1, 128):
+        cfg = D.scaled(D.config_named("D-h16", batch=b, name=f"D-b{b}-h{HEADS}"), rec.dry)
+        wl = build_workload(cfg, fmt, device=dev)
+        name = f"H-decode-b{b}"
+        rec.attempt(name, lambda: record(rec, name, fname, cfg.batch, 1, cfg.topk, "sparsemla", lambda: (
+            sparsemla.sparse_mla_decode(wl.q, wl.cache, wl.indices, wl.sm_scale))))
+        if not a.no_peers:
+            rec.attempt(f"{name} flashmla", lambda: record(rec, name, fname, cfg.batch, 1, cfg.topk, "flashmla",
+                                                           P.flashmla_decode(wl), variant="heads padded to 64"))
+            wlb = build_workload(cfg, get_format("bf16"), device=dev)
+            rec.attempt(f"{name} flashinfer", lambda: record(rec, name, "bf16", cfg.batch, 1, cfg.topk, "flashinfer",
+                                                             P.flashinfer_attention(wlb), variant="fa3, page size 1"))
+            del wlb
+        if b == 128:
+            nb, lay = cfg.batch, wl.layout        # 128 requests (2 under --dry-run)
+            qsl = torch.arange(nb + 1, dtype=torch.int32, device=dev)
+            seq = lay.context_lens.to(dev)
+            table = lay.block_table.to(dev)
+
+            def metadata():
+                return BatchMetadata.from_tensors(qsl, seq, table, num_tokens=nb, num_decode_tokens=nb,
+                                                  num_decode_requests=nb)
+            md = metadata()
+            rec.attempt("H-metadata", lambda: record(rec, "H-metadata", fname, nb, 1, cfg.topk, "sparsemla",
+                                                     metadata, graph=False))
+            attn = SparseMLA(nb, nb, table.shape[1], cfg.num_heads, fmt.head_dim, cfg.topk, fmt, sm_scale=wl.sm_scale,
+                             device=dev)
+            rec.attempt("H-plan", lambda: record(rec, "H-plan", fname, nb, 1, cfg.topk, "sparsemla",
+                                                 lambda: attn.plan(md), graph=False))
+            attn.plan(md)
+            rec.attempt("H-run", lambda: record(rec, "H-run", fname, nb, 1, cfg.topk, "sparsemla",
+                                                lambda: attn.run(wl.q, wl.cache, wl.topk_local)))
+        del wl
+    pcfg = D.scaled(D.config_named("P-h16", s_q=128, name="P-h16-q128"), rec.dry)
+    wl = build_workload(pcfg, fmt, device=dev)
+    rec.attempt("H-prefill", lambda: record(rec, "H-prefill", fname, 1, pcfg.s_q, pcfg.topk, "sparsemla", lambda: (
+        sparsemla.sparse_mla_prefill(wl.q, wl.cache, wl.indices, wl.sm_scale))))
+    return rec.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Sparse prefill through the runner, per format, with native reads and through the bf16 workspace; FlashMLA's
+sparse prefill on bf16 rows in the same process.
+
+    python3 benchmarks/prefill.py --results benchmarks/results/h200.jsonl        # P-32k, P-h64, P-h16
+    python3 benchmarks/prefill.py --dry-run --formats fp8_ds_mla --results /tmp/r.jsonl
+
+Geometry (``docs/benchmarking.md``, P-32k): one request with a 32,768-token context, its last 4,096 tokens
+as queries, top-k 2048 distinct causal positions per token, 64-token blocks shuffled.  Timed: one
+``SparseMLA.run`` (index conversion, the upconvert of the context when the runner has a bf16 workspace,
+attention), CUDA-graph replay, L2 flushed, median of ``--reps``; TFLOP/s = 2 h (valid pairs) (576 + 512) /
+time.  ``native reads``: the attention kernel reads the quantized rows; ``bf16 workspace``:
+``SparseMLA(..., prefill_workspace_tokens=32768)``.  FlashMLA: ``flash_mla_sparse_fwd(..., use_legacy=True)``
+on the bf16 cache's rows, q padded to 64 / 128 heads.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from sparsemla.bench.drivers import prepare_environment  # noqa: E402
+
+prepare_environment()
+
+import torch  # noqa: E402
+
+from sparsemla.bench import drivers as D  # noqa: E402
+from sparsemla.bench.accounting import achieved, attention_work  # noqa: E402
+
+REL_TOL = 2e-2
+
+
+def runner_call(wl, workspace: bool):
+    from sparsemla import BatchMetadata, SparseMLA
+    cfg, lay = wl.config, wl.layout
+    nblk = lay.block_table.shape[1]
+    ctx = int(lay.context_lens[0])
+    md = BatchMetadata.from_lists([cfg.s_q], [ctx], [lay.block_table[0].tolist()], block_size=lay.block_size,
+                                  device=wl.q.device)
+    attn = SparseMLA(cfg.s_q, 1, nblk, cfg.num_heads, wl.fmt.head_dim, cfg.topk, wl.fmt, block_size=lay.block_size,
+                     sm_scale=wl.sm_scale, device=wl.q.device, prefill_workspace_tokens=ctx if workspace else 0)
+    attn.plan(md)
+    out = torch.empty(cfg.s_q, cfg.num_heads, 512, dtype=torch.bfloat16, device=wl.q.device)
+    lse = torch.empty(cfg.s_q, cfg.num_heads, dtype=torch.float32, device=wl.q.device)
+    return (lambda: attn.run(wl.q, wl.cache, wl.topk_local, wl.k_scale, out=out, lse=lse)), out
+
+
+def rel_err(wl, out) -> float:
+    from sparsemla.reference import sparse_mla
+    sel = torch.linspace(0, wl.q.shape[0] - 1, 4, device=wl.q.device).long()
+    ref, _ = sparse_mla(wl.q[sel], wl.cache, wl.indices[sel], wl.sm_scale, valid_counts=wl.valid_counts[sel],
+                        k_scale=wl.k_scale)
+    return ((out[sel].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def measure(rec, name, wl, impl, call, out, variant):
+    err = None
+    if out is not None:
+        call()
+        err = rel_err(wl, out)
+        if not err < REL_TOL:
+            raise AssertionError(f"output off by {err:.2e} relative to float64: not timed")
+    us, timing = rec.time(call)
+    work = attention_work(wl.q, wl.indices, wl.fmt.bytes_per_token, wl.valid_counts)
+    a = achieved(us * 1e-6, work, rec.ceilings)
+    c = wl.config
+    row = rec.add(config=name, kind="prefill", fmt=wl.fmt.id, heads=c.num_heads, batch=c.batch, s_q=c.s_q,
+                  topk=c.topk, impl=impl, timing=timing, value=us, tflops=a["tflops"], sol_pct=a["pct_sol"],
+                  sol_us=a["sol_us"], bytes=work.nbytes, context=c.context, variant=variant, rel_err=err)
+    D.print_row(row, f"  {a['tflops']:.0f} TFLOP/s")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    D.common_args(ap, formats="bf16,fp8,fp8_ds_mla,nvfp4_ds_mla", reps=10)
+    ap.add_argument("--heads", default="128,64,16", help="comma list: 128 = P-32k, 16 = P-h16, others P-h<H>")
+    a = ap.parse_args(argv)
+    from sparsemla.bench import peers as P
+    from sparsemla.bench.workload import build_queries, build_workload
+    from sparsemla.formats import get_format
+    rec = D.Recorder(a)
+    base_cfg = D.config_named("P-32k")
+    for fname in D.fmt_list(a.formats):
+        fmt = get_format(fname)
+        base = None
+        for h in D.int_list(a.heads):
+            name = {128: "P-32k", 16: "P-h16"}.get(h, f"P-h{h}")
+            cfg = D.scaled(replace(base_cfg, id=name, name=name, num_heads=h), rec.dry)
+            if base is None:
+                base = build_workload(cfg, fmt, device=rec.device)
+            wl = build_queries(cfg, base.cache, base.layout)
+            modes = [("native reads", False)] + ([("bf16 workspace", True)] if fmt.name != "bf16" else [])
+            for variant, ws in modes:
+                rec.attempt(f"{name} {fname} {variant}",
+                            lambda: measure(rec, name, wl, "sparsemla", *runner_call(wl, ws), variant))
+            if fmt.name == "bf16" and fmt.rope_dim and not a.no_peers:
+                rec.attempt(f"{name} {fname} flashmla",
+                            lambda: measure(rec, name, wl, "flashmla",
+                                            P.flashmla_prefill(wl, wl.cache.rows.view(torch.bfloat16)), None,
+                                            "bf16 rows, use_legacy=True"))
+        del base
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rec.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# The GPU machine in one call: GPU tests in parallel groups, compute-sanitizer memcheck, the benchmark
+# drivers; everything under $OUT as one archive (gpu-suite.tgz) plus the rows measured (results.jsonl);
+# a short table last.
+#
+#   bash scripts/gpu_suite.sh                 # tests + memcheck, then benchmarks while time is left
+#   bash scripts/gpu_suite.sh tests           # tests + memcheck only
+#   bash scripts/gpu_suite.sh bench           # benchmarks only (one driver at a time: timings must not overlap)
+#   bash scripts/gpu_suite.sh --dry-run       # on a CPU: collect the GPU tests, run every driver on tiny shapes
+#
+# Carry (see scripts/peers_env.sh): .whl (FlashMLA), .peers (FlashInfer); for another Triton release set
+# TRITON_BUNDLE=.carry/triton-3.8.0.tar.xz.  Time: BUDGET seconds in all (default 570); each test group
+# gets GROUP_TIMEOUT (default 420).  BENCH picks drivers (default "decode small_batch prefill movement
+# host_overhead"); BENCH_FORMATS narrows their formats; SPARSEMLA_COMMIT=<sha> names the commit in the rows
+# when the copy of the tree has no git history.  Afterwards, on your machine:
+#   cat <files_at>/results.jsonl >> benchmarks/results/h200.jsonl && python3 benchmarks/render.py
+set -u
+MODE=all; DRY=0
+for arg in "$@"; do
+    case "$arg" in
+        tests|bench|all) MODE=$arg ;;
+        --dry-run) DRY=1 ;;
+        *) echo "usage: $0 [tests|bench|all] [--dry-run]"; exit 2 ;;
+    esac
+done
+OUT=${OUT:-./gpu-out}; mkdir -p "$OUT/logs"
+START=$(date +%s)
+BUDGET=${BUDGET:-570}
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+if [ "$DRY" = 1 ]; then
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+else
+    source scripts/peers_env.sh 2>&1 | tee "$OUT/logs/env.txt"
+fi
+RESULTS="$OUT/results.jsonl"
+SUMMARY="$OUT/logs/summary.tsv"
+: > "$SUMMARY"
+
+note() {  # name rc seconds log
+    local line counts
+    line=$(grep -E "[0-9]+ (passed|failed|error)|[0-9]+ tests? collected|ERROR SUMMARY|rows ->|rows \(" "$4" 2>/dev/null | tail -1)
+    printf "%s\t%s\t%s\t%s\n" "$1" "$2" "$3" "${line:-(no summary line)}" >> "$SUMMARY"
+}
+
+# ---- GPU tests: groups in parallel (kernel compiles dominate; the GPU work is small) ---------------------
+existing() { for f in "$@"; do [ -f "$f" ] && echo "$f"; done; }
+group_files() {
+    case $1 in
+        attention)   existing tests/gpu/test_sparse_attention_gpu.py ;;
+        sm90)        ls tests/gpu/test_ws_*_gpu.py tests/gpu/test_fp8*_gpu.py tests/gpu/test_sm90*_gpu.py 2>/dev/null ;;
+        movement)    existing tests/gpu/test_movement_gpu.py ;;
+        system)      ls tests/gpu/test_runner_gpu.py tests/gpu/test_layer_gpu.py tests/gpu/test_cli_gpu.py \
+                        tests/gpu/test_vllm*_gpu.py 2>/dev/null ;;
+        reliability) ls tests/gpu/test_property_gpu.py tests/gpu/test_graph_long_gpu.py \
+                        tests/gpu/test_large_cache_gpu.py 2>/dev/null ;;
+    esac
+}
+TEST_GROUPS="attention sm90 movement system reliability"
+run_tests() {
+    local listed other pids=() names=()
+    listed=$(for g in $TEST_GROUPS; do group_files $g; done)
+    other=$(ls tests/gpu/test_*_gpu.py 2>/dev/null | grep -vxF "$listed" || true)
+    for g in $TEST_GROUPS other; do
+        local files
+        if [ $g = other ]; then files=$other; else files=$(group_files $g); fi
+        [ -n "$files" ] || continue
+        local log="$OUT/logs/t_$g.log"
+        (
+            t0=$(date +%s)
+            if [ "$DRY" = 1 ]; then
+                python3 -m pytest -q -m gpu --collect-only $files > "$log" 2>&1
+            else
+                timeout "${GROUP_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs $files > "$log" 2>&1
+            fi
+            rc=$?
+            note "t_$g" $rc $(( $(date +%s) - t0 )) "$log"
+        ) &
+        pids+=($!)
+    done
+    # memcheck alongside (PyTorch's caching allocator hides overruns inside its segments: turned off)
+    (
+        t0=$(date +%s); log="$OUT/logs/memcheck.log"
+        if [ "$DRY" = 1 ]; then
+            echo "dry run: memcheck left out (needs a GPU and compute-sanitizer)" > "$log"; rc=0
+        elif [ -f scripts/sanitize.sh ]; then
+            OUT="$OUT/sanitize" timeout "${GROUP_TIMEOUT:-420}" bash scripts/sanitize.sh memcheck > "$log" 2>&1; rc=$?
+        else
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${GROUP_TIMEOUT:-420}" compute-sanitizer --tool memcheck \
+                --error-exitcode 9 python3 tests/gpu/sanitize_kernels.py > "$log" 2>&1; rc=$?
+        fi
+        note memcheck $rc $(( $(date +%s) - t0 )) "$log"
+    ) &
+    pids+=($!)
+    wait "${pids[@]}"
+}
+
+# ---- benchmarks: one driver at a time, each within the time left --------------------------------------
+run_bench() {
+    local drivers=${BENCH:-"decode small_batch prefill movement host_overhead"}
+    for d in $drivers; do
+        local extra=() log="$OUT/logs/b_$d.log" t0 lim
+        if [ "$DRY" = 1 ]; then
+            extra=(--dry-run)
+            case $d in
+                decode) extra+=(--formats bf16,fp8_ds_mla --heads 16) ;;
+                small_batch) extra+=(--formats fp8 --batches 1 --heads 16) ;;
+                prefill) extra+=(--formats fp8_ds_mla --heads 16) ;;
+                movement) extra+=(--formats fp8 --only gather,convert) ;;
+            esac
+        elif [ -n "${BENCH_FORMATS:-}" ] && [ "$d" != host_overhead ]; then
+            extra=(--formats "$BENCH_FORMATS")
+        fi
+        lim=$(left)
+        if [ "$DRY" = 0 ] && [ "$lim" -lt 30 ]; then
+            printf "%s\t%s\t%s\t%s\n" "b_$d" skipped 0 "no time left" >> "$SUMMARY"; continue
+        fi
+        t0=$(date +%s)
+        timeout $(( lim > 30 ? lim - 10 : 20 )) python3 "benchmarks/$d.py" --results "$RESULTS" "${extra[@]}" \
+            > "$log" 2>&1
+        note "b_$d" $? $(( $(date +%s) - t0 )) "$log"
+    done
+}
+
+[ "$MODE" = bench ] || run_tests
+[ "$MODE" = tests ] || run_bench
+
+python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0], 'cuda', torch.version.cuda, 'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')" > "$OUT/logs/versions.txt" 2>&1
+{ [ -n "${SPARSEMLA_COMMIT:-}" ] && echo "$SPARSEMLA_COMMIT"; } > "$OUT/logs/commit.txt" || git rev-parse HEAD > "$OUT/logs/commit.txt" 2>/dev/null || true
+tar czf "$OUT/gpu-suite.tgz" -C "$OUT" logs $( [ -f "$RESULTS" ] && echo results.jsonl )
+echo
+echo "== $(cat "$OUT/logs/versions.txt"); $(( $(date +%s) - START )) s"
+printf "%-16s %-8s %6s  %s\n" step rc seconds summary
+sort "$SUMMARY" | while IFS=$'\t' read -r name rc secs line; do
+    printf "%-16s %-8s %6s  %s\n" "$name" "$rc" "$secs" "$line"
+done
+[ -f "$RESULTS" ] && echo "rows measured: $(wc -l < "$RESULTS") in $RESULTS"
