@@ -278,9 +278,11 @@ def plan_attention(fmt, num_tokens: int, num_heads: int, topk: int, *, capabilit
                  None if num_splits is None else max(1, int(num_splits)))
 
 
-def explain(fmt, num_tokens: int, num_heads: int, topk: int, **options) -> str:
+def explain(fmt, num_tokens: int, num_heads: int, topk: int, *, mode: str = "decode", **options) -> str:
     """A few lines saying which kernel a call gets, its tiling and splits, and why every other kernel does not
-    take it (the options of :func:`plan_attention`)."""
+    take it (the options of :func:`plan_attention`; decode and prefill calls are planned alike)."""
+    if mode not in ("decode", "prefill"):
+        raise ValueError(f"mode: expected 'decode' or 'prefill', got {mode!r}")
     plan = plan_attention(fmt, num_tokens, num_heads, topk, **options)
     kind = plan.kind
     lines = [f"{kind} rows, T={num_tokens}, H={num_heads}, top-k={topk}: {plan.kernel} ({plan.why})",

@@ -116,7 +116,7 @@ def test_empty_table_and_empty_inputs(device):
 
 def test_public_dispatch_uses_kernel(device, monkeypatch):
     """indices.convert_indices runs the kernel wherever Triton runs (here: the interpreter or CUDA)."""
-    import sparsemla.kernels.convert_indices as ci
+    import sparsemla.indices as ci
     calls = []
     real = ci.convert_indices_triton
     monkeypatch.setattr(ci, "convert_indices_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -176,6 +176,7 @@ def test_default_call_reads_nothing_on_the_host(device, monkeypatch):
             return lambda *a, **k: launches.append(grid)
 
     monkeypatch.setattr(ci, "_convert_indices_kernel", Stub())
+    monkeypatch.setattr(ci, "_LAUNCHES", {})  # launches are cached per variant: start from none
     forbid_host_reads(monkeypatch)
     convert_indices(pos, req, table, 8, 8, True, compact=True, workspace_start=ws, out=out, counts_out=cnt)
     assert launches == [(4,)]

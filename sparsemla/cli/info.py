@@ -2,7 +2,8 @@
 
 Prints the GPU and its compute capability, the versions of Python / PyTorch / Triton, the optional
 peers found, each backend's probe on this machine, the kernels that cannot be built here and why
-(``sparsemla.kernels.attention.unavailable_kernels``), and for one call (default: the D-h16 decode of an
+(``sparsemla.plan.unavailable_kernels``; on a Hopper GPU each Gluon kernel is built and run once on a tiny
+call first, ``--no-build`` skips that), and for one call (default: the D-h16 decode of an
 fp8_ds_mla cache) the backend ``backend="auto"`` picks, the plan it runs (``sparsemla.plan.explain``) and, for
 every other backend, why not.
 """
@@ -22,6 +23,8 @@ def add_parser(sub, name, help_):
     p.add_argument("--mode", choices=("decode", "prefill"), default="decode", help="kind of call (default decode)")
     p.add_argument("--tokens", type=int, default=128, help="query tokens of the example call (default 128)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--no-build", action="store_true",
+                   help="do not build the Hopper kernels to find those the installed Triton cannot build")
     p.set_defaults(run=run)
     return p
 
@@ -52,7 +55,8 @@ def gather(args) -> dict:
     chosen, reasons, err = B.select(problem)
     info["example"] = {"call": problem.describe(), "chosen": chosen, "select_error": err,
                        "priority": list(B.priority(problem)), "why_not": reasons, "plan": _plan(args)}
-    info["unavailable_kernels"] = _unavailable_kernels()
+    info["unavailable_kernels"] = _unavailable_kernels(build=not getattr(args, "no_build", False))
+    info["example"]["plan"] = _plan(args)  # after the build probe: the plan skips kernels that did not build
     return info
 
 
@@ -66,25 +70,29 @@ def _plan(args):
     if explain is None:
         return None
     try:
-        return str(explain(mode=args.mode, fmt=args.format, num_tokens=args.tokens, num_heads=args.heads,
-                           topk=args.topk))
+        from .._device import capability, num_sms
+        import torch
+        facts = {}
+        if torch.cuda.is_available():
+            facts = dict(capability=capability("cuda"), num_sms=num_sms("cuda"))
+        else:
+            facts = dict(capability=(0, 0), interpret=True)  # on this CPU the Triton kernels run interpreted
+        return str(explain(args.format, args.tokens, args.heads, args.topk, mode=args.mode,
+                           unavailable=plan.unavailable_set(), **facts))
     except Exception as e:  # a device without the kernels, or an unservable call: say so
         return f"no plan: {type(e).__name__}: {e}"
 
 
-def _unavailable_kernels():
-    """{kernel: reason} for kernels the installed Triton cannot build here (None where not reported)."""
-    try:
-        from ..kernels import attention
-    except ImportError:
-        return None
-    fn = getattr(attention, "unavailable_kernels", None)
-    if fn is None:
-        return None
-    try:
-        return {str(k): str(v) for k, v in dict(fn()).items()}
-    except Exception as e:
-        return {"(unknown)": f"{type(e).__name__}: {e}"}
+def _unavailable_kernels(build: bool = True):
+    """{kernel: reason} for kernels the installed Triton cannot build here (None where not known: no Hopper GPU
+    to build them on, or ``build`` off)."""
+    from .. import plan
+    from ..kernels import attention
+    if build:
+        known = attention.probe_builds()
+        if known is None:
+            return None
+    return {str(k): str(v) for k, v in plan.unavailable_kernels().items()}
 
 
 def render(info: dict) -> str:

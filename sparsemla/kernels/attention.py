@@ -280,4 +280,28 @@ def runner_split_elements(fmt, max_tokens: int, num_heads: int, topk: int, devic
     return best
 
 
-__all__ = ["attention_fwd", "plan_for", "runner_split_elements", "split_elements"]
+def probe_builds(device=None) -> Optional[dict]:
+    """Build and run each Hopper kernel once on a tiny call (every variant a serving call needs is built at its
+    first launch anyway; this finds the ones the installed Triton cannot build, ahead of time).  Returns
+    :func:`sparsemla.plan.unavailable_kernels` afterwards, or None without a Hopper GPU."""
+    if not torch.cuda.is_available() or interpreting():
+        return None
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if capability(dev) != (9, 0):
+        return None
+    for kernel, fid, heads in (("sm90-few", "fp8_ds_mla", 16), ("sm90-wide", "fp8_ds_mla", 64),
+                               ("sm90-bf16", "bf16", 64)):
+        fmt = get_format(fid)
+        rows = torch.zeros((64, fmt.bytes_per_token), dtype=torch.uint8, device=dev)
+        q = torch.zeros((1, heads, fmt.head_dim), dtype=torch.bfloat16, device=dev)
+        idx = torch.arange(64, dtype=torch.int32, device=dev).view(1, 64)
+        try:
+            plan = plan_for(q, rows, fmt, 64, kernel=kernel)
+        except ValueError:
+            continue  # already recorded as unavailable
+        attention_fwd(q, rows, fmt, idx, 0.1, plan=plan)
+    torch.cuda.synchronize(dev)
+    return _plan.unavailable_kernels()
+
+
+__all__ = ["attention_fwd", "plan_for", "probe_builds", "runner_split_elements", "split_elements"]

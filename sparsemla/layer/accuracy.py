@@ -20,7 +20,7 @@ RoPE and NoPE), one row with:
 
 ``accuracy_report(quick=True)`` is a CPU-sized run (seconds); the full run (DeepSeek-V3.2 layer
 geometry, 32K-token contexts, 256 generated tokens) is for the GPU:
-``python benchmarks/accuracy_report.py --out accuracy.json``.
+``python benchmarks/accuracy.py --out accuracy.json``.
 """
 from __future__ import annotations
 
