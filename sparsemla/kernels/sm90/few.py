@@ -59,11 +59,8 @@ S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1
 # FP8_QK's QK accumulator: e4m3 MMAs (k = 32 per instruction) with q's two terms side by side as N = 32
 # (hi: heads 0-15, lo: 16-31), folded into S_L by _fold
 S8_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 32]))
-
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_L.value, k_width=2))
-
 ROW = gl.constexpr(gl.SliceLayout(1, S_L.value))   # one value per cache row (or output dim)
-
 HEAD = gl.constexpr(gl.SliceLayout(0, S_L.value))  # one value per head
 
 # Raw e4m3 bytes for QK, [64 rows, 128 bytes] (one 128-dim group): thread (warp w, lane 4g + t) holds rows
@@ -124,6 +121,7 @@ mul.f16x2 $2, $2, $5;
 mul.f16x2 $3, $3, $5;
 }""")
 
+
 @gluon.jit
 def _fp4n(x, sc):
     """Packed e2m1 bytes ``x`` [64 rows, 4 blocks, 8 bytes] and each block's e4m3 scale byte ``sc`` (broadcast to
@@ -132,6 +130,7 @@ def _fp4n(x, sc):
     a, b = gl.inline_asm_elementwise(_FP4N_ASM, "=r,=r,=r,=r,r,r,r", [x, f], (gl.float16, gl.float16), True, 4)
     # a[4p + k] = dim 8p + k, b[4p + k] = dim 8p + 4 + k (p: which four bytes): a relabelling of registers
     return gl.join(a, b).reshape([64, 4, 2, 4, 2]).permute(0, 1, 2, 4, 3).reshape([64, 4, 16])
+
 
 @gluon.jit
 def _fp4_chunk(raw, scl, C: gl.constexpr):
@@ -143,11 +142,13 @@ def _fp4_chunk(raw, scl, C: gl.constexpr):
     sc = gl.convert_layout(sc, gl.SliceLayout(2, L_Q4))[:, :, None]
     return _fp4n(x, gl.broadcast(sc, x)[0]).reshape([64, 64])
 
+
 @gluon.jit
 def _qk_operand(raw, G: gl.constexpr):
     """Group G's e4m3 bytes of the stage -> the fp16 A operand [64 rows, 128 k] (k permuted, _relabel128)."""
     a = raw.slice(128 * G, 128, dim=1).load(L_QK).to(gl.float8e4nv, bitcast=True).to(gl.float16)
     return gl.convert_layout(_relabel128(a), A_OP)
+
 
 @gluon.jit
 def _rope_operand(rope):
@@ -155,10 +156,12 @@ def _rope_operand(rope):
     a = rope.load(L_QK64).to(gl.float8e4nv, bitcast=True).to(gl.float16)
     return gl.convert_layout(relabel64(a), A_OP)
 
+
 @gluon.jit
 def _pv_operand(raw, ks: gl.constexpr, G: gl.constexpr):
     """Rows 16 ks .. 16 ks + 15, group G -> the fp16 A operand V^T [128 dims (permuted, acc_dim), 16 rows]."""
     return gl.convert_layout(pv_values(raw, ks, G), A_OP)
+
 
 @gluon.jit
 def _pv_operands8(raw, st, ks: gl.constexpr):
@@ -167,6 +170,7 @@ def _pv_operands8(raw, st, ks: gl.constexpr):
             gl.convert_layout(pv_rows(raw.index(4 * st + 1).slice(16 * ks, 16, dim=0).load(L_V)), A_OP),
             gl.convert_layout(pv_rows(raw.index(4 * st + 2).slice(16 * ks, 16, dim=0).load(L_V)), A_OP),
             gl.convert_layout(pv_rows(raw.index(4 * st + 3).slice(16 * ks, 16, dim=0).load(L_V)), A_OP))
+
 
 @gluon.jit
 def _qk_groups8(raw, st, qn, z):
@@ -179,10 +183,12 @@ def _qk_groups8(raw, st, qn, z):
     g3 = _qk8(e4m3_view(raw, 4 * st + 3), qn, 3 + z, s_zero, False)
     return g0, g1, g2, g3
 
+
 @gluon.jit
 def _qk8(a, qb, i, acc, use_acc: gl.constexpr):
     """acc [64, 32] (+)= a [q hi; q lo]^T: one e4m3 MMA with q's two terms as 32 columns (_store_hi_lo)."""
     return warpgroup_mma(a, qb.index(i).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
+
 
 @gluon.jit
 def _fold(acc):
@@ -190,6 +196,7 @@ def _fold(acc):
     heads: an in-register add)."""
     hi, lo = acc.reshape([64, 2, 16]).permute(0, 2, 1).split()
     return gl.convert_layout(hi + lo, S_L)
+
 
 @gluon.jit
 def _qk_chain8(raw, rope, st, qn, qr, z, ROPE: gl.constexpr):
@@ -203,6 +210,7 @@ def _qk_chain8(raw, rope, st, qn, qr, z, ROPE: gl.constexpr):
         acc = _qk8(e4m3_view(rope, st), qr, z, acc, True)
     return _fold(warpgroup_mma_wait(0, deps=(acc, )))
 
+
 @gluon.jit
 def _pv_ops(raw, rs, st, ks: gl.constexpr, FP8_QK: gl.constexpr):
     """The PV operands of rows 16 ks .. 16 ks + 15 from stage rs ([64, 512]) or (FP8_QK) its four pieces."""
@@ -211,10 +219,12 @@ def _pv_ops(raw, rs, st, ks: gl.constexpr, FP8_QK: gl.constexpr):
     else:
         return _pv_operands(rs, ks)
 
+
 @gluon.jit
 def _pv_operands(raw, ks: gl.constexpr):
     """Rows 16 ks .. 16 ks + 15 of the stage -> the four groups' V^T A operands."""
     return _pv_operand(raw, ks, 0), _pv_operand(raw, ks, 1), _pv_operand(raw, ks, 2), _pv_operand(raw, ks, 3)
+
 
 @gluon.jit
 def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr, CHUNKS: gl.constexpr):
@@ -258,6 +268,7 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROP
             qr.index(0).store(relabel64(xr * c).to(gl.float16))
     return c
 
+
 @gluon.jit
 def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr):
     """FP8_QK's q: q * c_h as two e4m3 terms, hi = e4m3(q c_h) and lo = e4m3(q c_h - hi),
@@ -296,12 +307,14 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, RO
             _store_hi_lo(qr, 0, xr * c)
     return gl.convert_layout(inv_c, HEAD)
 
+
 @gluon.jit
 def _store_hi_lo(buf, i: gl.constexpr, y):
     """y [16 heads, n] (fp32) as its two e4m3 terms (store_e4m3_terms): hi into rows 0-15 of buf[i], lo into
     rows 16-31."""
     b = buf.index(i)
     store_e4m3_terms(b.slice(0, 16, dim=0), b.slice(16, 16, dim=0), y)
+
 
 @gluon.jit
 def _store_chunks(qn, C: gl.constexpr, x):
@@ -310,11 +323,13 @@ def _store_chunks(qn, C: gl.constexpr, x):
     qn.index(C).store(lo.to(gl.float16))
     qn.index(C + 1).store(hi.to(gl.float16))
 
+
 @gluon.jit
 def _relabel128(x):
     """[R, 128] indexed by byte -> indexed by fragment column (byte 32t + 16j + 4s + 2p + e is column
     64j + 16s + 8p + 2t + e): a relabelling of the registers, no data movement."""
     return x.reshape([x.shape[0], 4, 2, 4, 2, 2]).permute(0, 2, 3, 4, 1, 5).reshape([x.shape[0], 128])
+
 
 @gluon.jit
 def _cols(x):
@@ -324,6 +339,7 @@ def _cols(x):
     c1, c3 = b.split()
     return (gl.convert_layout(c0, ROW), gl.convert_layout(c1, ROW), gl.convert_layout(c2, ROW),
             gl.convert_layout(c3, ROW))
+
 
 @gluon.jit
 def _qk_groups(rs, qn, z, s_zero):
@@ -341,11 +357,13 @@ def _qk_groups(rs, qn, z, s_zero):
     g3 = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     return g0, g1, g2, g3
 
+
 @gluon.jit
 def _pick(v, G: gl.constexpr):
     """Element G of a [4] vector in SliceLayout(0, SC_L), as a scalar (held in every thread)."""
     c = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
     return gl.sum(gl.where(c == G, v, 0.0), 0)
+
 
 @gluon.jit
 def _pv_issue(v0, v1, v2, v3, pb, P0, ks: gl.constexpr, a0, a1, a2, a3, DS: gl.constexpr):
@@ -366,6 +384,7 @@ def _pv_issue(v0, v1, v2, v3, pb, P0, ks: gl.constexpr, a0, a1, a2, a3, DS: gl.c
     a3 = warpgroup_mma(v3, b3, a3, is_async=True)
     return a0, a1, a2, a3
 
+
 @gluon.jit
 def _qk_chain(rs, qn, z, s_zero):
     """Plain fp8: issue S^T = K q^T over the four 128-dim groups as one chain of MMAs (A = the converted bytes,
@@ -384,6 +403,7 @@ def _qk_chain(rs, qn, z, s_zero):
     acc = warpgroup_mma(a3, qn.index(3 + z).permute((1, 0)), acc, is_async=True)
     return acc, a2
 
+
 @gluon.jit
 def _softmax_step(x, valid, m_i, l_acc):
     """Online softmax over one block's scaled scores x [64 rows, 16 heads] (log2 units), -inf for rows without
@@ -393,6 +413,7 @@ def _softmax_step(x, valid, m_i, l_acc):
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(x - m_new[None, :])
     return p, alpha, m_new, l_acc * alpha[None, :] + p
+
 
 @gluon.jit
 def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
@@ -496,6 +517,7 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, 
         gl.store(obase + 448 + d, (o7 * a0 + mrg.index(23).load(S_L) * a1).to(ty), mask=hm)
         gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
 
+
 @gluon.jit
 def _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
              ROPE: gl.constexpr, CHUNKS: gl.constexpr, FP8_QK: gl.constexpr):
@@ -520,6 +542,7 @@ def _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.co
             c = gl.max(vec.index(0).load(HEAD), 0)
     return c
 
+
 @gluon.jit
 def _publish(m_i, l_i, vec, done_bar):
     """Warpgroup 1, its accumulators stored for the merge: its running max and sum to warpgroup 0."""
@@ -527,6 +550,7 @@ def _publish(m_i, l_i, vec, done_bar):
     vec.index(1).store(l_i)
     compat.barrier()
     mbarrier.arrive(done_bar, count=1)
+
 
 @gluon.jit
 def _merge_start(m_i, l_i, vec, done_bar, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H):
@@ -543,6 +567,7 @@ def _merge_start(m_i, l_i, vec, done_bar, o_ptr, stride_ot, stride_os, stride_oh
     hm = (heads < H)[None, :]
     obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[None, :] * stride_oh
     return (w0 * inv_l)[None, :], (w1 * inv_l)[None, :], lse, heads, hm, obase
+
 
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_QK: gl.constexpr,
@@ -690,6 +715,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
         gl.store(obase + d2, (o2 * a0 + mrg.index(MB + 2).load(S_L) * a1).to(ty), mask=hm)
         gl.store(obase + d3, (o3 * a0 + mrg.index(MB + 3).load(S_L) * a1).to(ty), mask=hm)
         gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
+
 
 @gluon.jit
 def few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,

@@ -249,9 +249,9 @@ def _pv(raw, st, pbuf, rbuf, rb0, oa, ob, WG: gl.constexpr, DS: gl.constexpr, FP
         oa = warpgroup_mma(va, b, oa, is_async=True)
         ob = warpgroup_mma(vb, b, ob, is_async=True)
         if ks > 0:
-            warpgroup_mma_wait(2, deps=(pa, pb_))
-        pa = va
-        pb_ = vb
+            warpgroup_mma_wait(2, deps=(prev_a, prev_b))  # the previous step's operands are free again
+        prev_a = va
+        prev_b = vb
         if ks < 3:
             va = _v_operand(rs, st, ks + 1, 2 * WG, rbuf, rb0, DS, FP8_QK)
             vb = _v_operand(rs, st, ks + 1, 2 * WG + 1, rbuf, rb0, DS, FP8_QK)
