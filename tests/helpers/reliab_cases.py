@@ -266,13 +266,13 @@ def draw_spec(src, profile: Profile, *, config: Optional[Config] = None, fmts: O
     else:
         backend, fmt, mode = config.backend, config.fmt, config.mode
         heads = src.integer(*config.heads_band)
-        tokens = src.integer(*config.tokens_band)
+        tokens = min(src.integer(*config.tokens_band), profile.max_tokens)
         width, itk, kpool = _width(src, profile, config.width_kind)
         has_counts = config.has_counts
         q_layout, out, lse = config.q_layout, config.out, config.lse
     f = sparsemla.get_format(fmt)
     block_size = src.choice(profile.block_sizes)
-    stride_extra = src.choice([0, 0, 1, 3, 8])
+    stride_extra = min(src.choice([0, 0, 1, 3, 8]), block_size)  # at most doubles the cache
     # Contexts: mostly around K (so most positions are selected), some much shorter (ctx < K: -1 tails).
     ctx = []
     for _ in range(tokens):
@@ -634,7 +634,8 @@ def nan_isolation_case(fmt, heads: int, tokens: int, width: int, device, seed: i
         counts.append(n)
     q = (heavy(gen, tokens, heads, fmt.head_dim, device=device)).to(torch.bfloat16)
     return dict(cache=cache, q=q, indices=idx.to(torch.int32).to(device),
-                valid_counts=torch.tensor(counts, dtype=torch.int32, device=device), victim=victim, fmt=fmt)
+                valid_counts=torch.tensor(counts, dtype=torch.int32, device=device), victim=victim,
+                victim_slot=int(slots[victim_pos]), fmt=fmt)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -660,11 +661,33 @@ def compiled_kernels() -> Dict[str, int]:
     return found
 
 
-def check_nan_isolation(c: Dict, backend: str, *, sm_scale: float = 0.1, mode: str = "decode") -> Dict:
-    """Run a :func:`nan_isolation_case` clean, then with its victim row overwritten by NaN bytes: the
-    tokens that do not select the victim (within their valid count) must give bitwise the same out and lse
-    as the clean run, and every token that selects it must change.  The cache is restored afterwards.
-    Returns dict(hit=tokens that select the victim, clean=(out, lse), dirty=(out, lse))."""
+def _plant_by_write(c: Dict) -> bool:
+    """Write a token with one NaN latent value into the victim's slot through ``PagedKVCache.write``.
+    Returns False when the write rejects it (then it must raise ValueError naming kv_c and leave the row
+    as it was)."""
+    cache, fmt = c["cache"], c["fmt"]
+    dev = cache.device
+    kv = torch.randn(1, V_DIM, device=dev)
+    kv[0, 100] = float("nan")
+    pe = torch.randn(1, fmt.rope_dim, device=dev) if fmt.rope_dim else None
+    before = cache.rows[c["victim"]].clone()
+    try:
+        cache.write(kv, pe, torch.tensor([c["victim_slot"]], dtype=torch.int32, device=dev))
+    except ValueError as e:
+        assert str(e).startswith("kv_c"), f"a rejected non-finite write must name kv_c: {e}"
+        assert torch.equal(cache.rows[c["victim"]], before), "a rejected write changed the cache"
+        return False
+    return True
+
+
+def check_nan_isolation(c: Dict, backend: str, *, sm_scale: float = 0.1, mode: str = "decode",
+                        plant: str = "bytes") -> Optional[Dict]:
+    """Run a :func:`nan_isolation_case` clean, then with its victim row made non-finite (``plant``:
+    ``bytes`` overwrites it with NaN bytes; ``write`` writes a token holding a NaN through the cache write,
+    when the write policy stores it): the tokens that do not select the victim (within their valid count)
+    must give bitwise the same out and lse as the clean run, and every token that selects it must change.
+    The cache is restored afterwards.  Returns dict(hit, clean=(out, lse), dirty=(out, lse)), or None when
+    the write rejected the non-finite token."""
     fn = sparsemla.sparse_mla_decode if mode == "decode" else sparsemla.sparse_mla_prefill
     q, cache = c["q"], c["cache"]
 
@@ -679,17 +702,21 @@ def check_nan_isolation(c: Dict, backend: str, *, sm_scale: float = 0.1, mode: s
     assert bool(hit.any()) and bool((~hit).any()), "the case must have tokens on both sides"
     assert bool(torch.isfinite(o0.float()).all()), f"{c['fmt'].id} {backend}: the clean run is not finite"
     saved = cache.rows[c["victim"]].clone()
-    plant_nan_row(cache, c["victim"])
     try:
+        if plant == "write":
+            if not _plant_by_write(c):
+                return None
+        else:
+            plant_nan_row(cache, c["victim"])
         o1, l1 = call()
     finally:
         cache.rows[c["victim"]].copy_(saved)
     same = ((o1.view(torch.int16) == o0.view(torch.int16)).flatten(1).all(dim=1)
             & (l1.view(torch.int32) == l0.view(torch.int32)).all(dim=1))
     leaked = (~hit & ~same).nonzero().flatten().tolist()
-    assert not leaked, (f"{c['fmt'].id} {backend}: tokens {leaked} do not select the NaN row {c['victim']} "
-                        f"but their output changed")
+    assert not leaked, (f"{c['fmt'].id} {backend}: tokens {leaked} do not select the non-finite row "
+                        f"{c['victim']} but their output changed")
     ignored = (hit & same).nonzero().flatten().tolist()
-    assert not ignored, (f"{c['fmt'].id} {backend}: tokens {ignored} select the NaN row {c['victim']} and their "
-                         f"output did not change (a selected row was not read)")
+    assert not ignored, (f"{c['fmt'].id} {backend}: tokens {ignored} select the non-finite row {c['victim']} and "
+                         f"their output did not change (a selected row was not read)")
     return dict(hit=hit, clean=(o0, l0), dirty=(o1, l1))
