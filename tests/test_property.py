@@ -48,7 +48,9 @@ def test_attention_matches_float64_reference(data, device):
 
 
 FORMATS = rc.format_ids()
-CPU_BACKENDS = rc.attention_backends("cpu")
+# Under the interpreter ``triton`` runs the portable kernels, as ``triton-portable`` does: one of them suffices.
+CPU_BACKENDS = [b for b in rc.attention_backends("cpu")
+                if not (b == "triton" and "triton-portable" in rc.attention_backends("cpu"))]
 
 
 # victim: mid (a row in the middle of the context), row0 (row 0 of the cache, where kernels point masked
