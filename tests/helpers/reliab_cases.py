@@ -720,3 +720,28 @@ def check_nan_isolation(c: Dict, backend: str, *, sm_scale: float = 0.1, mode: s
     assert not ignored, (f"{c['fmt'].id} {backend}: tokens {ignored} select the non-finite row {c['victim']} and "
                          f"their output did not change (a selected row was not read)")
     return dict(hit=hit, clean=(o0, l0), dirty=(o1, l1))
+
+
+def planned_kernel(spec: Spec, capability=(9, 0), num_sms: int = 132) -> Optional[str]:
+    """The kernel ``sparsemla.plan`` gives a spec's call on an H200 (``kernel``, ``+fp8qk``, ``+split`` when the
+    rows are split over programs), or None when the plan module is not there or declines (a coverage count,
+    not a check)."""
+    try:
+        from sparsemla import plan as P
+        fmt = "bf16" if spec.mode == "workspace" else spec.fmt
+        if spec.mode == "workspace":
+            fmt = sparsemla.get_format("bf16", sparsemla.get_format(spec.fmt).rope_dim)
+        p = P.plan_attention(fmt, spec.tokens, spec.heads, spec.width, capability=capability, num_sms=num_sms,
+                             fp8_qk=is_fp8qk(spec.backend), portable="portable" in spec.backend,
+                             staged=is_staged(spec.backend))
+    except Exception:
+        return None
+    return p.kernel + ("+fp8qk" if p.fp8_qk else "") + ("+split" if p.num_splits > 1 else "")
+
+
+def plan_kernel_names() -> List[str]:
+    try:
+        from sparsemla import plan as P
+        return list(P.KERNELS)
+    except Exception:
+        return []

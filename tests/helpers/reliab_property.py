@@ -137,6 +137,7 @@ def run_many(seed: int, num_cases: int, device="cuda", profile: rc.Profile = rc.
     refused: Dict[int, str] = {}
     ran = 0
     worst = [0.0, 0.0, 0.0, 0.0]
+    planned: Dict[str, int] = {}
 
     def drain():
         nonlocal ran
@@ -185,6 +186,9 @@ def run_many(seed: int, num_cases: int, device="cuda", profile: rc.Profile = rc.
             ref_o, ref_l = rc.reference(case)
             pending.append(rc.measure(case, out, lse, ref_o, ref_l))
             keys.append((i, j, spec))
+            if device.type == "cuda":
+                k = rc.planned_kernel(spec, torch.cuda.get_device_capability(device))
+                planned[str(k)] = planned.get(str(k), 0) + 1
             if len(pending) >= flush:
                 drain()
         drain()
@@ -199,6 +203,8 @@ def run_many(seed: int, num_cases: int, device="cuda", profile: rc.Profile = rc.
         "worst": dict(zip(rc.METRICS, worst)), "seconds": round(time.time() - t0, 1),
         "per_config": {str(i): dict(v, config=dataclasses.asdict(configs[i])) for i, v in per_config.items()},
         "kernels_compiled": rc.compiled_kernels(),
+        "kernels_planned": planned,
+        "kernels_never_planned": [k for k in rc.plan_kernel_names() if not any(p.startswith(k) for p in planned)],
     })
     return summary
 

@@ -16,7 +16,8 @@
 - ``staging``: the top-k FP8 gather and the context upconvert of every format, into exactly sized outputs.
 - ``indexer``: the index-key cache write, the index scores and the top-k (plain and pooled).
 
-``--tiny`` keeps one width per shape and the fewest tokens (racecheck and synccheck are slow).  At the end
+``--tiny`` keeps one width per shape (260 rows: split over programs, so the combine runs after every kernel)
+and the fewest tokens (racecheck and synccheck are slow).  At the end
 the driver prints the kernels that ran (and their compiled variants) and the ``*kernel`` functions of
 ``sparsemla.kernels`` that did not run.  Exit status 1 if a call raised.
 """
@@ -40,6 +41,7 @@ import sparsemla  # noqa: E402
 
 DEV = "cuda"
 FAILED = []
+PLANNED = {}
 
 
 def step(name, fn):
@@ -73,7 +75,7 @@ def _attention_plan(tiny: bool, backends):
     """(backend, shapes, widths, modes) per backend: the default backend takes every shape; the others the
     shapes where their kernels differ.  ``triton`` is the default backend forced, so it runs only when
     there is no ``auto`` (the CPU)."""
-    widths = (64,) if tiny else (64, 300)
+    widths = (260,) if tiny else (64, 300)
     plan = []
     for b in backends:
         if b == "auto" or (b == "triton" and "auto" not in backends):
@@ -101,6 +103,9 @@ def attention(tiny: bool, fmts):
                         spec = _spec(fmt, backend, mode, heads, tokens, width,
                                      q_layout="padded" if heads == 40 else "contiguous",
                                      lse="transposed" if heads == 16 else "poisoned")
+
+                        k = str(rc.planned_kernel(spec, torch.cuda.get_device_capability() if DEV == "cuda" else (9, 0)))
+                        PLANNED[k] = PLANNED.get(k, 0) + 1
 
                         def call(spec=spec):
                             try:
@@ -230,6 +235,9 @@ def main(argv=None):
     print(f"kernels run ({len(ran)}):", ", ".join(f"{k} x{v}" for k, v in sorted(ran.items())))
     missing = [k for k in kernel_functions() if k not in ran]
     print(f"kernels not run ({len(missing)}):", ", ".join(missing) or "none")
+    print("attention kernels planned:", ", ".join(f"{k} x{v}" for k, v in sorted(PLANNED.items())))
+    never = [k for k in rc.plan_kernel_names() if not any(p.startswith(k) for p in PLANNED)]
+    print(f"attention kernels never planned ({len(never)}):", ", ".join(never) or "none")
     print(f"driver: {len(FAILED)} failed calls, {time.time() - t0:.0f} s", flush=True)
     return 1 if FAILED else 0
 
