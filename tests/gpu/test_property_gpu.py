@@ -51,6 +51,7 @@ def test_10000_random_cases_match_the_reference():
     assert summary["cases_run"] >= NUM_CASES, summary["refused_configs"]
     assert summary["failures"] == 0, f"seed {seed}: {summary['failed_cases'][:5]}"
     assert not summary["refused_configs"], summary["refused_configs"]
+    assert not summary["kernels_never_planned"], f"no case reached {summary['kernels_never_planned']}"
 
 
 # (backend, heads, tokens, width): few heads, head groups, 64-head programs (more than 132 programs of 16 heads;

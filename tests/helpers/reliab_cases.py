@@ -230,9 +230,13 @@ class Config:
 
 
 def draw_config(src, fmt: str, backend: str, *, many_heads: Optional[bool] = None,
-                many_tokens: Optional[bool] = None) -> Config:
+                many_tokens: Optional[bool] = None, band: Optional[int] = None, cache_rows: bool = False) -> Config:
+    """A configuration; ``band``: the 16-head band ``b`` (H in ``16b+1 .. 16b+16``), else drawn (0-1 for few
+    heads, 2-7 for many); ``cache_rows``: decode or prefill over the cache (not a bf16 workspace, whose rows are
+    bf16 whatever the format)."""
     many_heads = src.chance(0.5) if many_heads is None else many_heads
-    band = src.integer(2, 7) if many_heads else src.integer(0, 1)
+    if band is None:
+        band = src.integer(2, 7) if many_heads else src.integer(0, 1)
     if src.chance(0.3):
         heads_band = (16 * (band + 1),) * 2
     else:
@@ -240,7 +244,7 @@ def draw_config(src, fmt: str, backend: str, *, many_heads: Optional[bool] = Non
     many_tokens = src.chance(0.3) if many_tokens is None else many_tokens
     tokens_band = src.choice([(34, 64), (65, 96)]) if many_tokens else src.choice([(1, 4), (5, 16), (17, 33)])
     mode = src.choice(["decode", "decode", "prefill", "workspace"]) if not is_staged(backend) else "decode"
-    if is_fp8qk(backend) and mode == "workspace":
+    if (is_fp8qk(backend) or cache_rows) and mode == "workspace":
         mode = "decode"
     return Config(fmt, backend, mode, heads_band, tokens_band, src.choice(["odd", "odd", "aligned", "pooled"]),
                   src.chance(0.8), q_layout=src.choice(["contiguous"] * 4 + ["padded", "transposed"]),

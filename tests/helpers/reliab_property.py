@@ -2,8 +2,8 @@
 
 Kernel variants are compiled per distinct set of constexprs and integer specializations, which costs seconds
 each, while a case costs milliseconds.  So the run first draws a pool of :class:`reliab_cases.Config` (per
-format: a few-heads and a many-heads configuration of the default backend; a few configurations of every
-other ``triton*`` backend), each fixing what decides the kernel variant (format, backend, mode, a 16-head
+format: a few-heads and a many-heads configuration of the default backend; for every other ``triton*``
+backend one configuration per row kind it reads at 1-16 heads and one or two at many heads), each fixing what decides the kernel variant (format, backend, mode, a 16-head
 band, a token band, the top-k width class, valid counts or not, the q / out / lse layouts), and then draws
 the cases of each configuration (exact H, T and K inside those bands, contexts, counts, -1 patterns,
 garbage, block geometry, k_scale, sm_scale, data).  With ``precompile_workers`` the first cases of every
@@ -37,9 +37,16 @@ def draw_configs(seed: int, device_type: str) -> List[rc.Config]:
         configs.append(rc.draw_config(src, f, first, many_heads=False, many_tokens=False))
         configs.append(rc.draw_config(src, f, first, many_heads=True, many_tokens=src.chance(0.5)))
     for b in backends[1:]:
+        # one format of each row kind it reads (rope or NoPE at random) at 1-16 heads, then at many heads
+        # one more (two when it reads fewer than four kinds)
         fl = rc.backend_formats(b, fmts)
-        for _ in range(min(4, len(fl))):
-            configs.append(rc.draw_config(src, src.choice(fl), b))
+        kinds = {}
+        for f in fl:
+            kinds.setdefault(rc.sparsemla.get_format(f).name, []).append(f)
+        for ids in kinds.values():
+            configs.append(rc.draw_config(src, src.choice(ids), b, many_heads=False, band=0, cache_rows=True))
+        for _ in range(1 if len(kinds) >= 4 else 2):
+            configs.append(rc.draw_config(src, src.choice(fl), b, many_heads=True))
     return configs
 
 
