@@ -518,21 +518,27 @@ SLOTS = [3, 9, 0, 14, 6]
 
 
 def _write_path(f, kv, pe, device, interpret):
-    """Bytes of a fresh poisoned cache after writing 5 tokens, through PagedKVCache.write with the Triton
-    kernel (``interpret`` on the CPU, or CUDA) or with the PyTorch encoder (the CPU without the interpreter)."""
+    """Bytes of a fresh poisoned cache after writing 5 tokens through PagedKVCache.write, with the Triton kernel
+    (``interpret`` True on the CPU; CUDA) or with the PyTorch encoder (``interpret`` False: the CPU without the
+    interpreter, chosen by switching the interpreter off and telling the cache module Triton does not run)."""
+    import sparsemla.cache as cache_mod
     cache = PagedKVCache(f, 2, BS, device, block_stride_rows=BS + 2)
     cache.rows.fill_(POISON)
-    old = os.environ.get("TRITON_INTERPRET")
-    if interpret is not None:
-        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    old_env, old_fn = os.environ.get("TRITON_INTERPRET"), getattr(cache_mod, "triton_runs_on", None)
+    if interpret is False:
+        os.environ["TRITON_INTERPRET"] = "0"
+        if old_fn is not None:
+            cache_mod.triton_runs_on = lambda dev: torch.device(dev).type == "cuda"
     try:
         cache.write(kv, pe, torch.tensor(SLOTS, dtype=torch.int32, device=device))
     finally:
-        if interpret is not None:
-            if old is None:
+        if interpret is False:
+            if old_env is None:
                 os.environ.pop("TRITON_INTERPRET", None)
             else:
-                os.environ["TRITON_INTERPRET"] = old
+                os.environ["TRITON_INTERPRET"] = old_env
+            if old_fn is not None:
+                cache_mod.triton_runs_on = old_fn
     return cache
 
 
