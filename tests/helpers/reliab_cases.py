@@ -158,7 +158,12 @@ GPU = Profile("gpu", 96, 2112, (64, 128, 512, 1024, 2048), ((2048, 4), (512, 4),
 
 
 def format_ids() -> List[str]:
-    return [f.id for f in sparsemla.all_formats()]
+    """Every format id, the library's own compact NoPE layouts included."""
+    try:
+        fmts = sparsemla.all_formats(compact=True)
+    except TypeError:
+        fmts = sparsemla.all_formats()
+    return [f.id for f in fmts]
 
 
 def attention_backends(device_type: str) -> List[str]:
@@ -181,10 +186,19 @@ def is_staged(backend: str) -> bool:
 
 
 def backend_formats(backend: str, fmts: Sequence[str]) -> List[str]:
-    """Formats a backend is expected to serve (the FP8-QK mode reads e4m3 rows only)."""
+    """Formats a backend declares it serves (all for ``auto``; the FP8-QK mode reads e4m3 rows only)."""
+    out = list(fmts)
+    if backend != "auto":
+        try:
+            from sparsemla.backends import get_backend
+            declared = get_backend(backend).formats
+        except Exception:
+            declared = None
+        if declared is not None:
+            out = [f for f in out if f in declared]
     if is_fp8qk(backend):
-        return [f for f in fmts if sparsemla.get_format(f).name in ("fp8", "fp8_ds_mla")]
-    return list(fmts)
+        out = [f for f in out if sparsemla.get_format(f).name in ("fp8", "fp8_ds_mla")]
+    return out
 
 
 def _heads(src, band: Optional[Tuple[int, int]]) -> int:
