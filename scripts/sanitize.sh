@@ -5,15 +5,17 @@
 #
 # Drivers:
 #   memcheck              tests/gpu/sanitize_kernels.py (when present) and tests/helpers/reliab_sanitize.py
-#   racecheck, synccheck  tests/helpers/reliab_sanitize.py --tiny (one small call per kernel variant)
+#   racecheck, synccheck  tests/helpers/reliab_sanitize.py
+# reliab_sanitize.py runs its --tiny set (every kernel, the FP8-QK variants and the combine after each, one
+# small call per variant) unless SANITIZE_FULL=1 (more shapes, widths and modes: several times longer).
 # Every run has PYTORCH_NO_CUDA_MEMORY_CACHING=1 (PyTorch's caching allocator hides out-of-bounds accesses
 # inside its segments).  Logs go to $OUT/sanitize/ (default ./out/sanitize/): <tool>-<driver>.log holds the
 # sanitizer's report, <tool>-<driver>.out the driver's own output.  The last lines printed are a table of
 # errors per tool and driver; the exit status is 1 when any run found an error, failed or timed out.
 #
 # Environment: COMPUTE_SANITIZER (the binary; default: on PATH, else the newest /usr/local/cuda*/bin),
-# PYTHON (default python3), SANITIZE_TIMEOUT (seconds per run, default 900), SANITIZE_ARGS (extra driver
-# arguments, e.g. "--formats fp8_ds_mla,bf16 --sections attention").
+# PYTHON (default python3), SANITIZE_TIMEOUT (seconds per run, default 900), SANITIZE_FULL, SANITIZE_ARGS
+# (extra driver arguments, e.g. "--formats fp8_ds_mla,bf16 --sections attention").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +24,7 @@ mkdir -p "$OUT_DIR"
 PY="${PYTHON:-python3}"
 TIMEOUT="${SANITIZE_TIMEOUT:-900}"
 EXTRA="${SANITIZE_ARGS:-}"
+[ "${SANITIZE_FULL:-0}" = 1 ] || EXTRA="--tiny $EXTRA"
 CS="${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || true)}"
 if [ -z "$CS" ]; then
     CS="$(ls -d /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | sort -V | tail -1)"
@@ -37,6 +40,7 @@ TOOLS=("$@")
 
 ROWS=()
 STATUS=0
+TOTAL=0
 
 # run TOOL NAME COMMAND...: one sanitizer run, its row of the table
 run() {
@@ -66,6 +70,7 @@ run() {
     if [ "$errors" != "?" ] && [ "$errors" -gt 0 ]; then verdict=errors; fi
     if [ $rc -ne 0 ] && [ "$verdict" = ok ]; then verdict="exit-$rc"; fi
     [ "$verdict" = ok ] || STATUS=1
+    TOTAL=$((TOTAL + ${errors//\?/0}))
     ROWS+=("$(printf '%-10s %-18s %6s %8s %9s %6ss  %s' "$tool" "$name" "$errors" "${warnings:--}" \
         "${failed:--}" "$secs" "$verdict")")
     echo "${ROWS[-1]}"
@@ -82,7 +87,7 @@ for tool in "${TOOLS[@]}"; do
             ;;
         racecheck|synccheck|initcheck)
             # shellcheck disable=SC2086
-            run "$tool" reliab_sanitize "$PY" tests/helpers/reliab_sanitize.py --tiny $EXTRA
+            run "$tool" reliab_sanitize "$PY" tests/helpers/reliab_sanitize.py $EXTRA
             ;;
         *)
             echo "sanitize.sh: unknown tool $tool" >&2
@@ -95,5 +100,7 @@ echo
 echo "compute-sanitizer summary (logs in $OUT_DIR)"
 printf '%-10s %-18s %6s %8s %9s %7s  %s\n' tool driver errors warnings py-fails time verdict
 for r in "${ROWS[@]}"; do echo "$r"; done
-grep -h -E '^kernels (run|not run)' "$OUT_DIR"/*-reliab_sanitize.out 2>/dev/null | sort -u | cut -c1-2000
+grep -h -E '^(kernels (run|not run)|attention kernels)' "$OUT_DIR"/*-reliab_sanitize.out 2>/dev/null | sort -u | cut -c1-2000
+verdict=$([ $STATUS = 0 ] && echo clean || echo "NOT clean")
+echo "sanitize.sh ERROR SUMMARY: $TOTAL errors in ${#ROWS[@]} runs ($verdict)"
 exit $STATUS
