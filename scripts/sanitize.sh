@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# compute-sanitizer over every kernel of the library, on the GPU machine.
+#
+#   bash scripts/sanitize.sh [TOOL ...]        TOOL: memcheck racecheck synccheck (default: all three), initcheck
+#
+# Drivers:
+#   memcheck              tests/gpu/sanitize_kernels.py (when present) and tests/helpers/reliab_sanitize.py
+#   racecheck, synccheck  tests/helpers/reliab_sanitize.py
+# reliab_sanitize.py runs its --tiny set (every kernel, the FP8-QK variants and the combine after each, one
+# small call per variant) unless SANITIZE_FULL=1 (more shapes, widths and modes: several times longer).
+# Every run has PYTORCH_NO_CUDA_MEMORY_CACHING=1 (PyTorch's caching allocator hides out-of-bounds accesses
+# inside its segments).  Logs go to $OUT/sanitize/ (default ./out/sanitize/): <tool>-<driver>.log holds the
+# sanitizer's report, <tool>-<driver>.out the driver's own output.  The last lines printed are a table of
+# errors per tool and driver; the exit status is 1 when any run found an error, failed or timed out.
+#
+# Environment: COMPUTE_SANITIZER (the binary; default: on PATH, else the newest /usr/local/cuda*/bin),
+# PYTHON (default python3), SANITIZE_TIMEOUT (seconds per run, default 900), SANITIZE_FULL, SANITIZE_ARGS
+# (extra driver arguments, e.g. "--formats fp8_ds_mla,bf16 --sections attention").
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT_DIR="${OUT:-./out}/sanitize"
+mkdir -p "$OUT_DIR"
+PY="${PYTHON:-python3}"
+TIMEOUT="${SANITIZE_TIMEOUT:-900}"
+EXTRA="${SANITIZE_ARGS:-}"
+[ "${SANITIZE_FULL:-0}" = 1 ] || EXTRA="--tiny $EXTRA"
+CS="${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || true)}"
+if [ -z "$CS" ]; then
+    CS="$(ls -d /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | sort -V | tail -1)"
+fi
+if [ -z "$CS" ] || [ ! -x "$CS" ]; then
+    echo "sanitize.sh: compute-sanitizer not found (set COMPUTE_SANITIZER)" >&2
+    exit 2
+fi
+export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+TOOLS=("$@")
+[ ${#TOOLS[@]} -eq 0 ] && TOOLS=(memcheck racecheck synccheck)
+
+ROWS=()
+STATUS=0
+TOTAL=0
+
+# run TOOL NAME COMMAND...: one sanitizer run, its row of the table
+run() {
+    local tool=$1 name=$2
+    shift 2
+    local log="$OUT_DIR/$tool-$name.log" out="$OUT_DIR/$tool-$name.out"
+    local extra=()
+    [ "$tool" = racecheck ] && extra=(--racecheck-report all)
+    local t0=$SECONDS
+    timeout "$TIMEOUT" "$CS" --tool "$tool" ${extra[@]+"${extra[@]}"} --error-exitcode 9 --print-limit 200 \
+        --log-file "$log" "$@" >"$out" 2>&1
+    local rc=$? secs=$((SECONDS - t0))
+    local errors warnings
+    errors=$(grep -Eo 'ERROR SUMMARY: [0-9]+ error' "$log" 2>/dev/null | tail -1 | grep -Eo '[0-9]+' || true)
+    if [ "$tool" = racecheck ]; then
+        # "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)"
+        local rs
+        rs=$(grep -E 'RACECHECK SUMMARY' "$log" 2>/dev/null | tail -1)
+        [ -z "$errors" ] && errors=$(echo "$rs" | grep -Eo '[0-9]+ errors' | grep -Eo '[0-9]+' || true)
+        warnings=$(echo "$rs" | grep -Eo '[0-9]+ warnings' | grep -Eo '[0-9]+' || true)
+    fi
+    local failed
+    failed=$(grep -Eo 'driver: [0-9]+ failed calls' "$out" | grep -Eo '[0-9]+' | head -1 || true)
+    local verdict=ok
+    if [ $rc -eq 124 ]; then verdict=timeout; fi
+    if [ -z "$errors" ]; then errors="?"; [ "$verdict" = ok ] && verdict="no-summary"; fi
+    if [ "$errors" != "?" ] && [ "$errors" -gt 0 ]; then verdict=errors; fi
+    if [ $rc -ne 0 ] && [ "$verdict" = ok ]; then verdict="exit-$rc"; fi
+    [ "$verdict" = ok ] || STATUS=1
+    TOTAL=$((TOTAL + ${errors//\?/0}))
+    ROWS+=("$(printf '%-10s %-18s %6s %8s %9s %6ss  %s' "$tool" "$name" "$errors" "${warnings:--}" \
+        "${failed:--}" "$secs" "$verdict")")
+    echo "${ROWS[-1]}"
+}
+
+for tool in "${TOOLS[@]}"; do
+    case "$tool" in
+        memcheck)
+            if [ -f tests/gpu/sanitize_kernels.py ]; then
+                run memcheck sanitize_kernels "$PY" tests/gpu/sanitize_kernels.py
+            fi
+            # shellcheck disable=SC2086
+            run memcheck reliab_sanitize "$PY" tests/helpers/reliab_sanitize.py $EXTRA
+            ;;
+        racecheck|synccheck|initcheck)
+            # shellcheck disable=SC2086
+            run "$tool" reliab_sanitize "$PY" tests/helpers/reliab_sanitize.py $EXTRA
+            ;;
+        *)
+            echo "sanitize.sh: unknown tool $tool" >&2
+            STATUS=1
+            ;;
+    esac
+done
+
+echo
+echo "compute-sanitizer summary (logs in $OUT_DIR)"
+printf '%-10s %-18s %6s %8s %9s %7s  %s\n' tool driver errors warnings py-fails time verdict
+for r in "${ROWS[@]}"; do echo "$r"; done
+grep -h -E '^(kernels (run|not run)|attention kernels)' "$OUT_DIR"/*-reliab_sanitize.out 2>/dev/null | sort -u | cut -c1-2000
+verdict=$([ $STATUS = 0 ] && echo clean || echo "NOT clean")
+echo "sanitize.sh ERROR SUMMARY: $TOTAL errors in ${#ROWS[@]} runs ($verdict)"
+exit $STATUS

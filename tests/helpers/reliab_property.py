@@ -1,0 +1,229 @@
+"""The many-case differential run of the GPU suite: thousands of :mod:`reliab_cases` specs back to back.
+
+Kernel variants are compiled per distinct set of constexprs and integer specializations, which costs seconds
+each, while a case costs milliseconds.  So the run first draws a pool of :class:`reliab_cases.Config` (per
+format: a few-heads and a many-heads configuration of the default backend; for every other ``triton*``
+backend one configuration per row kind it reads at 1-16 heads and one or two at many heads), each fixing what decides the kernel variant (format, backend, mode, a 16-head
+band, a token band, the top-k width class, valid counts or not, the q / out / lse layouts), and then draws
+the cases of each configuration (exact H, T and K inside those bands, contexts, counts, -1 patterns,
+garbage, block geometry, k_scale, sm_scale, data).  With ``precompile_workers`` the first cases of every
+configuration run first in spawned worker processes, which fill Triton's on-disk kernel cache in parallel.
+
+Case ``j`` of configuration ``i`` of a run with seed ``s`` is drawn from ``RandomSource(f"{s}:{i}:{j}")``
+alone: :func:`replay` rebuilds it from ``(s, i, j)``.  Metrics stay on the device and are read back every
+``flush`` cases, so the loop does not wait for the GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+import reliab_cases as rc
+
+
+def draw_configs(seed: int, device_type: str) -> List[rc.Config]:
+    src = rc.RandomSource(f"{seed}:configs")
+    fmts = rc.format_ids()
+    backends = rc.attention_backends(device_type)
+    first = backends[0]  # "auto" on a GPU, "triton" on the CPU
+    configs = []
+    for f in fmts:
+        configs.append(rc.draw_config(src, f, first, many_heads=False, many_tokens=False))
+        configs.append(rc.draw_config(src, f, first, many_heads=True, many_tokens=src.chance(0.5)))
+    for b in backends[1:]:
+        # one format of each row kind it reads (rope or NoPE at random) at 1-16 heads, then at many heads
+        # one more (two when it reads fewer than four kinds)
+        fl = rc.backend_formats(b, fmts)
+        kinds = {}
+        for f in fl:
+            kinds.setdefault(rc.sparsemla.get_format(f).name, []).append(f)
+        for ids in kinds.values():
+            configs.append(rc.draw_config(src, src.choice(ids), b, many_heads=False, band=0, cache_rows=True))
+        for _ in range(1 if len(kinds) >= 4 else 2):
+            configs.append(rc.draw_config(src, src.choice(fl), b, many_heads=True))
+    return configs
+
+
+def case_spec(seed: int, i: int, j: int, config: rc.Config, profile: rc.Profile) -> rc.Spec:
+    return rc.draw_spec(rc.RandomSource(f"{seed}:{i}:{j}"), profile, config=config)
+
+
+def replay(seed: int, i: int, j: int, device="cuda", profile: rc.Profile = rc.GPU):
+    """(spec, metrics list) of one recorded case."""
+    config = draw_configs(seed, torch.device(device).type)[i]
+    spec = case_spec(seed, i, j, config, profile)
+    case = rc.build_case(spec, device)
+    out, lse = rc.run_case(case)
+    ref_o, ref_l = rc.reference(case)
+    return spec, rc.measure(case, out, lse, ref_o, ref_l).tolist()
+
+
+class Storage:
+    """One reusable uint8 buffer for the cases' cache bytes (grown on demand)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.buf = torch.empty(0, dtype=torch.uint8, device=device)
+
+    def for_spec(self, spec: rc.Spec) -> torch.Tensor:
+        f = rc.sparsemla.get_format(spec.fmt)
+        bs = spec.block_size
+        blocks = sum(-(-c // bs) for c in spec.ctx) + 2
+        need = blocks * (bs + spec.stride_extra) * f.bytes_per_token
+        if need > self.buf.numel():
+            self.buf = torch.empty(int(need * 1.5), dtype=torch.uint8, device=self.device)
+        return self.buf
+
+
+def _warm(args) -> int:
+    """Worker: run the first cases of some configurations (no checks) so their kernels are compiled into
+    the on-disk cache.  Returns the number of cases run."""
+    seed, indices, per_config, device, profile_name = args
+    profile = rc.GPU if profile_name == "gpu" else rc.CPU
+    configs = draw_configs(seed, torch.device(device).type)
+    store = Storage(device)
+    n = 0
+    for i in indices:
+        for j in range(per_config):
+            spec = case_spec(seed, i, j, configs[i], profile)
+            try:
+                rc.run_case(rc.build_case(spec, device, store.for_spec(spec)))
+                n += 1
+            except Exception:  # the main run reports failures; a worker only compiles
+                break
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return n
+
+
+def precompile(seed: int, num_configs: int, workers: int, device, profile: rc.Profile, per_config: int = 3,
+               timeout_s: float = 240.0) -> Dict:
+    """Run the first ``per_config`` cases of every configuration in ``workers`` spawned processes."""
+    import multiprocessing as mp
+    t0 = time.time()
+    chunks = [list(range(k, num_configs, workers)) for k in range(workers)]
+    ctx = mp.get_context("spawn")
+    pool = ctx.Pool(workers)
+    try:
+        res = pool.map_async(_warm, [(seed, c, per_config, str(device), profile.name) for c in chunks if c])
+        res.wait(timeout_s)
+        done = sum(res.get()) if res.ready() and res.successful() else None
+    finally:
+        pool.terminate()
+        pool.join()
+    return {"workers": workers, "cases": done, "seconds": round(time.time() - t0, 1)}
+
+
+def run_many(seed: int, num_cases: int, device="cuda", profile: rc.Profile = rc.GPU, *,
+             precompile_workers: int = 0, flush: int = 500, max_failures_kept: int = 50) -> Dict:
+    """Run at least ``num_cases`` cases; returns the summary (see the keys below)."""
+    device = torch.device(device)
+    configs = draw_configs(seed, device.type)
+    per = math.ceil(num_cases / len(configs))
+    summary: Dict = {"seed": seed, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                     "torch": torch.__version__, "configs": len(configs), "cases_per_config": per}
+    try:
+        import triton
+        summary["triton"] = triton.__version__
+    except Exception:  # pragma: no cover
+        pass
+    if precompile_workers > 0:
+        summary["precompile"] = precompile(seed, len(configs), precompile_workers, device, profile)
+    t0 = time.time()
+    store = Storage(device)
+    pending: List[torch.Tensor] = []
+    keys: List[tuple] = []
+    failures: List[Dict] = []
+    per_config: Dict[int, Dict] = {}
+    refused: Dict[int, str] = {}
+    ran = 0
+    worst = [0.0, 0.0, 0.0, 0.0]
+    planned: Dict[str, int] = {}
+
+    def drain():
+        nonlocal ran
+        if not pending:
+            return
+        vals = torch.stack(pending).cpu().tolist()
+        for (i, j, spec), m in zip(keys, vals):
+            ran += 1
+            pc = per_config.setdefault(i, {"cases": 0, "failures": 0, "worst": [0.0] * 4})
+            pc["cases"] += 1
+            pc["worst"] = [max(a, b) if not math.isnan(b) else float("nan") for a, b in zip(pc["worst"], m)]
+            for k in range(4):
+                worst[k] = max(worst[k], m[k]) if not math.isnan(m[k]) else float("nan")
+            if not rc.passed(m):
+                pc["failures"] += 1
+                if len(failures) < max_failures_kept:
+                    failures.append({"case": [seed, i, j], "metrics": dict(zip(rc.METRICS, m)),
+                                     "spec": dataclasses.asdict(spec)})
+                else:
+                    failures.append({"case": [seed, i, j]})
+        pending.clear()
+        keys.clear()
+
+    # every configuration's first `per` cases, then more of the configurations that served until
+    # `num_cases` ran (a refused configuration is reported, not counted)
+    order = [(i, j) for i in range(len(configs)) for j in range(per)]
+    extra = per
+    while True:
+        for i, j in order:
+            if i in refused:
+                continue
+            config = configs[i]
+            spec = case_spec(seed, i, j, config, profile)
+            case = rc.build_case(spec, device, store.for_spec(spec))
+            try:
+                out, lse = rc.run_case(case)
+            except rc.Refused as why:
+                refused[i] = str(why)
+                continue
+            except Exception as e:  # an exception is a failure of this case, recorded with its spec
+                drain()
+                ran += 1
+                failures.append({"case": [seed, i, j], "error": f"{type(e).__name__}: {e}",
+                                 "spec": dataclasses.asdict(spec)})
+                continue
+            ref_o, ref_l = rc.reference(case)
+            pending.append(rc.measure(case, out, lse, ref_o, ref_l))
+            keys.append((i, j, spec))
+            if device.type == "cuda":
+                k = rc.planned_kernel(spec, torch.cuda.get_device_capability(device))
+                planned[str(k)] = planned.get(str(k), 0) + 1
+            if len(pending) >= flush:
+                drain()
+        drain()
+        live = [i for i in range(len(configs)) if i not in refused]
+        if ran >= num_cases or not live:
+            break
+        need = num_cases - ran
+        order = [(live[k % len(live)], extra + k // len(live)) for k in range(need)]
+        extra += -(-need // len(live))
+    summary.update({
+        "cases_run": ran, "failures": len(failures), "failed_cases": failures, "refused_configs": refused,
+        "worst": dict(zip(rc.METRICS, worst)), "seconds": round(time.time() - t0, 1),
+        "per_config": {str(i): dict(v, config=dataclasses.asdict(configs[i])) for i, v in per_config.items()},
+        "kernels_compiled": rc.compiled_kernels(),
+        "kernels_planned": planned,
+        "kernels_never_planned": [k for k in rc.plan_kernel_names() if not any(p.startswith(k) for p in planned)],
+    })
+    return summary
+
+
+def write_summary(summary: Dict, name: str) -> Optional[str]:
+    """Write ``summary`` as JSON under ``$RELIAB_OUT`` (or ``$OUT/reliability``); returns the path."""
+    root = os.environ.get("RELIAB_OUT") or (os.path.join(os.environ["OUT"], "reliability") if os.environ.get("OUT")
+                                            else None)
+    if not root:
+        return None
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, name)
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    return path
