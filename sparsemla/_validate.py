@@ -62,9 +62,14 @@ def check_k_scale(k_scale) -> float:
     if isinstance(k_scale, bool) or not isinstance(k_scale, (int, float)):
         raise TypeError(f"k_scale: expected a positive finite float, got {type(k_scale).__name__}")
     k_scale = float(k_scale)
-    if not math.isfinite(k_scale) or k_scale <= 0:
-        raise ValueError(f"k_scale: expected a positive finite float, got {k_scale}")
+    if not SCALE_MIN <= k_scale <= SCALE_MAX:
+        raise ValueError(f"k_scale: expected a positive finite float in [2^-126, 2^126] (the kernels compute in "
+                         f"fp32), got {k_scale}")
     return k_scale
+
+
+# Scales reach the kernels as fp32 (sm_scale times log2 e): positive normal fp32 values with room for that factor.
+SCALE_MIN, SCALE_MAX = 2.0 ** -126, 2.0 ** 126
 
 
 def check_positive_int(name: str, v, *, multiple_of: Optional[int] = None, minimum: int = 1) -> int:
@@ -81,8 +86,9 @@ def check_sm_scale(sm_scale) -> float:
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
         raise TypeError(f"sm_scale: expected a positive finite float, got {type(sm_scale).__name__}")
     sm_scale = float(sm_scale)
-    if not math.isfinite(sm_scale) or sm_scale <= 0:
-        raise ValueError(f"sm_scale: expected a positive finite float, got {sm_scale}")
+    if not SCALE_MIN <= sm_scale <= SCALE_MAX:
+        raise ValueError(f"sm_scale: expected a positive finite float in [2^-126, 2^126] (the kernels compute in "
+                         f"fp32), got {sm_scale}")
     return sm_scale
 
 

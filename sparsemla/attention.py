@@ -16,12 +16,11 @@ A step captured in a CUDA graph is best run through :class:`sparsemla.SparseMLA`
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
 
-from ._validate import check_k_scale, check_sm_scale, check_tensor
+from ._validate import SCALE_MAX, SCALE_MIN, check_k_scale, check_sm_scale, check_tensor
 from .backends import registry
 from .cache import PagedKVCache
 from .formats import get_format
@@ -92,9 +91,9 @@ def sparse_mla_prefill(q: torch.Tensor, kv, indices: torch.Tensor, sm_scale: flo
 def _call(mode, q, kv, fmt, rows, num_rows, source, indices, sm_scale, valid_counts, k_scale, backend, out, lse,
           check):
     # --- what the host knows, checked once (the fast tests first; the named helpers build the messages) ---------
-    if type(sm_scale) is not float or not 0.0 < sm_scale < math.inf:
+    if type(sm_scale) is not float or not SCALE_MIN <= sm_scale <= SCALE_MAX:
         sm_scale = check_sm_scale(sm_scale)
-    if type(k_scale) is not float or not 0.0 < k_scale < math.inf:
+    if type(k_scale) is not float or not SCALE_MIN <= k_scale <= SCALE_MAX:
         k_scale = _k_scale(k_scale, q)
     head_dim = fmt.head_dim
     if not (isinstance(q, torch.Tensor) and q.dtype is _BF16 and q.dim() == 3 and q.shape[2] == head_dim

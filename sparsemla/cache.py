@@ -55,7 +55,7 @@ class PagedKVCache:
 
     def __init__(self, fmt, num_blocks: int, block_size: int = 64, device=None,
                  block_stride_rows: Optional[int] = None, *, _storage: Optional[torch.Tensor] = None):
-        self.fmt: KVFormat = get_format(fmt)
+        self.fmt: KVFormat = get_format(fmt, arg="fmt")
         self.num_blocks = check_positive_int("num_blocks", num_blocks)
         self.block_size = check_positive_int("block_size", block_size)
         self.block_stride_rows = block_stride_rows = check_block_geometry(block_size, block_stride_rows)
@@ -78,7 +78,7 @@ class PagedKVCache:
     @classmethod
     def from_budget(cls, fmt, nbytes: int, block_size: int = 64, device=None) -> "PagedKVCache":
         """The largest cache of whole blocks that fits in ``nbytes``."""
-        fmt = get_format(fmt)
+        fmt = get_format(fmt, arg="fmt")
         check_positive_int("nbytes", nbytes)
         per_block = block_size * fmt.bytes_per_token
         num_blocks = nbytes // per_block
@@ -100,7 +100,7 @@ class PagedKVCache:
                 one layer of a tensor whose blocks interleave layers, e.g. ``t[:, layer]`` of
                 ``[num_blocks, num_layers, block_size, E]``).
         """
-        fmt = get_format(fmt)
+        fmt = get_format(fmt, arg="fmt")
         check_tensor("data", data, dtypes=STORAGE_DTYPES)
         if data.dim() == 4:
             if data.shape[2] != 1:
@@ -134,7 +134,7 @@ class PagedKVCache:
         """Wrap a flat row view (``cache.rows`` of another object, a custom op's argument): uint8
         ``[num_rows, bytes_per_token]`` contiguous; it holds the largest number of whole blocks that fit,
         ``(num_rows - block_size) // block_stride_rows + 1``."""
-        fmt = get_format(fmt)
+        fmt = get_format(fmt, arg="fmt")
         stride = check_block_geometry(block_size, block_stride_rows)
         check_tensor("rows", rows, dtype=torch.uint8, ndim=2, contiguous=True)
         if rows.shape[0] < block_size:

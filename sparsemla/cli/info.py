@@ -10,9 +10,12 @@ every other backend, why not.
 from __future__ import annotations
 
 import json
+import sys
+from typing import Optional
 
 from ..bench import backends as B
 from ..bench.env import PEER_PACKAGES, environment
+from ..formats import get_format
 
 
 def add_parser(sub, name, help_):
@@ -150,7 +153,26 @@ def render(info: dict) -> str:
     return "\n".join(lines)
 
 
+def _bad_arg(args) -> Optional[str]:
+    """The first example-call flag that is out of range, as a message naming it (None when all are fine)."""
+    if not 1 <= args.heads <= 128:
+        return f"--heads: expected 1..128, got {args.heads}"
+    if args.topk < 1:
+        return f"--topk: expected >= 1, got {args.topk}"
+    if args.tokens < 0:
+        return f"--tokens: expected >= 0, got {args.tokens}"
+    try:
+        get_format(args.format, arg="--format")
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None
+
+
 def run(args) -> int:
+    bad = _bad_arg(args)
+    if bad is not None:
+        print(f"sparsemla info: {bad}", file=sys.stderr)
+        return 2
     info = gather(args)
     if args.json:
         print(json.dumps(info, indent=1, default=str))

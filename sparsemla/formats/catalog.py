@@ -35,7 +35,7 @@ def _make(base: str, rope_dim: int, compact: bool) -> KVFormat:
     return fmt
 
 
-def get_format(name, rope_dim: Optional[int] = None) -> KVFormat:
+def get_format(name, rope_dim: Optional[int] = None, *, arg: str = "name") -> KVFormat:
     """Return the (shared, immutable) format object for ``name``.
 
     Args:
@@ -43,11 +43,12 @@ def get_format(name, rope_dim: Optional[int] = None) -> KVFormat:
             or a :class:`KVFormat`, which is returned unchanged.
         rope_dim: optional 64 or 0.  With a base name it picks the variant (0: vLLM's NoPE row); with a
             ``-nope`` id it must be 0 (or None).
+        arg: the argument name error messages start with (a caller's own, e.g. ``"fmt"``).
     """
     if isinstance(name, KVFormat):
         return name
     if not isinstance(name, str):
-        raise TypeError(f"name: expected a format name (str) or KVFormat, got {type(name).__name__}")
+        raise TypeError(f"{arg}: expected a format name (str) or KVFormat, got {type(name).__name__}")
     if rope_dim is not None and (isinstance(rope_dim, bool) or not isinstance(rope_dim, int)):
         raise TypeError(f"rope_dim: expected an int (64 or 0), got {type(rope_dim).__name__}")
     base, compact, nope = name, False, False
@@ -56,7 +57,7 @@ def get_format(name, rope_dim: Optional[int] = None) -> KVFormat:
     elif name.endswith(_NOPE):
         base, nope = name[: -len(_NOPE)], True
     if base not in _CLASSES:
-        raise ValueError(f"name: expected one of {list(FORMAT_NAMES)}, optionally with '-nope' (or "
+        raise ValueError(f"{arg}: expected one of {list(FORMAT_NAMES)}, optionally with '-nope' (or "
                          f"'-nope-compact' for fp8_ds_mla / nvfp4_ds_mla), got {name!r}")
     if nope:
         if rope_dim not in (None, 0):
@@ -65,7 +66,7 @@ def get_format(name, rope_dim: Optional[int] = None) -> KVFormat:
     elif rope_dim is None:
         rope_dim = 64
     if compact and not _CLASSES[base].has_compact_nope:
-        raise ValueError(f"name: {base!r} has no compact NoPE layout (its NoPE row is {base}-nope), got {name!r}")
+        raise ValueError(f"{arg}: {base!r} has no compact NoPE layout (its NoPE row is {base}-nope), got {name!r}")
     return _make(base, rope_dim, compact)
 
 

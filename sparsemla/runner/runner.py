@@ -33,12 +33,12 @@ Engine loop (sketch)::
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import List, Optional, Sequence
 
 import torch
 
-from .._validate import check_block_geometry, check_k_scale, check_positive_int, check_sm_scale, check_tensor
+from .._validate import (SCALE_MAX, SCALE_MIN, check_block_geometry, check_k_scale, check_positive_int,
+                         check_sm_scale, check_tensor)
 from ..backends import registry
 from ..backends.registry import AttentionConfig, HostPlan, RunnerSpec
 from ..cache import PagedKVCache
@@ -105,8 +105,8 @@ class SparseMLA:
             raise ValueError(f"head_dim: expected 576 (RoPE) or 512 (NoPE), got {head_dim}")
         self.topk = check_positive_int("topk", topk)
         if isinstance(fmt, str) and not fmt.endswith("-nope") and "-nope-" not in fmt:
-            fmt = get_format(fmt, head_dim - V_DIM)
-        self.fmt: KVFormat = get_format(fmt)
+            fmt = get_format(fmt, head_dim - V_DIM, arg="fmt")
+        self.fmt: KVFormat = get_format(fmt, arg="fmt")
         if self.fmt.head_dim != head_dim:
             raise ValueError(f"fmt: format {self.fmt.id} has head_dim {self.fmt.head_dim}, but head_dim is {head_dim}")
         self.head_dim = head_dim
@@ -323,7 +323,14 @@ class SparseMLA:
             return
         need = (seq_lens.to(torch.int64) + (self.block_size - 1)) // self.block_size
         cols = torch.arange(block_table.shape[1], dtype=torch.int64)
-        used = torch.where(cols[None, :] < need[:, None], block_table.to(torch.int64), torch.full_like(cols, -1))
+        inside = cols[None, :] < need[:, None]
+        bt = block_table.to(torch.int64)
+        missing = inside & (bt < 0)
+        if bool(missing.any()):
+            req, col = divmod(int(missing.view(-1).to(torch.int8).argmax()), block_table.shape[1])
+            raise ValueError(f"metadata: request {req} has no block at block-table entry {col} (-1), inside its "
+                             f"context of {int(seq_lens[req])} tokens")
+        used = torch.where(inside, bt, torch.full_like(cols, -1))
         flat = int(used.argmax())
         self._max_block = int(used.view(-1)[flat])
         self._max_block_at = divmod(flat, block_table.shape[1])
@@ -405,7 +412,7 @@ class SparseMLA:
         if not (isinstance(topk_local, torch.Tensor) and topk_local.dtype is _I32
                 and topk_local.shape == (t, self.topk) and topk_local.device == dev):
             check_tensor("topk_local", topk_local, dtype=_I32, shape=(t, self.topk), device=dev)
-        if type(k_scale) is not float or not 0.0 < k_scale < math.inf:
+        if type(k_scale) is not float or not SCALE_MIN <= k_scale <= SCALE_MAX:
             if isinstance(k_scale, torch.Tensor):
                 raise TypeError("k_scale: expected a Python float (reading a tensor would sync with the host)")
             k_scale = check_k_scale(k_scale)
