@@ -425,3 +425,14 @@ def test_nvfp4_fma_path_values_are_exact_in_bf16():
     for k in range(8):
         b = torch.tensor([128.0 + k]).to(torch.bfloat16).view(torch.int16).item()
         assert b == 0x4300 + k
+
+
+def test_config_accepts_only_tiling(device):
+    fmt = get_format("bf16")
+    rows = torch.zeros(8, fmt.bytes_per_token, dtype=torch.uint8, device=device)
+    args = (rows, fmt, torch.randn(2, 512, device=device), torch.randn(2, 64, device=device),
+            torch.tensor([0, 1], dtype=torch.int32, device=device), 4, 4)
+    cache_write(*args, _config={"TOK": 2, "num_warps": 1})
+    assert torch.equal(rows[:2], fmt.encode(args[2], args[3]))
+    with pytest.raises(ValueError, match="_config.*fma"):
+        cache_write(*args, _config={"fma": False})

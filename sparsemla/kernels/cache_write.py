@@ -107,6 +107,15 @@ def k_scale_mode(k_scale: float):
     return KS_DIV.value, ks, inv
 
 
+def check_config(config: Optional[dict], keys) -> dict:
+    """A benchmark's tiling override: only ``keys`` (tile size, warps) may be given."""
+    config = config or {}
+    unknown = sorted(set(config) - set(keys))
+    if unknown:
+        raise ValueError(f"_config: unknown keys {unknown}; expected some of {list(keys)}")
+    return config
+
+
 def use_emulation(emulate: Optional[bool]) -> bool:
     """Bit-arithmetic conversions under the interpreter (or when a test forces them)."""
     return interpreting() if emulate is None else bool(emulate)
@@ -585,7 +594,7 @@ def cache_write(rows: torch.Tensor, fmt, kv_c: torch.Tensor, k_pe: Optional[torc
     mode, ks, inv = k_scale_mode(k_scale)
     cfg = {"TOK": WRITE_TOKENS_PER_PROGRAM, "num_warps": WRITE_NUM_WARPS}
     cfg.update(WRITE_TUNED.get(fmt.id, WRITE_TUNED.get(fmt.name, {})))
-    cfg.update(_config or {})
+    cfg.update(check_config(_config, ("TOK", "num_warps")))
     lay = fmt.layout
     # bf16 pairs as uint32 words need an even row stride and a 4-byte aligned start; 16-byte aligned rows
     # (stride a multiple of 8 bf16, 16-byte aligned start) get the alignment hint (16-byte loads).
@@ -605,5 +614,5 @@ def cache_write(rows: torch.Tensor, fmt, kv_c: torch.Tensor, k_pe: Optional[torc
 
 
 __all__ = ["cache_write", "e4m3_codes", "bf16_bits", "f32_from_e4m3", "apply_inv_k_scale", "nonfinite_rows",
-           "k_scale_mode", "format_id", "use_emulation", "FMT_BF16", "FMT_FP8", "FMT_FP8_DS_MLA",
+           "k_scale_mode", "format_id", "use_emulation", "check_config", "FMT_BF16", "FMT_FP8", "FMT_FP8_DS_MLA",
            "FMT_NVFP4_DS_MLA", "KS_ONE", "KS_POW2", "KS_DIV"]
