@@ -301,10 +301,10 @@ def test_nothing_outside_written_rows_changes(device):
 
 def test_paged_cache_write_dispatches_to_kernel(device, monkeypatch):
     """PagedKVCache.write uses the kernel wherever Triton runs (CUDA, or CPU under the interpreter)."""
-    import sparsemla.kernels.cache_write as cw
+    import sparsemla.cache as cache_mod
     calls = []
-    real = cw.cache_write
-    monkeypatch.setattr(cw, "cache_write", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = cache_mod.launch_cache_write
+    monkeypatch.setattr(cache_mod, "launch_cache_write", lambda *a, **k: calls.append(1) or real(*a, **k))
     fmt = get_format("fp8_ds_mla")
     cache = PagedKVCache(fmt, num_blocks=4, block_size=4, device=device, block_stride_rows=6)
     kv = heavy_tailed(5, 512, seed=13, device=device)

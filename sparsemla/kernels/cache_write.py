@@ -586,33 +586,50 @@ def cache_write(rows: torch.Tensor, fmt, kv_c: torch.Tensor, k_pe: Optional[torc
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int32, torch.int64), shape=(n,), device=dev,
                  contiguous=True)
     block_stride_rows = check_block_geometry(block_size, block_stride_rows)
+    launch_cache_write(rows, fmt, kv_c, k_pe, slot_mapping, block_size, block_stride_rows, k_scale,
+                       check_config(_config, ("TOK", "num_warps")), _emulate)
+
+
+@functools.lru_cache(maxsize=64)
+def _format_args(fmt: KVFormat) -> dict:
+    """The kernel's per-format constexprs and default tiling (from ``fmt.layout``), built once."""
+    lay = fmt.layout
+    tuned = {"TOK": WRITE_TOKENS_PER_PROGRAM, "num_warps": WRITE_NUM_WARPS}
+    tuned.update(WRITE_TUNED.get(fmt.id, WRITE_TUNED.get(fmt.name, {})))
+    return dict(FMT=format_id(fmt), ROPE=fmt.rope_dim, BPT=fmt.bytes_per_token,
+                ROPE_OFF=max(lay.rope_offset, 0), SCALE_OFF=max(lay.scale_offset, 0),
+                ZERO_OFF=max(lay.zero_offset, 0), ZERO_BYTES=lay.zero_bytes, **tuned)
+
+
+def launch_cache_write(rows, fmt: KVFormat, kv_c, k_pe, slot_mapping, block_size: int, block_stride_rows: int,
+                       k_scale: float, config: Optional[dict] = None, emulate: Optional[bool] = None) -> None:
+    """``cache_write`` without argument checks, for callers that validated the same arguments already
+    (``PagedKVCache.write``): ``fmt`` a :class:`KVFormat`, k_scale a float, the geometry checked."""
+    n = kv_c.shape[0]
     if n == 0 or rows.shape[0] < block_size:
         return
     num_slots = ((rows.shape[0] - block_size) // block_stride_rows + 1) * block_size
     kv_c = _prep_input(kv_c)
     pe = _prep_input(k_pe) if fmt.rope_dim else kv_c
     mode, ks, inv = k_scale_mode(k_scale)
-    cfg = {"TOK": WRITE_TOKENS_PER_PROGRAM, "num_warps": WRITE_NUM_WARPS}
-    cfg.update(WRITE_TUNED.get(fmt.id, WRITE_TUNED.get(fmt.name, {})))
-    cfg.update(check_config(_config, ("TOK", "num_warps")))
-    lay = fmt.layout
+    args = _format_args(fmt)
+    if config:
+        args = {**args, **config}
+    tok = args["TOK"]
     # bf16 pairs as uint32 words need an even row stride and a 4-byte aligned start; 16-byte aligned rows
     # (stride a multiple of 8 bf16, 16-byte aligned start) get the alignment hint (16-byte loads).
-    pairs = (fmt.name == "nvfp4_ds_mla" and kv_c.dtype == torch.bfloat16 and kv_c.stride(0) % 2 == 0
-             and kv_c.data_ptr() % 4 == 0)
-    aligned = pairs and kv_c.stride(0) % 8 == 0 and kv_c.data_ptr() % 16 == 0
-    grid = (triton.cdiv(n, cfg["TOK"]),)
-    _cache_write_kernel[grid](
+    pairs = False
+    aligned = False
+    if args["FMT"] == FMT_NVFP4_DS_MLA.value and kv_c.dtype == torch.bfloat16:
+        ptr, stride = kv_c.data_ptr(), kv_c.stride(0)
+        pairs = stride % 2 == 0 and ptr % 4 == 0
+        aligned = pairs and stride % 8 == 0 and ptr % 16 == 0
+    _cache_write_kernel[(triton.cdiv(n, tok),)](
         rows, kv_c, kv_c.stride(0), pe, pe.stride(0), slot_mapping,
-        n, num_slots, block_stride_rows, ks, inv,
-        BLOCK_SIZE=block_size, FMT=format_id(fmt), ROPE=fmt.rope_dim, BPT=fmt.bytes_per_token,
-        ROPE_OFF=max(lay.rope_offset, 0), SCALE_OFF=max(lay.scale_offset, 0),
-        ZERO_OFF=max(lay.zero_offset, 0), ZERO_BYTES=lay.zero_bytes,
-        KS_MODE=mode, EMULATE=use_emulation(_emulate), PAIRS=pairs, ALIGNED=aligned, TOK=cfg["TOK"],
-        num_warps=cfg["num_warps"],
-    )
+        n, num_slots, block_stride_rows, ks, inv, BLOCK_SIZE=block_size, KS_MODE=mode,
+        EMULATE=use_emulation(emulate), PAIRS=pairs, ALIGNED=aligned, **args)
 
 
-__all__ = ["cache_write", "e4m3_codes", "bf16_bits", "f32_from_e4m3", "apply_inv_k_scale", "nonfinite_rows",
+__all__ = ["cache_write", "launch_cache_write", "e4m3_codes", "bf16_bits", "f32_from_e4m3", "apply_inv_k_scale", "nonfinite_rows",
            "k_scale_mode", "format_id", "use_emulation", "check_config", "FMT_BF16", "FMT_FP8", "FMT_FP8_DS_MLA",
            "FMT_NVFP4_DS_MLA", "KS_ONE", "KS_POW2", "KS_DIV"]
