@@ -174,8 +174,8 @@ class PagedKVCache:
             check: a debug option that reads the inputs on the host (one device sync): raise
                 ``ValueError`` for a slot outside ``[-1, num_slots)``, a slot written twice, or a NaN /
                 inf in kv_c or k_pe.  Default False: no sync; a slot outside the cache is skipped (never
-                written outside ``rows``) and a token with non-finite input is stored as
-                ``fmt.nonfinite_row`` (``formats/base.py``).
+                written outside ``rows``) and a NaN / inf input makes its value group decode to NaN
+                (``formats/base.py``).
 
         On CUDA (and under the Triton interpreter) this is one Triton launch; otherwise the format's
         PyTorch encoder.  Either way the bytes are the same.

@@ -13,8 +13,8 @@ request's context -> a contiguous bf16 workspace for prefill.
     workspace row outside ``out`` is not written.
 
 Every layout of a format is read through ``fmt.layout``'s offsets (constexprs): vLLM's NoPE rows
-(656 / 352 B, the zero RoPE slot skipped) and the compact ones alike.  A non-finite row
-(``fmt.nonfinite_row``) stages as NaN codes (0x7F) and upconverts to bf16 NaN.  A default call (given
+(656 / 352 B, the zero RoPE slot skipped) and the compact ones alike.  NaN values (a group
+written from non-finite input, ``formats/base.py``) stage as the e4m3 NaN 0x7F and upconvert to bf16 NaN.  A default call (given
 outputs) reads nothing on the host: no synchronization, capturable in a CUDA graph; ``check=True`` is
 a debug option that validates index values on the host first.
 
