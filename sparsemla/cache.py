@@ -22,6 +22,7 @@ import torch
 from ._validate import check_block_geometry, check_k_scale, check_positive_int, check_tensor
 from .formats import KVFormat, get_format
 from ._device import triton_runs_on
+from .kernels.cache_write import launch_cache_write
 
 # dtypes an engine stores cache rows in (vLLM: uint8 for the DS formats, fp8 or uint8 for fp8, bf16 for
 # bf16); a view as uint8 reinterprets the bytes without a copy.
@@ -173,8 +174,8 @@ class PagedKVCache:
             check: a debug option that reads the inputs on the host (one device sync): raise
                 ``ValueError`` for a slot outside ``[-1, num_slots)``, a slot written twice, or a NaN /
                 inf in kv_c or k_pe.  Default False: no sync; a slot outside the cache is skipped (never
-                written outside ``rows``) and a token with non-finite input is stored as
-                ``fmt.nonfinite_row`` (``formats/base.py``).
+                written outside ``rows``) and a NaN / inf input makes its value group decode to NaN
+                (``formats/base.py``).
 
         On CUDA (and under the Triton interpreter) this is one Triton launch; otherwise the format's
         PyTorch encoder.  Either way the bytes are the same.
@@ -201,8 +202,8 @@ class PagedKVCache:
         if n == 0:
             return
         if triton_runs_on(self.device):
-            from .kernels.cache_write import cache_write
-            cache_write(self.rows, fmt, kv_c, k_pe, slot_mapping, self.block_size, self.block_stride_rows, k_scale)
+            launch_cache_write(self.rows, fmt, kv_c, k_pe, slot_mapping, self.block_size, self.block_stride_rows,
+                               k_scale)
         else:
             keep = (slot_mapping >= 0) & (slot_mapping < self.num_slots)
             rows = self.slot_to_row(slot_mapping[keep])

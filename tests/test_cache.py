@@ -151,7 +151,8 @@ def test_write_defaults_and_debug_check(device):
     assert bool((c.rows == 0x33).all())              # nothing written by the refused calls
     c.write(kv, None, slots)
     assert torch.equal(c.rows[1], fmt.encode(kv[:1])[0])
-    assert torch.equal(c.rows[6 + 2], fmt.nonfinite_row(device))
+    assert torch.equal(c.rows[6 + 2], fmt.encode(kv[2:3])[0])
+    assert torch.isnan(c.read(torch.tensor([8]))[0]).nonzero()[:, 0].tolist() == list(range(128))  # tile 0
     untouched = torch.ones(c.num_rows, dtype=torch.bool)
     untouched[[1, 8]] = False
     assert bool((c.rows[untouched.to(device)] == 0x33).all())

@@ -106,9 +106,9 @@ def test_nope_rows_zero_the_rope_slot(fid, device):
 @pytest.mark.parametrize("fid", ALL_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_nonfinite_tokens_match_encode(fid, dtype, device):
-    """NaN / +inf / -inf in kv_c (in any 128-dim tile or 16-dim block, a whole token) or k_pe: the kernel
-    writes the format's non-finite row for exactly those tokens, as fmt.encode does (bf16 input takes the
-    nvfp4 pair path, fp32 / fp16 the other)."""
+    """NaN / +inf / -inf in kv_c (in various 128-dim tiles and 16-dim blocks, a whole token) or k_pe: the
+    kernel writes the same bytes as fmt.encode (each non-finite value group's NaN bytes, every other byte
+    as for finite input); bf16 input takes the nvfp4 pair path, fp32 / fp16 the other."""
     fmt = get_format(fid)
     n = 14
     kv = heavy_tailed(n, 512, seed=23, dtype=torch.float32)
@@ -130,9 +130,9 @@ def test_nonfinite_tokens_match_encode(fid, dtype, device):
     slots = torch.arange(n, dtype=torch.int32, device=device)
     rows, expect = write_and_expect(fmt, kv, pe, slots, 0.5, 16, 8, 8, device)
     assert first_mismatch(rows, expect) is None, first_mismatch(rows, expect)
-    want = fmt.nonfinite_row(device)
-    for i in range(n):
-        assert torch.equal(rows[i], want) == (i in bad), i
+    assert torch.equal(rows[4], fmt.nonfinite_row(device)) == (pe is None)     # token 4: every latent group
+    nan = torch.isnan(fmt.decode(rows[:n].cpu(), 0.5)).any(dim=1)
+    assert nan.tolist() == [i in bad for i in range(n)]
 
 
 def test_slots_outside_the_cache_are_skipped(device):
@@ -178,14 +178,14 @@ def test_nvfp4_aligned_and_unaligned_pairs(fid, device):
         assert first_mismatch(rows, expect) is None, first_mismatch(rows, expect)
 
 
-@pytest.mark.parametrize("fid", ["fp8", "nvfp4_ds_mla"])
+@pytest.mark.parametrize("fid", ["fp8", "nvfp4_ds_mla", "bf16", "bf16-nope"])
 def test_odd_row_stride_bf16_takes_generic_path(fid, device):
     """A bf16 kv_c whose row stride is odd cannot be read as bf16 pairs (uint32): same bytes anyway."""
     fmt = get_format(fid)
     n = 9
     big = heavy_tailed(n, 513, seed=4, dtype=torch.bfloat16, device=device)
     kv = big[:, 1:]                                          # stride 513, starts 2 bytes in
-    pe = heavy_tailed(n, 64, seed=5, dtype=torch.bfloat16, device=device)
+    pe = heavy_tailed(n, 64, seed=5, dtype=torch.bfloat16, device=device) if fmt.rope_dim else None
     slots = torch.arange(n, dtype=torch.int32, device=device)
     rows, expect = write_and_expect(fmt, kv, pe, slots, 1.0, 16, 16, 16, device)
     assert first_mismatch(rows, expect) is None, first_mismatch(rows, expect)
@@ -301,10 +301,10 @@ def test_nothing_outside_written_rows_changes(device):
 
 def test_paged_cache_write_dispatches_to_kernel(device, monkeypatch):
     """PagedKVCache.write uses the kernel wherever Triton runs (CUDA, or CPU under the interpreter)."""
-    import sparsemla.kernels.cache_write as cw
+    import sparsemla.cache as cache_mod
     calls = []
-    real = cw.cache_write
-    monkeypatch.setattr(cw, "cache_write", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = cache_mod.launch_cache_write
+    monkeypatch.setattr(cache_mod, "launch_cache_write", lambda *a, **k: calls.append(1) or real(*a, **k))
     fmt = get_format("fp8_ds_mla")
     cache = PagedKVCache(fmt, num_blocks=4, block_size=4, device=device, block_stride_rows=6)
     kv = heavy_tailed(5, 512, seed=13, device=device)
@@ -425,3 +425,14 @@ def test_nvfp4_fma_path_values_are_exact_in_bf16():
     for k in range(8):
         b = torch.tensor([128.0 + k]).to(torch.bfloat16).view(torch.int16).item()
         assert b == 0x4300 + k
+
+
+def test_config_accepts_only_tiling(device):
+    fmt = get_format("bf16")
+    rows = torch.zeros(8, fmt.bytes_per_token, dtype=torch.uint8, device=device)
+    args = (rows, fmt, torch.randn(2, 512, device=device), torch.randn(2, 64, device=device),
+            torch.tensor([0, 1], dtype=torch.int32, device=device), 4, 4)
+    cache_write(*args, _config={"TOK": 2, "num_warps": 1})
+    assert torch.equal(rows[:2], fmt.encode(args[2], args[3]))
+    with pytest.raises(ValueError, match="_config.*fma"):
+        cache_write(*args, _config={"fma": False})

@@ -826,35 +826,71 @@ NONFINITE_ROWS = {
 }
 
 
+def group_of(fmt):
+    """Values per non-finite group of the latent part (the RoPE values are single-value groups)."""
+    return {"bf16": 1, "fp8": 1, "fp8_ds_mla": 128, "nvfp4_ds_mla": 16}[fmt.name]
+
+
+def expected_nonfinite_rows(fmt, kv, pe):
+    """Independent construction of the rule: zero every non-finite group, encode, then write each such
+    group's NaN bytes (values, its scale, a RoPE value) over it."""
+    n, g = kv.shape[0], group_of(fmt)
+    lay = fmt.layout
+    bad = ~torch.isfinite(kv).reshape(n, 512 // g, g).all(-1)                     # [N, groups]
+    clean = torch.where(bad.repeat_interleave(g, 1), torch.zeros(()), kv)
+    pbad = None if pe is None else ~torch.isfinite(pe)
+    rows = fmt.encode(clean, None if pe is None else torch.where(pbad, torch.zeros(()), pe))
+    nan_row = fmt.nonfinite_row()
+    for t, grp in bad.nonzero().tolist():
+        if fmt.name in ("bf16", "fp8"):
+            w = 2 if fmt.name == "bf16" else 1
+            rows[t, grp * w:(grp + 1) * w] = nan_row[grp * w:(grp + 1) * w]
+        elif fmt.name == "fp8_ds_mla":
+            rows[t, grp * 128:(grp + 1) * 128] = 0x7F
+            rows[t, lay.scale_offset + 4 * grp:lay.scale_offset + 4 * grp + 4] = torch.tensor([0, 0, 0xC0, 0x7F])
+        else:
+            rows[t, grp * 8:(grp + 1) * 8] = 0
+            rows[t, lay.scale_offset + nm.scale_byte_of_block(grp)] = 0x7F
+    if pe is not None:
+        w = lay.rope_bytes // 64
+        for t, j in pbad.nonzero().tolist():
+            o = lay.rope_offset + j * w
+            rows[t, o:o + w] = nan_row[o:o + w]
+    return rows
+
+
 @pytest.mark.parametrize("fid", ALL_IDS)
-def test_nonfinite_tokens_get_the_nonfinite_row(fid, device):
-    """NaN, +inf or -inf anywhere in a token's kv_c or k_pe: that token's row is the format's non-finite
-    row (every value decodes to NaN), no error; the other tokens are encoded as without it."""
+def test_nonfinite_input_makes_its_group_nan(fid, device):
+    """NaN, +inf or -inf in kv_c or k_pe: exactly the value groups holding them (a value; a 128-tile; a
+    16-block; a RoPE value) decode to NaN, with the fixed bytes of formats/base.py; no error; every other
+    byte is what the finite input gives.  A token with every group non-finite is ``nonfinite_row``."""
     fmt = get_format(fid)
     assert row_bytes(fmt.nonfinite_row()) == NONFINITE_ROWS[fid]
     n = 9
     kv = heavy_tailed(n, 512, seed=41)
     pe = heavy_tailed(n, 64, seed=42) if fmt.rope_dim else None
-    clean = fmt.encode(kv, pe)
     kv[1, 0] = float("nan")
     kv[3, 300] = float("inf")
     kv[4, 511] = -float("inf")
-    kv[5] = float("nan")
-    bad = [1, 3, 4, 5]
+    kv[4, 17] = float("nan")
+    kv[5] = float("nan")                       # every group
+    kv[6, 1e3 < kv[6].abs()] = 3e38            # finite: saturates, no NaN
     if pe is not None:
         pe[7, 63] = float("nan")
         pe[8, 0] = -float("inf")
-        bad += [7, 8]
+        pe[5] = float("inf")
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = kv.to(dtype).float()               # fp16 turns 3e38 into inf: non-finite from then on
+        p = None if pe is None else pe.to(dtype).float()
         rows = fmt.encode(kv.to(dtype).to(device), None if pe is None else pe.to(dtype).to(device)).cpu()
-        good = [i for i in range(n) if i not in bad]
-        want = fmt.encode(kv[good].to(dtype), None if pe is None else pe[good].to(dtype))
-        assert torch.equal(rows[good], want)
-        for i in bad:
-            assert row_bytes(rows[i]) == NONFINITE_ROWS[fid], (dtype, i)
+        assert torch.equal(rows, expected_nonfinite_rows(fmt, x, p)), dtype
         dec = fmt.decode(rows)
-        assert bool(torch.isnan(dec[bad]).all()) and not bool(torch.isnan(dec[good]).any())
-    assert torch.equal(fmt.decode(clean)[0], fmt.decode(rows)[0])
+        g = group_of(fmt)
+        want = (~torch.isfinite(x)).reshape(n, -1, g).any(-1).repeat_interleave(g, 1)
+        if p is not None:
+            want = torch.cat((want, ~torch.isfinite(p)), 1)
+        assert torch.equal(torch.isnan(dec), want), dtype
+    assert row_bytes(rows[5]) == NONFINITE_ROWS[fid]
     assert fmt.nonfinite_row(device).device.type == torch.device(device).type
 
 

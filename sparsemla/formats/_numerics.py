@@ -31,6 +31,8 @@ import torch
 E4M3_MAX = 448.0          # largest finite e4m3 magnitude (code 0x7E)
 E4M3_MAX_CODE = 0x7E
 E4M3_NAN_CODE = 0x7F      # canonical NaN written by e4m3_encode
+BF16_NAN = 0x7FC0         # the bf16 NaN the formats write for non-finite input
+FP32_NAN = 0x7FC00000     # the fp32 NaN the formats write as the scale of a non-finite group
 E4M3_MIN_SUBNORMAL = 2.0 ** -9
 E2M1_MAX = 6.0
 POW2_SCALE_FLOOR = 1e-4   # fp8_ds_mla: the tile scale is at least 2**ceil(log2(1e-4)) = 2**-13
@@ -81,8 +83,8 @@ def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
     saturating in every version; the clamp leaves NaN as NaN); cast (RNE, subnormals included);
     NaN of either sign becomes the canonical code 0x7F.  For finite inputs this is what PTX
     ``cvt.rn.satfinite.e4m3x2.f32`` computes (Triton's fp32 -> float8e4nv cast on sm_90), so a
-    Triton kernel can use that cast.  (The format encoders store a token with a NaN / inf input as
-    the format's non-finite row, so this NaN convention only matters to direct callers.)
+    Triton kernel can use that cast.  (The format encoders store a value group with a NaN / inf input
+    with fixed NaN bytes, so this NaN convention only matters to direct callers.)
     """
     y = torch.clamp(x.to(torch.float32), -E4M3_MAX, E4M3_MAX)
     codes = y.to(torch.float8_e4m3fn).view(torch.uint8)
@@ -136,8 +138,8 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     + #{t in (0.75, 1.75, 3.5): |x| >= t}``: nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6 with ties
     0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4 (the even code); above 5 -> 6.
     The sign comes from the sign bit, so -0.0 and small negatives that round to 0 give code 8 (-0).
-    NaN input gives some code (the format encoders never pass one: a token with a non-finite input is
-    stored as the format's non-finite row).
+    NaN input gives some code (the format encoders never pass one: a value group with a non-finite input
+    is stored with fixed NaN bytes).
     """
     x = x.to(torch.float32)
     a = x.abs()
@@ -253,6 +255,14 @@ def bytes_to_f32(b: torch.Tensor) -> torch.Tensor:
     return _from_bytes(b, torch.float32, 4)
 
 
+def bf16_bytes_nonfinite_nan(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[..., n]`` -> uint8 ``[..., 2n]``: bf16 RNE, little-endian, with NaN and +-inf stored as the
+    bf16 NaN 0x7FC0 (the formats' rule for non-finite input)."""
+    bits = x.to(torch.bfloat16).view(torch.int16)
+    bits = torch.where(torch.isfinite(x), bits, torch.full_like(bits, BF16_NAN))
+    return _to_bytes(bits.view(torch.bfloat16), 2)
+
+
 def bf16_to_bytes(x: torch.Tensor) -> torch.Tensor:
     """bf16 ``[..., n]`` -> uint8 ``[..., 2n]``, little-endian.  (Cast to bf16 first: RNE.)"""
     if x.dtype != torch.bfloat16:
@@ -266,7 +276,8 @@ def bytes_to_bf16(b: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "E4M3_MAX", "E4M3_MAX_CODE", "E4M3_NAN_CODE", "E4M3_MIN_SUBNORMAL", "E2M1_MAX", "E2M1_VALUES",
+    "E4M3_MAX", "E4M3_MAX_CODE", "E4M3_NAN_CODE", "BF16_NAN", "FP32_NAN", "E4M3_MIN_SUBNORMAL", "E2M1_MAX",
+    "E2M1_VALUES", "bf16_bytes_nonfinite_nan",
     "POW2_SCALE_FLOOR", "NVFP4_SCALE_FLOOR", "FP8_TILE", "NVFP4_BLOCK",
     "f32_const", "div_rn", "e4m3_encode", "e4m3_decode", "ceil_pow2", "pow2_tile_scale",
     "e2m1_encode", "e2m1_decode", "e2m1_decode_packed", "pack_nibbles", "unpack_nibbles", "nvfp4_block_scale",

@@ -5,15 +5,23 @@ byte offsets of :class:`Layout` (passed to them as constexprs); tests and the fl
 ``encode`` / ``decode``.  Everything else in the library trusts these objects.
 
 Non-finite input (one rule for every writer: ``encode`` here, the Triton cache-write kernel on CUDA
-and under the interpreter).  A token whose ``kv_c`` or ``k_pe`` holds a NaN or an infinity is
-stored as the format's *non-finite row* (:attr:`KVFormat.nonfinite_row`): bytes chosen so that every
-one of its ``head_dim`` values decodes to NaN in every reader (bf16 NaN, e4m3 NaN codes, NaN scales),
-with the RoPE slot of a NoPE row still zero.  Nothing is raised and nothing is synchronized: a query
-that selects the row gets NaN, every other query is unaffected, and the bytes are the same on every
-device.  The token is the unit because a scaled format has no per-value encoding of NaN or inf (the
-scale of a 128- or 16-value group is shared).  Finite values outside a format's range saturate as the
-recipes say.  ``PagedKVCache.write(check=True)`` raises on non-finite input instead (a debug option:
-it reads the inputs on the host).
+and under the interpreter).  A NaN or an infinity in ``kv_c`` or ``k_pe`` makes its *value group*
+decode to NaN in every reader, written with fixed bytes, and leaves the rest of the row as encoded:
+
+* a group is what shares a scale: one value of bf16 / fp8 (and every RoPE value), a 128-value tile
+  of fp8_ds_mla, a 16-value block of nvfp4_ds_mla;
+* its bytes: bf16 values 0x7FC0; e4m3 codes 0x7F (fp8 values, fp8_ds_mla tile codes, nvfp4 rope);
+  an fp8_ds_mla tile scale the fp32 NaN 0x7FC00000; an nvfp4 block's value bytes 0 and scale 0x7F
+  (e2m1 has no NaN: every value is ``0 * NaN``).
+
+Nothing is raised and nothing is synchronized: a query that selects such a row gets NaN (every score
+with it is NaN), every other query is unaffected, and the bytes are identical on every device.
+Infinities become NaN too (a stored inf would let some queries ignore the row and others not), while
+finite values outside a format's range saturate as the recipes say.  The group is the unit because a
+scaled format has no per-value encoding of NaN or inf, and finding it costs the writers no reduction
+beyond the per-group amax they compute anyway.  :meth:`KVFormat.nonfinite_row` is the row of a token
+whose every group is non-finite.  ``PagedKVCache.write(check=True)`` raises on non-finite input instead
+(a debug option: it reads the inputs on the host).
 """
 from __future__ import annotations
 
@@ -115,14 +123,14 @@ class KVFormat:
     def _make_layout(self) -> Layout:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
 
-    # --- non-finite tokens ----------------------------------------------------------------
+    # --- non-finite input -----------------------------------------------------------------
     def _nonfinite_parts(self) -> Dict[str, Tuple[int, int]]:  # pragma: no cover
-        """The non-finite row per part (``"value"``, ``"scale"``, ``"rope"``): ``(pattern, width)``, a
+        """The NaN bytes per part (``"value"``, ``"scale"``, ``"rope"``): ``(pattern, width)``, a
         ``width``-byte little-endian pattern repeated over the part (bf16 NaN: ``(0x7FC0, 2)``)."""
         raise NotImplementedError
 
     def nonfinite_row(self, device=None) -> torch.Tensor:
-        """uint8 ``[bytes_per_token]``: the row stored for a token with a non-finite input (see the
+        """uint8 ``[bytes_per_token]``: the row of a token whose every value group is non-finite (see the
         module docstring).  Every value decodes to NaN; the RoPE slot of a NoPE row is zero."""
         device = torch.device("cpu") if device is None else torch.device(device)
         row = self._nonfinite.get(device)
@@ -142,23 +150,17 @@ class KVFormat:
     # --- codec ----------------------------------------------------------------------------
     def encode(self, kv_c: torch.Tensor, k_pe: Optional[torch.Tensor] = None, k_scale: float = 1.0) -> torch.Tensor:
         """kv_c ``[N, 512]`` and k_pe ``[N, rope_dim]`` (fp16 / bf16 / fp32; k_pe None for NoPE) ->
-        uint8 ``[N, bytes_per_token]``.  A token with a NaN or inf input gets :meth:`nonfinite_row`.
-        Runs on the inputs' device with no host synchronization."""
+        uint8 ``[N, bytes_per_token]``; a non-finite value group gets the NaN bytes of the module
+        docstring.  Runs on the inputs' device with no host synchronization."""
         x, r, ks = self._check_encode_args(kv_c, k_pe, k_scale)
-        bad = ~torch.isfinite(x).all(dim=1)
-        if r is not None:
-            bad |= ~torch.isfinite(r).all(dim=1)
-        zero = torch.zeros((), dtype=torch.float32, device=x.device)
-        x = torch.where(bad[:, None], zero, x)
-        if r is not None:
-            r = torch.where(bad[:, None], zero, r)
         rows = torch.zeros((x.shape[0], self.bytes_per_token), dtype=torch.uint8, device=x.device)
         for off, part in self._encode_parts(x, r, ks):
             rows[:, off:off + part.shape[1]] = part
-        return torch.where(bad[:, None], self.nonfinite_row(x.device), rows)
+        return rows
 
     def _encode_parts(self, x: torch.Tensor, r: Optional[torch.Tensor], ks: torch.Tensor):  # pragma: no cover
-        """Finite fp32 ``x [N, 512]``, ``r [N, rope_dim]`` or None -> ``[(byte offset, uint8 [N, n])]``."""
+        """fp32 ``x [N, 512]``, ``r [N, rope_dim]`` or None (may hold NaN / inf) -> ``[(byte offset,
+        uint8 [N, n])]``."""
         raise NotImplementedError
 
     def decode(self, rows: torch.Tensor, k_scale: float = 1.0) -> torch.Tensor:

@@ -5,16 +5,14 @@ Row (little-endian bf16, 2 bytes per value):
     rope_dim 0:  bytes [0, 1024) kv_c[0:512]                                   -> 1024 B/token (vLLM, head size 512)
 Encode: ``x.to(bfloat16)`` (round to nearest even from fp32 / fp16; an fp32 beyond the largest bf16
 rounds to inf).  Decode: ``float(bf16)``.  k_scale is validated but does not change anything.
-Non-finite token (``base`` module docstring): every value 0x7FC0 (bf16 NaN).
+Non-finite input (``base`` module docstring): each NaN / inf value is stored as 0x7FC0 (bf16 NaN).
 """
 from __future__ import annotations
 
 import torch
 
-from ._numerics import bf16_to_bytes, bytes_to_bf16
+from ._numerics import BF16_NAN, bf16_bytes_nonfinite_nan, bytes_to_bf16
 from .base import KVFormat, Layout
-
-BF16_NAN = 0x7FC0
 
 
 class BF16Format(KVFormat):
@@ -31,9 +29,9 @@ class BF16Format(KVFormat):
         return {"value": (BF16_NAN, 2), "rope": (BF16_NAN, 2)}
 
     def _encode_parts(self, x, r, ks):
-        parts = [(0, bf16_to_bytes(x.to(torch.bfloat16)))]
+        parts = [(0, bf16_bytes_nonfinite_nan(x))]
         if r is not None:
-            parts.append((self.layout.rope_offset, bf16_to_bytes(r.to(torch.bfloat16))))
+            parts.append((self.layout.rope_offset, bf16_bytes_nonfinite_nan(r)))
         return parts
 
     def decode(self, rows: torch.Tensor, k_scale: float = 1.0) -> torch.Tensor:

@@ -6,7 +6,8 @@ fp32 per layer.
 Encode (fp32): ``code = e4m3_RNE_saturating(x / fp32(k_scale))`` with a correctly rounded division
 (Triton: ``tl.math.div_rn``).  Decode: ``float(e4m3) * fp32(k_scale)`` (one fp32 multiply).
 This is the only format whose values depend on k_scale (``uses_k_scale``).
-Non-finite token (``base`` module docstring): every byte 0x7F (e4m3 NaN).
+Non-finite input (``base`` module docstring): each NaN / inf value is stored as 0x7F (e4m3 NaN; an inf
+does not saturate).
 """
 from __future__ import annotations
 
@@ -14,6 +15,12 @@ import torch
 
 from ._numerics import E4M3_NAN_CODE, div_rn, e4m3_decode, e4m3_encode
 from .base import KVFormat, Layout
+
+
+def _e4m3_nan(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes of ``y``, 0x7F where the input ``x`` is NaN or inf."""
+    codes = e4m3_encode(y)
+    return torch.where(torch.isfinite(x), codes, torch.full_like(codes, E4M3_NAN_CODE))
 
 
 class FP8Format(KVFormat):
@@ -30,9 +37,9 @@ class FP8Format(KVFormat):
         return {"value": (E4M3_NAN_CODE, 1), "rope": (E4M3_NAN_CODE, 1)}
 
     def _encode_parts(self, x, r, ks):
-        parts = [(0, e4m3_encode(div_rn(x, ks)))]
+        parts = [(0, _e4m3_nan(div_rn(x, ks), x))]
         if r is not None:
-            parts.append((self.layout.rope_offset, e4m3_encode(div_rn(r, ks))))
+            parts.append((self.layout.rope_offset, _e4m3_nan(div_rn(r, ks), r)))
         return parts
 
     def decode(self, rows: torch.Tensor, k_scale: float = 1.0) -> torch.Tensor:

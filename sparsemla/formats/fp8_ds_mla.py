@@ -18,19 +18,17 @@ Write recipe, per 128-dim tile, all fp32 (inputs upcast exactly):
     rope = bf16_RNE(k_pe)
 Read recipe: ``float(e4m3) * scale`` as one fp32 multiply, the scale read as an ARBITRARY fp32
 (other writers store plain amax / 448), rope as bf16.  k_scale is validated and ignored.
-Non-finite token (``base`` module docstring): codes 0x7F, scales fp32 NaN (0x7FC00000), rope bf16 NaN
-(0x7FC0); the slot of a NoPE row stays zero.
+Non-finite input (``base`` module docstring): a tile holding a NaN / inf gets codes 0x7F and the scale
+0x7FC00000 (fp32 NaN); a NaN / inf RoPE value is stored as 0x7FC0; the slot of a NoPE row stays zero.
 """
 from __future__ import annotations
 
 import torch
 
-from ._numerics import (E4M3_NAN_CODE, FP8_TILE, bf16_to_bytes, bytes_to_bf16, bytes_to_f32, e4m3_decode,
-                        e4m3_encode, f32_to_bytes, pow2_tile_scale)
+from ._numerics import (BF16_NAN, E4M3_NAN_CODE, FP8_TILE, FP32_NAN, bf16_bytes_nonfinite_nan, bytes_to_bf16,
+                        bytes_to_f32, e4m3_decode, e4m3_encode, f32_to_bytes, pow2_tile_scale)
 from .base import KVFormat, Layout
 
-FP32_NAN = 0x7FC00000
-BF16_NAN = 0x7FC0
 ROPE_SLOT_DIMS = 64  # vLLM keeps a 64-dim bf16 RoPE slot in every row, NoPE included
 
 
@@ -58,11 +56,15 @@ class FP8DSMLAFormat(KVFormat):
         n = x.shape[0]
         lay = self.layout
         tiles = x.reshape(n, self.num_tiles, FP8_TILE)
+        ok = torch.isfinite(tiles).all(dim=-1)                                   # [N, 4]: finite tiles
+        tiles = torch.where(ok[..., None], tiles, torch.zeros((), device=x.device))
         scale = pow2_tile_scale(tiles.abs().amax(dim=-1))                        # [N, 4] fp32
-        codes = e4m3_encode(tiles / scale.unsqueeze(-1)).reshape(n, self.kv_lora_rank)
-        parts = [(0, codes), (lay.scale_offset, f32_to_bytes(scale))]
+        codes = e4m3_encode(tiles / scale.unsqueeze(-1))
+        codes = torch.where(ok[..., None], codes, torch.full_like(codes, E4M3_NAN_CODE)).reshape(n, self.kv_lora_rank)
+        sbits = torch.where(ok, scale.view(torch.int32), torch.full_like(scale.view(torch.int32), FP32_NAN))
+        parts = [(0, codes), (lay.scale_offset, f32_to_bytes(sbits.view(torch.float32)))]
         if r is not None:
-            parts.append((lay.rope_offset, bf16_to_bytes(r.to(torch.bfloat16))))
+            parts.append((lay.rope_offset, bf16_bytes_nonfinite_nan(r)))
         return parts
 
     def decode(self, rows: torch.Tensor, k_scale: float = 1.0) -> torch.Tensor:

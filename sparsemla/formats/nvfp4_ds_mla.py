@@ -19,8 +19,9 @@ Write recipe, per 16-dim block, all fp32 (inputs upcast exactly):
              tl.math.div_rn), ties 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4, sign
              from the sign bit (a negative that rounds to 0 is code 8)
 Read: ``e2m1(code) * float(sf)`` (exact), rope ``float(e4m3)``.  k_scale is validated and ignored.
-Non-finite token (``base`` module docstring): value bytes 0 (e2m1 has no NaN), scales and rope 0x7F
-(e4m3 NaN), so every value is ``0 * NaN = NaN``; the slot of a NoPE row stays zero.
+Non-finite input (``base`` module docstring): a block holding a NaN / inf gets value bytes 0 (e2m1 has
+no NaN) and the scale 0x7F (e4m3 NaN), so each of its values is ``0 * NaN = NaN``; a NaN / inf RoPE value
+is stored as 0x7F; the slot of a NoPE row stays zero.
 """
 from __future__ import annotations
 
@@ -66,12 +67,17 @@ class NVFP4DSMLAFormat(KVFormat):
         n = x.shape[0]
         lay = self.layout
         blocks = x.reshape(n, self.num_blocks, NVFP4_BLOCK)
+        ok = torch.isfinite(blocks).all(dim=-1)                                  # [N, 32]: finite blocks
+        blocks = torch.where(ok[..., None], blocks, torch.zeros((), device=x.device))
         sf_codes = nvfp4_block_scale(blocks.abs().amax(dim=-1))                  # [N, 32] uint8
         codes = e2m1_encode(blocks / e4m3_decode(sf_codes).unsqueeze(-1))        # [N, 32, 16]
+        codes = torch.where(ok[..., None], codes, torch.zeros_like(codes))
+        sf_codes = torch.where(ok, sf_codes, torch.full_like(sf_codes, E4M3_NAN_CODE))
         parts = [(0, pack_nibbles(codes.reshape(n, self.kv_lora_rank))),         # [N, 256]
                  (lay.scale_offset, permute_block_scales(sf_codes))]             # [N, 32]
         if r is not None:
-            parts.append((lay.rope_offset, e4m3_encode(r)))                      # [N, 64]
+            rope = e4m3_encode(r)                                                # [N, 64]
+            parts.append((lay.rope_offset, torch.where(torch.isfinite(r), rope, torch.full_like(rope, E4M3_NAN_CODE))))
         return parts
 
     def decode(self, rows: torch.Tensor, k_scale: float = 1.0) -> torch.Tensor:

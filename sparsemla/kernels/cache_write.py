@@ -5,9 +5,10 @@ rows and the compact ones) the bytes written are identical to ``fmt.encode`` (``
 gives the exact fp32 recipe), on CUDA and under the interpreter:
 
 * the RoPE slot of a NoPE DS row (``fmt.layout.zero_offset`` / ``zero_bytes``) is written as zeros;
-* a token with a NaN or inf in kv_c or k_pe is written as ``fmt.nonfinite_row`` (``formats/base.py``):
-  found with NaN-propagating maxima (the per-group amax the recipe needs anyway) or an exponent-bits
-  test, selected per token, no host round trip;
+* a NaN or inf input makes its value group (one bf16 / fp8 value; an fp8_ds_mla tile of 128 values or
+  an nvfp4 block of 16, whose scale is shared; one RoPE value) decode to NaN, with the canonical bytes of
+  ``formats/base.py``: one compare per value, or the NaN-propagating per-group amax the recipe computes
+  anyway; no reduction across groups, no host round trip;
 * a slot outside ``[0, num_slots)`` (-1 included) skips the token: the kernel never writes outside ``rows``.
 
 Tiling: one program = ``TOK`` tokens (8; per-format overrides in ``WRITE_TUNED``), each a whole row.  A
@@ -71,7 +72,7 @@ KS_ONE = tl.constexpr(0)
 KS_POW2 = tl.constexpr(1)
 KS_DIV = tl.constexpr(2)
 
-# Bit patterns of the non-finite row (``formats/base.py``)
+# NaN bytes of a non-finite value group (``formats/base.py``)
 BF16_NAN = tl.constexpr(0x7FC0)
 FP32_NAN = tl.constexpr(0x7FC00000)
 E4M3_NAN = tl.constexpr(0x7F)
@@ -105,6 +106,15 @@ def k_scale_mode(k_scale: float):
     if mant == 0.5 and -125 <= exp <= 126:
         return KS_POW2.value, ks, inv
     return KS_DIV.value, ks, inv
+
+
+def check_config(config: Optional[dict], keys) -> dict:
+    """A benchmark's tiling override: only ``keys`` (tile size, warps) may be given."""
+    config = config or {}
+    unknown = sorted(set(config) - set(keys))
+    if unknown:
+        raise ValueError(f"_config: unknown keys {unknown}; expected some of {list(keys)}")
+    return config
 
 
 def use_emulation(emulate: Optional[bool]) -> bool:
@@ -176,11 +186,9 @@ def apply_inv_k_scale(x, k_scale, inv_k_scale, KS_MODE: tl.constexpr):
 
 
 @triton.jit
-def nonfinite_rows(x):
-    """fp32 ``[R, D]`` -> int1 ``[R]``: the row holds a NaN or an inf (all exponent bits set; an
-    integer test, so no compiler or device treats NaN differently)."""
-    e = (x.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
-    return tl.max(e.to(tl.int32), axis=1) > 0
+def nonfinite(x):
+    """fp32 (any shape) -> int1: NaN or +-inf (``|x| <= FLT_MAX`` is false for both; one compare)."""
+    return (tl.abs(x) <= 3.4028234663852886e38) == 0
 
 
 @triton.jit
@@ -233,6 +241,15 @@ def _bf16x2_mask(a, t, STRICT: tl.constexpr):
         t = t + 0x00010001
     f = ((a | 0x80008000) - t) & 0x80008000
     return (f >> 15) * 0xFFFF
+
+
+@triton.jit
+def _bf16x2_nonfinite_nan(w):
+    """uint32 words of two bf16 values -> the same words with each NaN / inf half replaced by 0x7FC0.
+    A half has all exponent bits set iff ``(h & 0x7F80) + 0x80`` reaches bit 15 (no carry out of the half)."""
+    m = (((w & 0x7F807F80) + 0x00800080) & 0x80008000) >> 15
+    m = m * 0xFFFF
+    return w ^ ((w ^ 0x7FC07FC0) & m)
 
 
 @triton.jit
@@ -412,7 +429,7 @@ def _cache_write_kernel(
     ROPE_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
     ZERO_OFF: tl.constexpr, ZERO_BYTES: tl.constexpr,   # the RoPE slot of a NoPE row (written as zeros)
     KS_MODE: tl.constexpr, EMULATE: tl.constexpr,
-    PAIRS: tl.constexpr,            # nvfp4 with bf16 input: work on bf16 pairs (see _e2m1_bytes_bf16x2)
+    PAIRS: tl.constexpr,            # bf16 input: nvfp4 works on bf16 pairs (_e2m1_bytes_bf16x2), bf16 copies bits
     ALIGNED: tl.constexpr,          # kv_c rows start on 16-byte boundaries (vector loads; PAIRS only)
     TOK: tl.constexpr,
 ):
@@ -425,56 +442,63 @@ def _cache_write_kernel(
     row = (slot // BLOCK_SIZE) * block_stride_rows + slot % BLOCK_SIZE
     base = tl.where(live, row, 0) * BPT                       # int64 byte offset of each row
     col = tl.arange(0, D)
+    col2 = tl.arange(0, D // 2)
     m2 = live[:, None]
     if ROPE > 0:
         rc = tl.arange(0, ROPE)
         r = tl.load(pe_ptr + tok[:, None] * pe_stride + rc[None, :], mask=m2, other=0.0).to(tl.float32)
-        bad_r = nonfinite_rows(r)
+        r_bad = nonfinite(r)
 
-    if FMT == FMT_BF16:  # 512 (+ 64) bf16 values
-        x = tl.load(kv_ptr + tok[:, None] * kv_stride + col[None, :], mask=m2, other=0.0).to(tl.float32)
-        bad = nonfinite_rows(x)
+    # Non-finite input (formats/base.py): a value group with a NaN / inf gets the format's NaN bytes.  An
+    # e4m3 group is converted from NaN (cvt.rn.satfinite and the emulation both give 0x7F); bf16 bits and
+    # scales are selected, since a converted NaN's payload is not fixed.
+    if FMT == FMT_BF16 and PAIRS:  # bf16 input: the row holds its bits (a NaN / inf becomes 0x7FC0)
+        w = tl.load(kv_ptr.to(tl.pointer_type(tl.uint32)) + (tok * (kv_stride // 2))[:, None] + col2[None, :],
+                    mask=m2, other=0)
+        _store_words(rows_ptr, base, 0, _bf16x2_nonfinite_nan(w), m2)
         if ROPE > 0:
-            bad = bad | bad_r
+            rc2 = tl.arange(0, ROPE // 2)
+            wr = tl.load(pe_ptr.to(tl.pointer_type(tl.uint32)) + (tok * (pe_stride // 2))[:, None] + rc2[None, :],
+                         mask=m2, other=0)
+            _store_words(rows_ptr, base, ROPE_OFF, _bf16x2_nonfinite_nan(wr), m2)
+    elif FMT == FMT_BF16:  # 512 (+ 64) bf16 values, each its own group
+        x = tl.load(kv_ptr + tok[:, None] * kv_stride + col[None, :], mask=m2, other=0.0).to(tl.float32)
         p16 = rows_ptr.to(tl.pointer_type(tl.uint16))
-        base16 = base // 2
-        v = tl.where(bad[:, None], BF16_NAN, bf16_bits(x, EMULATE).to(tl.int32)).to(tl.uint16)
-        tl.store(p16 + base16[:, None] + col[None, :], v, mask=m2)
+        v = bf16_bits(x, EMULATE)
+        v = tl.where(nonfinite(x), tl.full(v.shape, BF16_NAN, tl.uint16), v)
+        tl.store(p16 + (base // 2)[:, None] + col[None, :], v, mask=m2)
         if ROPE > 0:
-            vr = tl.where(bad[:, None], BF16_NAN, bf16_bits(r, EMULATE).to(tl.int32)).to(tl.uint16)
+            vr = bf16_bits(r, EMULATE)
+            vr = tl.where(r_bad, tl.full(vr.shape, BF16_NAN, tl.uint16), vr)
             tl.store(p16 + ((base + ROPE_OFF) // 2)[:, None] + rc[None, :], vr, mask=m2)
-    elif FMT == FMT_FP8:  # e4m3(x / k_scale) for all head dims
+    elif FMT == FMT_FP8:  # e4m3(x / k_scale) for all head dims, each value its own group
         x = tl.load(kv_ptr + tok[:, None] * kv_stride + col[None, :], mask=m2, other=0.0).to(tl.float32)
-        bad = nonfinite_rows(x)
-        if ROPE > 0:
-            bad = bad | bad_r
+        x = tl.where(nonfinite(x), float("nan"), x)     # an inf would saturate; the NaN becomes 0x7F
         q = e4m3_codes(apply_inv_k_scale(x, k_scale, inv_k_scale, KS_MODE), EMULATE)
-        q = tl.where(bad[:, None], E4M3_NAN, q.to(tl.int32)).to(tl.uint8)
         tl.store(rows_ptr + base[:, None] + col[None, :], q, mask=m2)
         if ROPE > 0:
+            r = tl.where(r_bad, float("nan"), r)
             qr = e4m3_codes(apply_inv_k_scale(r, k_scale, inv_k_scale, KS_MODE), EMULATE)
-            qr = tl.where(bad[:, None], E4M3_NAN, qr.to(tl.int32)).to(tl.uint8)
             tl.store(rows_ptr + (base + ROPE_OFF)[:, None] + rc[None, :], qr, mask=m2)
     elif FMT == FMT_FP8_DS_MLA:  # 4 tiles of 128 e4m3 with a power-of-two fp32 scale each, bf16 rope
         x = tl.load(kv_ptr + tok[:, None] * kv_stride + col[None, :], mask=m2, other=0.0).to(tl.float32)
         t3 = tl.reshape(x, [TOK, 4, 128])
         amax = _amax_nan(t3, 2)                                             # [TOK, 4], NaN / inf kept
-        bad = tl.max((amax.to(tl.uint32, bitcast=True) >= 0x7F800000).to(tl.int32), axis=1) > 0
-        if ROPE > 0:
-            bad = bad | bad_r
+        tile_bad = amax.to(tl.uint32, bitcast=True) >= 0x7F800000
         rr = tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0), 1e-4)
         # 2 ** ceil(log2(rr)) on the bits: adding a full mantissa carries into the exponent unless rr
         # is already a power of two; the mask drops the mantissa.  1/s is a power of two as well.
         s_bits = (rr.to(tl.uint32, bitcast=True) + 0x7FFFFF) & 0x7F800000
         inv_s = (0x7F000000 - s_bits).to(tl.float32, bitcast=True)
-        q = e4m3_codes(t3 * inv_s[:, :, None], EMULATE)                    # exact x / s, then RNE
-        q = tl.where(bad[:, None], E4M3_NAN, tl.reshape(q, [TOK, D]).to(tl.int32)).to(tl.uint8)
+        inv_s = tl.where(tile_bad, float("nan"), inv_s)                     # the tile's codes: 0x7F
+        q = tl.reshape(e4m3_codes(t3 * inv_s[:, :, None], EMULATE), [TOK, D])   # exact x / s, then RNE
         tl.store(rows_ptr + base[:, None] + col[None, :], q, mask=m2)
-        s_bits = tl.where(bad[:, None], tl.full(s_bits.shape, FP32_NAN, tl.uint32), s_bits)
+        s_bits = tl.where(tile_bad, tl.full(s_bits.shape, FP32_NAN, tl.uint32), s_bits)
         _store_words(rows_ptr, base, SCALE_OFF, s_bits, m2)
         if ROPE > 0:
             p16 = rows_ptr.to(tl.pointer_type(tl.uint16))
-            vr = tl.where(bad[:, None], BF16_NAN, bf16_bits(r, EMULATE).to(tl.int32)).to(tl.uint16)
+            vr = bf16_bits(r, EMULATE)
+            vr = tl.where(r_bad, tl.full(vr.shape, BF16_NAN, tl.uint16), vr)
             tl.store(p16 + ((base + ROPE_OFF) // 2)[:, None] + rc[None, :], vr, mask=m2)
     else:  # nvfp4_ds_mla: 32 blocks of 16 e2m1 with an e4m3 scale (rounded up), e4m3 rope
         if PAIRS:
@@ -502,7 +526,7 @@ def _cache_write_kernel(
             else:
                 a2 = _bf16x2_max(tl.reduce(a_lo, 2, _bf16x2_max), tl.reduce(a_hi, 2, _bf16x2_max))
                 amax_bits = tl.maximum(a2 & 0xFFFF, a2 >> 16)
-            bad = tl.max((amax_bits >= 0x7F80).to(tl.int32), axis=1) > 0
+            block_bad = amax_bits >= 0x7F80                                 # [TOK, 32]
             sf_code, sf = _nvfp4_scale_bf16((amax_bits << 16).to(tl.float32, bitcast=True))
             # output word 2b (+1) = bytes 0-3 (4-7) of block b
             if EMULATE:
@@ -511,26 +535,27 @@ def _cache_write_kernel(
             else:
                 q_lo = _e2m1_bytes_bf16x2_fma(w_lo, sf)
                 q_hi = _e2m1_bytes_bf16x2_fma(w_hi, sf)
+            q_lo = tl.where(block_bad[:, :, None], 0, q_lo)
+            q_hi = tl.where(block_bad[:, :, None], 0, q_hi)
             words = tl.reshape(tl.join(_quad_words(q_lo), _quad_words(q_hi)), [TOK, 64])
         else:
             x = tl.load(kv_ptr + tok[:, None] * kv_stride + col[None, :], mask=m2, other=0.0).to(tl.float32)
             b3 = tl.reshape(x, [TOK, 32, 16])
             amax = _amax_nan(b3, 2)                                         # [TOK, 32], NaN / inf kept
-            bad = tl.max((amax.to(tl.uint32, bitcast=True) >= 0x7F800000).to(tl.int32), axis=1) > 0
+            block_bad = amax.to(tl.uint32, bitcast=True) >= 0x7F800000
             sf_code, sf = _nvfp4_scale(amax)
-            codes = _e2m1_codes(b3, sf)
+            codes = tl.where(block_bad[:, :, None], 0, _e2m1_codes(b3, sf))
             lo, hi = tl.split(tl.reshape(codes, [TOK, 256, 2]))            # dim 2k low, 2k+1 high
             words = _bytes_to_words(lo | (hi << 4), TOK, 64)
-        if ROPE > 0:
-            bad = bad | bad_r
         # Bytes go out as 32-bit words: one store instruction per four bytes.
-        _store_words(rows_ptr, base, 0, tl.where(bad[:, None], tl.zeros_like(words), words), m2)
+        _store_words(rows_ptr, base, 0, words, m2)
         if ROPE > 0:
-            qr = tl.where(bad[:, None], E4M3_NAN, e4m3_codes(r, EMULATE).to(tl.int32))
+            qr = e4m3_codes(tl.where(r_bad, float("nan"), r), EMULATE)
             _store_words(rows_ptr, base, ROPE_OFF, _bytes_to_words(qr, TOK, 16), m2)
-        # Block b's scale goes to byte 8 * (b % 4) + b // 4: as [TOK, 8, 4] (b // 4, b % 4), transposed.
+        # A bad block's scale is the NaN code; block b's scale goes to byte 8 * (b % 4) + b // 4: as
+        # [TOK, 8, 4] (b // 4, b % 4), transposed.
+        sf_code = tl.where(block_bad, tl.full(sf_code.shape, E4M3_NAN, tl.uint8), sf_code)
         sf_perm = tl.reshape(tl.permute(tl.reshape(sf_code, [TOK, 8, 4]), (0, 2, 1)), [TOK, 32])
-        sf_perm = tl.where(bad[:, None], E4M3_NAN, sf_perm.to(tl.int32))
         _store_words(rows_ptr, base, SCALE_OFF, _bytes_to_words(sf_perm, TOK, 8), m2)
     if ZERO_BYTES > 0:
         _store_words(rows_ptr, base, ZERO_OFF, tl.zeros([TOK, ZERO_BYTES // 4], tl.uint32), m2)
@@ -561,7 +586,7 @@ def cache_write(rows: torch.Tensor, fmt, kv_c: torch.Tensor, k_pe: Optional[torc
         _config: tiling override for benchmarks (``{"TOK": tokens per program, "num_warps": w}``).
         _emulate: force (True) or forbid (False) the bit-arithmetic conversions (tests on the GPU).
 
-    Bytes written equal ``fmt.encode(kv_c, k_pe, k_scale)``, non-finite tokens and the NoPE slot included.
+    Bytes written equal ``fmt.encode(kv_c, k_pe, k_scale)``, non-finite input and the NoPE slot included.
     """
     fmt = get_format(fmt)
     k_scale = check_k_scale(k_scale)
@@ -577,33 +602,54 @@ def cache_write(rows: torch.Tensor, fmt, kv_c: torch.Tensor, k_pe: Optional[torc
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int32, torch.int64), shape=(n,), device=dev,
                  contiguous=True)
     block_stride_rows = check_block_geometry(block_size, block_stride_rows)
+    launch_cache_write(rows, fmt, kv_c, k_pe, slot_mapping, block_size, block_stride_rows, k_scale,
+                       check_config(_config, ("TOK", "num_warps")), _emulate)
+
+
+@functools.lru_cache(maxsize=64)
+def _format_args(fmt: KVFormat) -> dict:
+    """The kernel's per-format constexprs and default tiling (from ``fmt.layout``), built once."""
+    lay = fmt.layout
+    tuned = {"TOK": WRITE_TOKENS_PER_PROGRAM, "num_warps": WRITE_NUM_WARPS}
+    tuned.update(WRITE_TUNED.get(fmt.id, WRITE_TUNED.get(fmt.name, {})))
+    return dict(FMT=format_id(fmt), ROPE=fmt.rope_dim, BPT=fmt.bytes_per_token,
+                ROPE_OFF=max(lay.rope_offset, 0), SCALE_OFF=max(lay.scale_offset, 0),
+                ZERO_OFF=max(lay.zero_offset, 0), ZERO_BYTES=lay.zero_bytes, **tuned)
+
+
+def launch_cache_write(rows, fmt: KVFormat, kv_c, k_pe, slot_mapping, block_size: int, block_stride_rows: int,
+                       k_scale: float, config: Optional[dict] = None, emulate: Optional[bool] = None) -> None:
+    """``cache_write`` without argument checks, for callers that validated the same arguments already
+    (``PagedKVCache.write``): ``fmt`` a :class:`KVFormat`, k_scale a float, the geometry checked."""
+    n = kv_c.shape[0]
     if n == 0 or rows.shape[0] < block_size:
         return
     num_slots = ((rows.shape[0] - block_size) // block_stride_rows + 1) * block_size
     kv_c = _prep_input(kv_c)
     pe = _prep_input(k_pe) if fmt.rope_dim else kv_c
     mode, ks, inv = k_scale_mode(k_scale)
-    cfg = {"TOK": WRITE_TOKENS_PER_PROGRAM, "num_warps": WRITE_NUM_WARPS}
-    cfg.update(WRITE_TUNED.get(fmt.id, WRITE_TUNED.get(fmt.name, {})))
-    cfg.update(_config or {})
-    lay = fmt.layout
+    args = _format_args(fmt)
+    if config:
+        args = {**args, **config}
+    tok = args["TOK"]
     # bf16 pairs as uint32 words need an even row stride and a 4-byte aligned start; 16-byte aligned rows
     # (stride a multiple of 8 bf16, 16-byte aligned start) get the alignment hint (16-byte loads).
-    pairs = (fmt.name == "nvfp4_ds_mla" and kv_c.dtype == torch.bfloat16 and kv_c.stride(0) % 2 == 0
-             and kv_c.data_ptr() % 4 == 0)
-    aligned = pairs and kv_c.stride(0) % 8 == 0 and kv_c.data_ptr() % 16 == 0
-    grid = (triton.cdiv(n, cfg["TOK"]),)
-    _cache_write_kernel[grid](
+    pairs = False
+    aligned = False
+    if args["FMT"] == FMT_BF16.value:
+        # bf16 pairs as uint32 words: even row strides and 4-byte aligned starts
+        pairs = all(t.dtype == torch.bfloat16 and t.stride(0) % 2 == 0 and t.data_ptr() % 4 == 0
+                    for t in ((kv_c, pe) if fmt.rope_dim else (kv_c,)))
+    elif args["FMT"] == FMT_NVFP4_DS_MLA.value and kv_c.dtype == torch.bfloat16:
+        ptr, stride = kv_c.data_ptr(), kv_c.stride(0)
+        pairs = stride % 2 == 0 and ptr % 4 == 0
+        aligned = pairs and stride % 8 == 0 and ptr % 16 == 0
+    _cache_write_kernel[(triton.cdiv(n, tok),)](
         rows, kv_c, kv_c.stride(0), pe, pe.stride(0), slot_mapping,
-        n, num_slots, block_stride_rows, ks, inv,
-        BLOCK_SIZE=block_size, FMT=format_id(fmt), ROPE=fmt.rope_dim, BPT=fmt.bytes_per_token,
-        ROPE_OFF=max(lay.rope_offset, 0), SCALE_OFF=max(lay.scale_offset, 0),
-        ZERO_OFF=max(lay.zero_offset, 0), ZERO_BYTES=lay.zero_bytes,
-        KS_MODE=mode, EMULATE=use_emulation(_emulate), PAIRS=pairs, ALIGNED=aligned, TOK=cfg["TOK"],
-        num_warps=cfg["num_warps"],
-    )
+        n, num_slots, block_stride_rows, ks, inv, BLOCK_SIZE=block_size, KS_MODE=mode,
+        EMULATE=use_emulation(emulate), PAIRS=pairs, ALIGNED=aligned, **args)
 
 
-__all__ = ["cache_write", "e4m3_codes", "bf16_bits", "f32_from_e4m3", "apply_inv_k_scale", "nonfinite_rows",
-           "k_scale_mode", "format_id", "use_emulation", "FMT_BF16", "FMT_FP8", "FMT_FP8_DS_MLA",
+__all__ = ["cache_write", "launch_cache_write", "e4m3_codes", "bf16_bits", "f32_from_e4m3", "apply_inv_k_scale", "nonfinite",
+           "k_scale_mode", "format_id", "use_emulation", "check_config", "FMT_BF16", "FMT_FP8", "FMT_FP8_DS_MLA",
            "FMT_NVFP4_DS_MLA", "KS_ONE", "KS_POW2", "KS_DIV"]

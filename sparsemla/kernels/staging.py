@@ -13,8 +13,8 @@ request's context -> a contiguous bf16 workspace for prefill.
     workspace row outside ``out`` is not written.
 
 Every layout of a format is read through ``fmt.layout``'s offsets (constexprs): vLLM's NoPE rows
-(656 / 352 B, the zero RoPE slot skipped) and the compact ones alike.  A non-finite row
-(``fmt.nonfinite_row``) stages as NaN codes (0x7F) and upconverts to bf16 NaN.  A default call (given
+(656 / 352 B, the zero RoPE slot skipped) and the compact ones alike.  NaN values (a group
+written from non-finite input, ``formats/base.py``) stage as the e4m3 NaN 0x7F and upconvert to bf16 NaN.  A default call (given
 outputs) reads nothing on the host: no synchronization, capturable in a CUDA graph; ``check=True`` is
 a debug option that validates index values on the host first.
 
@@ -44,7 +44,7 @@ import triton.language as tl
 from .._validate import check_block_geometry, check_cache_rows, check_index_range, check_k_scale, check_tensor
 from ..formats import get_format
 from .cache_write import (FMT_BF16, FMT_FP8, FMT_FP8_DS_MLA, FMT_NVFP4_DS_MLA, KS_ONE, apply_inv_k_scale, bf16_bits,
-                          e4m3_codes, f32_from_e4m3, format_id, k_scale_mode, use_emulation)
+                          check_config, e4m3_codes, f32_from_e4m3, format_id, k_scale_mode, use_emulation)
 
 _INT = (torch.int32, torch.int64)
 
@@ -306,7 +306,7 @@ def gather_topk_fp8(rows: torch.Tensor, fmt, indices: torch.Tensor, valid_counts
         return out
     mode, ks, inv = k_scale_mode(k_scale)
     cfg = {"BK": GATHER_ROWS_PER_PROGRAM, "num_warps": GATHER_NUM_WARPS}
-    cfg.update(_config or {})
+    cfg.update(check_config(_config, ("BK", "num_warps")))
     lay = fmt.layout
     grid = (triton.cdiv(k, cfg["BK"]) * t,)
     _gather_topk_fp8_kernel[grid](
@@ -437,7 +437,7 @@ def upconvert_context(rows: torch.Tensor, fmt, block_table: torch.Tensor, seq_le
         return out, workspace_start
     cfg = {"BP": UPCONVERT_ROWS_PER_PROGRAM, "num_warps": UPCONVERT_NUM_WARPS}
     cfg.update(UPCONVERT_TUNED.get(fmt.name, {}))
-    cfg.update(_config or {})
+    cfg.update(check_config(_config, ("BP", "num_warps")))
     lay = fmt.layout
     num_blocks = (rows.shape[0] - block_size) // block_stride_rows + 1 if rows.shape[0] >= block_size else 0
     grid = (triton.cdiv(max_blocks * block_size, cfg["BP"]) * n_req,)

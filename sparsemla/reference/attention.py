@@ -8,7 +8,7 @@ For query token ``t`` and head ``h`` with selected rows ``r_1..r_n`` (valid entr
 
 A query with no valid entry gives ``out = 0`` and ``lse = -inf``.  Rows are read with ``fmt.decode``, so
 every layout of a format is covered (a NoPE row's RoPE slot is not read).  A selected row that decodes to
-NaN (a token written from non-finite input, ``formats/base.py``) makes that query's ``out`` and ``lse``
+NaN anywhere (a group written from non-finite input, ``formats/base.py``) makes that query's ``out`` and ``lse``
 NaN for every head; no other query is affected (entries that are not selected are never mixed in).
 """
 from __future__ import annotations
