@@ -37,8 +37,7 @@ _WORKSPACE = ""  # the fmt argument that marks a bf16 workspace (prefill)
 
 def _cache_view(rows: Tensor, fmt: str, block_size: int, block_stride_rows: int) -> PagedKVCache:
     """A PagedKVCache over an existing row view (no copy)."""
-    num_blocks = rows.shape[0] // block_stride_rows
-    return PagedKVCache(fmt, num_blocks, block_size, rows.device, block_stride_rows, _storage=rows)
+    return PagedKVCache.from_rows(fmt, rows, block_size, block_stride_rows)
 
 
 # --------------------------------------------------------------------------------------------------------

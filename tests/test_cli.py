@@ -14,7 +14,10 @@ from sparsemla.cli.main import COMMANDS, main
 
 @pytest.fixture
 def no_interpreter(monkeypatch):
+    """A machine without a GPU and without the interpreter: the library then runs the float64 reference."""
+    import sparsemla._device as d
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # "0" = off, and `check` leaves a set value alone
+    monkeypatch.setattr(d, "_INTERPRET", False)  # read once per process: the library's view of it
 
 
 def test_help_lists_every_subcommand(capsys):

@@ -8,8 +8,10 @@ configurations on the CPU path (the numbers then describe only that path).
 """
 from __future__ import annotations
 
+import sys
+
 from ..bench.configs import KINDS, QUICK_NAMES, select_configs
-from ..bench.runner import ALL_FORMATS, DEFAULT_FORMATS, format_table, run_benchmarks
+from ..bench.runner import ALL_FORMATS, DEFAULT_FORMATS, format_table, resolve_formats, run_benchmarks
 
 
 def add_parser(sub, name, help_):
@@ -36,6 +38,11 @@ def add_parser(sub, name, help_):
 
 
 def run(args) -> int:
+    try:
+        resolve_formats(args.formats)
+    except ValueError as e:
+        print(f"sparsemla bench: --{e}", file=sys.stderr)
+        return 2
     kinds = [k for k in (args.kinds or "").split(",") if k.strip()] or None
     configs = select_configs(args.configs, kinds=kinds, quick=args.quick)
     if args.list:

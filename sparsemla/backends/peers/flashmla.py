@@ -1,7 +1,8 @@
 """``flashmla``: FlashMLA's Hopper sparse kernels (PyPI ``sgl-flash-mla``, import name ``flash_mla``), optional.
 
-- decode: ``flash_mla_with_kvcache`` on an ``fp8_ds_mla`` cache (656-byte rows; the 528-byte NoPE rows too
-  where the installed build takes ``kv_format="V32_NO_ROPE"``).
+- decode: ``flash_mla_with_kvcache`` on an ``fp8_ds_mla`` cache: 656-byte rows, vLLM's NoPE rows too (the same
+  layout with a zero RoPE slot, read as rope rows with q zero-padded to 576 dims, as vLLM does).  The library's
+  compact 528-byte NoPE rows are refused: FlashMLA takes that size for its DSv4.1 record.
 - prefill: ``flash_mla_sparse_fwd`` on bf16 rows with RoPE (a bf16 cache, or a bf16 workspace); on Hopper
   with ``use_legacy=True`` where the installed build has it (its default path is SM100-only).
 - its kernels have 64 or 128 heads: smaller head counts are padded with zero heads (the cost engines pay).
@@ -102,8 +103,6 @@ class FlashMLAPeer(Backend):
                 return "the installed flash_mla has no flash_mla_with_kvcache / get_mla_metadata"
             if "indices" not in feats["decode_kwargs"]:
                 return "the installed flash_mla_with_kvcache takes no sparse indices"
-            if config.fmt.rope_dim == 0 and "kv_format" not in feats["decode_kwargs"]:
-                return "the installed flash_mla_with_kvcache cannot be told the 528-byte NoPE layout (no kv_format)"
         elif feats["flash_mla_sparse_fwd"] is None:
             return "the installed flash_mla has no flash_mla_sparse_fwd"
         if self._probe_device is None and not torch.cuda.is_available():
@@ -183,8 +182,9 @@ class FlashMLAPeer(Backend):
         names = feats["decode_kwargs"]
         if "use_legacy" in names:
             kwargs["use_legacy"] = True
-        if cache.fmt.rope_dim == 0:
-            kwargs["kv_format"] = "V32_NO_ROPE"
+        if cache.fmt.rope_dim == 0:  # vLLM's NoPE row: a rope row whose RoPE bytes are zero
+            q = torch.cat([q, q.new_zeros(t, q.shape[1], 576 - d)], dim=2)
+            d = 576
         idx = indices
         if valid_counts is not None:
             # The Hopper (legacy) V3.2 decode rejects topk_length ("does not support dynamic topk"):
