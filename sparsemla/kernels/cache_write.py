@@ -574,7 +574,7 @@ def cache_write(rows: torch.Tensor, fmt, kv_c: torch.Tensor, k_pe: Optional[torc
 
     Args:
         rows: uint8 ``[num_rows, bytes_per_token]`` contiguous, the flat cache (``PagedKVCache.rows``);
-            it holds ``(num_rows - block_size) // block_stride_rows + 1`` whole blocks.
+            a slot whose row lies past its end is skipped (:func:`slots_in`).
         fmt: :class:`KVFormat` or format id.
         kv_c: ``[N, 512]`` bf16 / fp16 / fp32 latent values.
         k_pe: ``[N, rope_dim]`` same kinds of dtype, or None for NoPE formats.
@@ -617,14 +617,24 @@ def _format_args(fmt: KVFormat) -> dict:
                 ZERO_OFF=max(lay.zero_offset, 0), ZERO_BYTES=lay.zero_bytes, **tuned)
 
 
+def slots_in(num_rows: int, block_size: int, block_stride_rows: int) -> int:
+    """How many slots have their row inside ``num_rows`` rows: the row of slot s,
+    ``(s // block_size) * block_stride_rows + s % block_size``, grows with s, so they are a prefix (the last
+    block may be partial)."""
+    if num_rows <= 0:
+        return 0
+    last = (num_rows - 1) // block_stride_rows
+    return last * block_size + min(block_size, num_rows - last * block_stride_rows)
+
+
 def launch_cache_write(rows, fmt: KVFormat, kv_c, k_pe, slot_mapping, block_size: int, block_stride_rows: int,
                        k_scale: float, config: Optional[dict] = None, emulate: Optional[bool] = None) -> None:
     """``cache_write`` without argument checks, for callers that validated the same arguments already
     (``PagedKVCache.write``): ``fmt`` a :class:`KVFormat`, k_scale a float, the geometry checked."""
     n = kv_c.shape[0]
-    if n == 0 or rows.shape[0] < block_size:
+    num_slots = slots_in(rows.shape[0], block_size, block_stride_rows)
+    if n == 0 or num_slots == 0:
         return
-    num_slots = ((rows.shape[0] - block_size) // block_stride_rows + 1) * block_size
     kv_c = _prep_input(kv_c)
     pe = _prep_input(k_pe) if fmt.rope_dim else kv_c
     mode, ks, inv = k_scale_mode(k_scale)
