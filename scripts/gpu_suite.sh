@@ -30,7 +30,9 @@ left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 if [ "$DRY" = 1 ]; then
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 else
-    source scripts/peers_env.sh 2>&1 | tee "$OUT/logs/env.txt"
+    # sourced here, not in a pipeline (a pipeline would source it in a subshell and lose its exports)
+    source scripts/peers_env.sh > "$OUT/logs/env.txt" 2>&1
+    cat "$OUT/logs/env.txt"
 fi
 RESULTS="$OUT/results.jsonl"
 SUMMARY="$OUT/logs/summary.tsv"
