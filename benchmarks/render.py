@@ -425,13 +425,16 @@ def render_readme_block(rows: Sequence[dict], triton: Optional[str] = None) -> s
     cols = [("sparsemla", f) for f in ("bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla")] + \
            [("flashinfer", "bf16"), ("flashinfer", "fp8"), ("flashmla", "fp8_ds_mla")]
     head = ["heads"] + [("sparsemla " if i == "sparsemla" else PEERS[i] + " ") + f"`{f}`" for i, f in cols]
-    body = []
+    body, shown = [], []
     for h in (16, 64, 128):
         cells = [str(h)]
         for impl, f in cols:
             r = t.get(f"D-h{h}", f, impl)
             cells.append(f"{r['value']:.0f} us" if r else "--")
+            if r:
+                shown.append(r)
         body.append(cells)
+    dec = shown or dec  # the provenance of the cells shown
     env = collections.Counter((r["gpu"], r["torch"], r["triton"]) for r in dec).most_common(1)
     gpu, torch_v, triton_v = env[0][0] if env else ("?", "?", "?")
     lines = [BEGIN, f"Decode, b 128, top-k 2048, 32K-token contexts; {gpu}, torch {torch_v}, Triton {triton_v}; "
