@@ -91,31 +91,6 @@ def test_meta_takes_offsets_from_the_layout_and_rejects_what_a_kernel_cannot_rea
                   num_groups=1, has_valid_counts=False)
 
 
-def test_a_build_failure_raises_before_anything_is_launched():
-    """``launch`` compiles a variant without launching it the first time (``warmup``), so a kernel that does
-    not build on the installed Triton raises KernelBuildError and nothing reaches the device."""
-    class Kernel:
-        __name__ = "k"
-        launched = 0
-
-        def warmup(self, *args, grid, **meta):
-            raise RuntimeError("error encountered during parsing")
-
-        def __getitem__(self, grid):
-            def run(*args, **meta):
-                Kernel.launched += 1
-            return run
-
-    k, built = Kernel(), set()
-    with pytest.raises(common.KernelBuildError, match="does not build with Triton"):
-        common.launch_built(k, built, (1,), (1, 2), dict(A=1))
-    assert Kernel.launched == 0 and not built
-    k.warmup = lambda *args, grid, **meta: None
-    common.launch_built(k, built, (1,), (1, 2), dict(A=1))
-    common.launch_built(k, built, (1,), (1, 2), dict(A=1))
-    assert Kernel.launched == 2 and len(built) == 1
-
-
 def test_compat_names_exist_on_this_release():
     assert all(callable(f) for f in (compat.barrier, compat.async_load, compat.reinterpret))
 

@@ -177,3 +177,35 @@ def test_prefill_through_bf16_workspace_matches_native(fmt, device):
     o_n, l_n = _run_native(c, 0.1)
     assert rel_err(o_ws, o_n) < 1e-2
     assert lse_err(l_ws, l_n) < 1e-2
+
+
+def test_a_kernel_that_does_not_build_falls_back_to_the_portable_kernels(monkeypatch, device):
+    """A Hopper kernel whose first launch raises (it did not build on the installed Triton) is recorded as
+    unavailable and the call runs the portable kernels; later plans skip it.  (The plan is forced here: on this
+    machine the Hopper kernels are never planned.)"""
+    import dataclasses
+    from sparsemla import plan as plan_mod
+    from sparsemla.kernels import attention as attn_mod
+
+    c = make_case("fp8_ds_mla", 3, 16, 48, device=device)
+    portable = attn_mod.plan_for(c["q"], c["cache"].rows, c["fmt"], 48)
+    forced = dataclasses.replace(portable, kernel="sm90-few", heads_per_program=16, num_groups=1)
+
+    class Broken:
+        built = False
+
+        def __call__(self, grid, args):
+            raise RuntimeError("error encountered during parsing")
+
+    monkeypatch.setattr(attn_mod, "_sm90_launch", lambda plan, fmt, has_vc: Broken())
+    monkeypatch.setattr(attn_mod, "_LAUNCHES", {})
+    monkeypatch.setattr(attn_mod, "_BY_PLAN", {})
+    plan_mod.clear_unavailable()
+    try:
+        out, lse = attn_mod.attention_fwd(c["q"], c["cache"].rows, c["fmt"], c["indices"], 0.07, plan=forced,
+                                          valid_counts=c["valid_counts"])
+        _check(out, lse, c, 0.07)
+        assert "error encountered during parsing" in plan_mod.unavailable_kernels()["sm90-few"]
+        assert "sm90-few" in plan_mod.unavailable_set()
+    finally:
+        plan_mod.clear_unavailable()

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import compat
 
-from .common import NEG_BIG, launch_built, program_coords
+from .common import NEG_BIG, program_coords
 
 # Each consumer warpgroup (4 warps): S [64 heads, 64 rows] and O [64 heads, 256 columns] on wgmma; its own
 # P enters PV from registers.
@@ -347,8 +347,17 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
     ], [4, 4], [232, 40])
 
 
-_built: set = set()
 
+
+# How sparsemla.kernels.attention launches it (one cached launch per plan, compile-time arguments from
+# meta()):
+# ``grid``: ``(tokens x splits x num_groups,)`` (program p: head group p % num_groups, 64 heads, of split
+# (p // num_groups) % splits of token p // (num_groups x splits)).  ``args`` (positional, in this order): q
+# [tokens, heads, 576 or 512] bf16 and its strides (token, head; 16-byte aligned rows); the cache rows
+# (row r at byte r x bytes_per_row, 16-byte aligned); indices [tokens, top-k] int32 (-1: no row) and its
+# token stride; valid counts [tokens] int32 (any tensor when has_valid_counts is False); out and its
+# strides (token, split, head); lse and its strides; sm_scale x log2(e); heads; top-k; rows per split (a
+# multiple of 64); splits (no k_scale: bf16 rows are unscaled).
 
 def meta(*, bytes_per_row: int, rope_dim: int, rope_offset: int, num_groups: int, has_valid_counts: bool) -> dict:
     """``bf16_kernel``'s constexprs and launch options: ``bytes_per_row`` the row stride in bytes (1152 or
@@ -356,17 +365,3 @@ def meta(*, bytes_per_row: int, rope_dim: int, rope_offset: int, num_groups: int
     (ignored without rope), ``num_groups`` = ceil(heads / 64)."""
     return dict(BPT=bytes_per_row, ROPE=rope_dim, ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups,
                 HAS_VC=bool(has_valid_counts), num_warps=4, maxnreg=168, enable_fp_fusion=True)
-
-
-def launch(grid, args, **variant):
-    """Launch ``bf16_kernel``; ``variant``: the keyword arguments of :func:`meta`.
-
-    ``grid``: ``(tokens x splits x num_groups,)`` (program p: head group p % num_groups, 64 heads, of split
-    (p // num_groups) % splits of token p // (num_groups x splits)).  ``args`` (positional, in this order): q
-    [tokens, heads, 576 or 512] bf16 and its strides (token, head; 16-byte aligned rows); the cache rows
-    (row r at byte r x bytes_per_row, 16-byte aligned); indices [tokens, top-k] int32 (-1: no row) and its
-    token stride; valid counts [tokens] int32 (any tensor when has_valid_counts is False); out and its
-    strides (token, split, head); lse and its strides; sm_scale x log2(e); heads; top-k; rows per split (a
-    multiple of 64); splits (no k_scale: bf16 rows are unscaled).  Raises :class:`~.common.KernelBuildError`
-    before anything is launched if the variant does not compile."""
-    launch_built(bf16_kernel, _built, grid, args, meta(**variant))

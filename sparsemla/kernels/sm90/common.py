@@ -1,5 +1,5 @@
 """What every sm_90 kernel shares: the program's coordinates, fast fp32 reciprocal / log2, the softmax
-normalizer, ``NEG_BIG``, and the launch step that turns a failed build into :class:`KernelBuildError`.
+normalizer, ``NEG_BIG``.
 
 Output contract of every kernel here (the portable kernels' contract): with one split, ``o`` is the
 normalized output ``[tokens, heads, 512]`` and ``lse`` the natural-log log-sum-exp ``[tokens, heads]``
@@ -8,7 +8,6 @@ output and lse (strides ``stride_os`` / ``stride_ls``) and the combine kernel me
 """
 from __future__ import annotations
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -63,22 +62,3 @@ def normalizer(m, l):
 def absmax(x):
     """max |x| over a 2-D tensor, as a scalar."""
     return gl.max(gl.max(gl.abs(x), 1), 0)
-
-
-class KernelBuildError(RuntimeError):
-    """A kernel variant does not compile with the installed Triton (raised before anything is launched)."""
-
-
-def launch_built(kernel, built: set, grid, args, meta: dict):
-    """``kernel[grid](*args, **meta)``; the first call of each variant (constexprs, launch options, tensor
-    dtypes) compiles it without launching first, so that a build failure raises :class:`KernelBuildError`
-    before any device work is enqueued."""
-    key = (tuple(sorted(meta.items())), tuple(getattr(a, "dtype", None) for a in args))
-    if key not in built:
-        try:
-            kernel.warmup(*args, grid=grid, **meta)
-        except Exception as e:
-            raise KernelBuildError(f"{kernel.__name__} {meta} does not build with Triton {triton.__version__}: "
-                                   f"{type(e).__name__}: {str(e)[-2000:]}") from e
-        built.add(key)
-    kernel[grid](*args, **meta)

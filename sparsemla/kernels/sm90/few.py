@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import compat
-from .common import NEG_BIG, absmax, launch_built, normalizer, program_coords, rcp
+from .common import NEG_BIG, absmax, normalizer, program_coords, rcp
 from .rows import (L_QK64, L_V, SC_L, acc_dim, block_indices, e4m3_view, load_q_group, pow2_scale, producer,
                    pv_rows, pv_values, relabel64, store_e4m3_terms)
 
@@ -799,8 +799,19 @@ def few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                            [4, 4], [232, 40])
 
 KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")  # the row formats this kernel reads
-_built: set = set()
 
+
+# How sparsemla.kernels.attention launches it (one cached launch per plan, compile-time arguments from
+# meta()):
+# ``grid``: ``(tokens x splits x num_groups,)``; program p serves head group p % num_groups of split
+# (p // num_groups) % splits of token p // (num_groups x splits).  12 warps (two consumer warpgroups and
+# the producer), 168 registers each at launch.
+# ``args`` (positional, in this order): q [tokens, heads, 576 or 512] bf16 and its strides (token, head);
+# the cache rows (uint8, row r at byte r x bytes_per_row, 16-byte aligned); indices [tokens, top-k] int32
+# (-1: no row) and its token stride; valid counts [tokens] int32 (any tensor when has_valid_counts is
+# False); out (bf16 [tokens, heads, 512], or the fp32 split partials) and its strides (token, split, head);
+# lse (fp32) and its strides (token, split, head); sm_scale x log2(e); k_scale (fp8 rows; 1.0 otherwise);
+# heads; top-k; rows per split (a multiple of 64); splits.
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
          has_valid_counts: bool, fp8_qk: bool = False) -> dict:
@@ -815,19 +826,3 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     return dict(BPT=bytes_per_row, ROPE=rope_dim, SCALE_OFF=scale_offset if ds or fp4 else 0,
                 ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
                 FP4=fp4, FP8_QK=bool(fp8_qk), num_warps=4, maxnreg=168, enable_fp_fusion=True)
-
-
-def launch(grid, args, **variant):
-    """Launch ``few_kernel``; ``variant``: the keyword arguments of :func:`meta`.
-
-    ``grid``: ``(tokens x splits x num_groups,)``; program p serves head group p % num_groups of split
-    (p // num_groups) % splits of token p // (num_groups x splits).  12 warps (two consumer warpgroups and
-    the producer), 168 registers each at launch.
-    ``args`` (positional, in this order): q [tokens, heads, 576 or 512] bf16 and its strides (token, head);
-    the cache rows (uint8, row r at byte r x bytes_per_row, 16-byte aligned); indices [tokens, top-k] int32
-    (-1: no row) and its token stride; valid counts [tokens] int32 (any tensor when has_valid_counts is
-    False); out (bf16 [tokens, heads, 512], or the fp32 split partials) and its strides (token, split, head);
-    lse (fp32) and its strides (token, split, head); sm_scale x log2(e); k_scale (fp8 rows; 1.0 otherwise);
-    heads; top-k; rows per split (a multiple of 64); splits.
-    Raises :class:`~.common.KernelBuildError` before anything is launched if the variant does not compile."""
-    launch_built(few_kernel, _built, grid, args, meta(**variant))

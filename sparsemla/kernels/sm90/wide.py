@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import compat
-from .common import NEG_BIG, absmax, launch_built, program_coords, rcp
+from .common import NEG_BIG, absmax, program_coords, rcp
 from .rows import (L_QK64, L_V, SC_L, block_indices, e4m3_view, load_q_group, pow2_scale, producer, pv_rows,
                    pv_values, relabel64, store_e4m3_terms)
 
@@ -593,8 +593,13 @@ def wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                        [4, 4], [232, 40])
 
 KINDS = ("fp8", "fp8_ds_mla")  # the row formats this kernel reads
-_built: set = set()
 
+
+# How sparsemla.kernels.attention launches it (one cached launch per plan, compile-time arguments from
+# meta()):
+# ``grid``: ``(tokens x splits x num_groups,)`` (program p: head group p % num_groups, 64 heads, of split
+# (p // num_groups) % splits of token p // (num_groups x splits)); ``args``: the positional arguments of
+# the few-heads kernel (few.py; k_scale included).  12 warps, 168 registers each at launch.
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
          has_valid_counts: bool, fp8_qk: bool = False) -> dict:
@@ -606,13 +611,3 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     return dict(BPT=bytes_per_row, ROPE=rope_dim, SCALE_OFF=scale_offset if ds else 0,
                 ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
                 FP8_QK=bool(fp8_qk), num_warps=4, maxnreg=168, enable_fp_fusion=True)
-
-
-def launch(grid, args, **variant):
-    """Launch ``wide_kernel``; ``variant``: the keyword arguments of :func:`meta`.
-
-    ``grid``: ``(tokens x splits x num_groups,)`` (program p: head group p % num_groups, 64 heads, of split
-    (p // num_groups) % splits of token p // (num_groups x splits)); ``args``: the positional arguments of
-    ``few.launch`` (k_scale included).  12 warps, 168 registers each at launch.  Raises
-    :class:`~.common.KernelBuildError` before anything is launched if the variant does not compile."""
-    launch_built(wide_kernel, _built, grid, args, meta(**variant))
