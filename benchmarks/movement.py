@@ -23,6 +23,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if "--dry-run" in sys.argv:  # before anything imports a kernel: Triton picks the interpreter at decoration
+    os.environ["TRITON_INTERPRET"] = "1"
 from sparsemla.bench.drivers import prepare_environment  # noqa: E402
 
 prepare_environment()
