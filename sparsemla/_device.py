@@ -1,17 +1,18 @@
 """Facts about where kernels run: the interpreter, a device's SM count and compute capability (cached)."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``).  Triton reads the variable
-    when it decorates a kernel, so the answer is fixed at the first call (after the kernel modules loaded)."""
+    """True when the library's Triton kernels run in Triton's CPU interpreter.  Triton reads
+    ``TRITON_INTERPRET`` when it decorates a kernel, so the answer is what it decided for the library's kernels
+    (asked of one of them once), not the variable's value now."""
     global _INTERPRET
     if _INTERPRET is None:
-        _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        from triton.runtime.interpreter import InterpretedFunction
+        from .kernels.combine import combine_kernel
+        _INTERPRET = isinstance(combine_kernel, InterpretedFunction)
     return _INTERPRET
 
 

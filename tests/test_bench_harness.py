@@ -25,7 +25,10 @@ from sparsemla.reference import sparse_mla
 
 @pytest.fixture
 def no_interpreter(monkeypatch):
+    """A machine without a GPU and without the interpreter: the library then runs the float64 reference."""
+    import sparsemla._device as d
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # "0" = off, and `check` leaves a set value alone
+    monkeypatch.setattr(d, "_INTERPRET", False)  # what the library decided at its kernels' decoration
 
 
 H200 = A.Ceilings(device="H200", copy_bytes_per_s=4.24e12, matmul_flop_per_s=769e12)
@@ -344,7 +347,7 @@ def test_results_file_rows_follow_the_schema():
     rows = R.load(os.path.join(ROOT, "benchmarks", "results", "h200.jsonl"))
     assert rows, "the results file is empty"
     for r in rows:
-        assert r["source"] or r["command"]
+        assert r.get("source") or r.get("command")  # a driver writes the command; seeded rows name their source
     # every standard decode format at 16 / 64 / 128 heads, b 128, has a sparsemla row
     have = {(r["config"], r["format"]) for r in rows if r["impl"] == "sparsemla" and r["kind"] == "decode"}
     for fmt in ("bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla"):

@@ -14,7 +14,7 @@ import torch
 from sparsemla.cache import PagedKVCache
 from sparsemla.formats import all_formats, get_format
 from sparsemla.formats import _numerics as nm
-from sparsemla.kernels.cache_write import cache_write, k_scale_mode
+from sparsemla.kernels.cache_write import cache_write, k_scale_mode, slots_in
 from sparsemla._device import interpreting
 
 from conversion_probe import every_bf16_amax, probe_conversions, probe_nvfp4_scales
@@ -46,7 +46,7 @@ def write_and_expect(fmt, kv, pe, slots, k_scale, num_rows, block_size, stride_r
     rows = torch.full((num_rows, fmt.bytes_per_token), poison, dtype=torch.uint8, device=device)
     cache_write(rows, fmt, kv, pe, slots, block_size, stride_rows, k_scale, _config=config)
     expect = torch.full_like(rows, poison)
-    num_slots = ((num_rows - block_size) // stride_rows + 1) * block_size
+    num_slots = slots_in(num_rows, block_size, stride_rows)  # slots whose row lies inside the rows
     keep = (slots >= 0) & (slots < num_slots)
     s = slots[keep].to(torch.int64)
     target = (s // block_size) * stride_rows + s % block_size

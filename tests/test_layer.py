@@ -20,7 +20,8 @@ from sparsemla.reference.indexer import topk_overlap
 @pytest.fixture
 def torch_paths(monkeypatch):
     """Run the layer's PyTorch fallbacks instead of the Triton interpreter (fast)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    import sparsemla._device as d
+    monkeypatch.setattr(d, "_INTERPRET", False)  # the library's view: CPU tensors then take the PyTorch paths
 
 
 def make_layer(rope=True, kpool=1, dtype=torch.float32, seed=0, device="cpu", **kw):
@@ -118,7 +119,9 @@ def test_kernel_path_matches_torch_path(device, monkeypatch):
     s = 24
     results = {}
     for mode, dev in (("torch", "cpu"), ("triton", device)):
-        monkeypatch.setenv("TRITON_INTERPRET", "0" if mode == "torch" else ("1" if dev == "cpu" else "0"))
+        import sparsemla._device as d
+        # CPU tensors take the PyTorch fallbacks when the library does not interpret its kernels
+        monkeypatch.setattr(d, "_INTERPRET", mode != "torch" and dev == "cpu")
         lay = layer.to(dev)
         x, bt, kv, ic = setup_seq(lay, s, fmt="fp8_ds_mla", device=dev)
         with torch.no_grad():
