@@ -10,8 +10,10 @@
 #
 # Carry (see scripts/peers_env.sh): .whl (FlashMLA), .peers (FlashInfer); for another Triton release set
 # TRITON_BUNDLE=.carry/triton-3.8.0.tar.xz.  Time: BUDGET seconds in all (default 570); each test group
-# gets GROUP_TIMEOUT (default 420).  BENCH picks drivers (default "decode small_batch prefill movement
-# host_overhead"); BENCH_FORMATS narrows their formats; SPARSEMLA_COMMIT=<sha> names the commit in the rows
+# gets GROUP_TIMEOUT (default 420); PYTEST_N spreads each group over pytest-xdist workers; TEST_GROUPS picks
+# groups; MEMCHECK=0 leaves memcheck out.  BENCH picks drivers (default "decode small_batch prefill movement
+# host_overhead"); BENCH_FORMATS narrows their formats; BENCH_ARGS (every driver) and BENCH_ARGS_<driver> add
+# arguments; SPARSEMLA_COMMIT=<sha> names the commit in the rows
 # when the copy of the tree has no git history.  Afterwards, on your machine:
 #   cat <files_at>/results.jsonl >> benchmarks/results/h200.jsonl && python3 benchmarks/render.py
 set -u
@@ -57,12 +59,13 @@ group_files() {
                         tests/gpu/test_large_cache_gpu.py 2>/dev/null ;;
     esac
 }
-TEST_GROUPS="attention sm90 movement system reliability"
+ALL_GROUPS="attention sm90 movement system reliability"
+TEST_GROUPS=${TEST_GROUPS:-"$ALL_GROUPS other"}  # a subset: TEST_GROUPS="sm90 attention"; MEMCHECK=0 skips memcheck
 run_tests() {
     local listed other pids=() names=()
-    listed=$(for g in $TEST_GROUPS; do group_files $g; done)
+    listed=$(for g in $ALL_GROUPS; do group_files $g; done)
     other=$(ls tests/gpu/test_*_gpu.py 2>/dev/null | grep -vxF "$listed" || true)
-    for g in $TEST_GROUPS other; do
+    for g in $TEST_GROUPS; do
         local files
         if [ $g = other ]; then files=$other; else files=$(group_files $g); fi
         [ -n "$files" ] || continue
@@ -72,7 +75,9 @@ run_tests() {
             if [ "$DRY" = 1 ]; then
                 python3 -m pytest -q -m gpu --collect-only $files > "$log" 2>&1
             else
-                timeout "${GROUP_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs $files > "$log" 2>&1
+                # PYTEST_N=<workers>: each group spread over that many pytest-xdist workers (compiles in parallel)
+                timeout "${GROUP_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs ${PYTEST_N:+-n $PYTEST_N} $files \
+                    > "$log" 2>&1
             fi
             rc=$?
             note "t_$g" $rc $(( $(date +%s) - t0 )) "$log"
@@ -80,19 +85,19 @@ run_tests() {
         pids+=($!)
     done
     # memcheck alongside (PyTorch's caching allocator hides overruns inside its segments: turned off)
-    (
+    [ "${MEMCHECK:-1}" = 1 ] && (
         t0=$(date +%s); log="$OUT/logs/memcheck.log"
         if [ "$DRY" = 1 ]; then
             echo "dry run: memcheck left out (needs a GPU and compute-sanitizer)" > "$log"; rc=0
         elif [ -f scripts/sanitize.sh ]; then
-            OUT="$OUT/sanitize" timeout "${GROUP_TIMEOUT:-420}" bash scripts/sanitize.sh memcheck > "$log" 2>&1; rc=$?
+            OUT="$OUT/sanitize" timeout "${MEMCHECK_TIMEOUT:-${GROUP_TIMEOUT:-420}}" bash scripts/sanitize.sh memcheck > "$log" 2>&1; rc=$?
         else
             PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${GROUP_TIMEOUT:-420}" compute-sanitizer --tool memcheck \
                 --error-exitcode 9 python3 tests/gpu/sanitize_kernels.py > "$log" 2>&1; rc=$?
         fi
         note memcheck $rc $(( $(date +%s) - t0 )) "$log"
     ) &
-    pids+=($!)
+    [ "${MEMCHECK:-1}" = 1 ] && pids+=($!)
     wait "${pids[@]}"
 }
 
@@ -112,6 +117,9 @@ run_bench() {
         elif [ -n "${BENCH_FORMATS:-}" ] && [ "$d" != host_overhead ]; then
             extra=(--formats "$BENCH_FORMATS")
         fi
+        # BENCH_ARGS: more arguments for every driver (e.g. --no-peers); BENCH_ARGS_<driver>: for one driver
+        local own="BENCH_ARGS_$d"
+        [ "$DRY" = 1 ] || extra+=(${BENCH_ARGS:-} ${!own:-})
         lim=$(left)
         if [ "$DRY" = 0 ] && [ "$lim" -lt 30 ]; then
             printf "%s\t%s\t%s\t%s\n" "b_$d" skipped 0 "no time left" >> "$SUMMARY"; continue

@@ -27,6 +27,8 @@ from .formats import get_format
 
 V_DIM = 512
 MAX_HEADS = registry.MAX_HEADS
+# torch.cuda.is_current_stream_capturing() without its Python wrapper (this is on every call's path)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 _BF16, _I32, _F32 = torch.bfloat16, torch.int32, torch.float32
 
 
@@ -96,16 +98,18 @@ def _call(mode, q, kv, fmt, rows, num_rows, source, indices, sm_scale, valid_cou
     if type(k_scale) is not float or not SCALE_MIN <= k_scale <= SCALE_MAX:
         k_scale = _k_scale(k_scale, q)
     head_dim = fmt.head_dim
-    if not (isinstance(q, torch.Tensor) and q.dtype is _BF16 and q.dim() == 3 and q.shape[2] == head_dim
-            and 1 <= q.shape[1] <= MAX_HEADS and q.stride(2) == 1):
+    qshape = q.shape if isinstance(q, torch.Tensor) else None
+    if not (qshape is not None and q.dtype is _BF16 and len(qshape) == 3 and qshape[2] == head_dim
+            and 1 <= qshape[1] <= MAX_HEADS and q.stride()[2] == 1):
         _explain_q(q, head_dim)
-    t, h = q.shape[0], q.shape[1]
+    t, h = qshape[0], qshape[1]
     dev = q.device
     if rows.device != dev:
         name = "cache" if source == "cache" else "kv"
         raise ValueError(f"{name}: expected it on q's device {dev}, got {rows.device}")
-    if not (isinstance(indices, torch.Tensor) and indices.dtype is _I32 and indices.dim() == 2
-            and indices.shape[0] == t and indices.shape[1] >= 1 and indices.stride(1) == 1 and indices.device == dev):
+    ishape = indices.shape if isinstance(indices, torch.Tensor) else None
+    if not (ishape is not None and indices.dtype is _I32 and len(ishape) == 2 and ishape[0] == t and ishape[1] >= 1
+            and indices.stride()[1] == 1 and indices.device == dev):
         _explain_indices(indices, t, dev)
     if valid_counts is not None and not (isinstance(valid_counts, torch.Tensor) and valid_counts.dtype is _I32
                                          and valid_counts.shape == (t,) and valid_counts.is_contiguous()
@@ -118,11 +122,10 @@ def _call(mode, q, kv, fmt, rows, num_rows, source, indices, sm_scale, valid_cou
     if lse is not None and not (isinstance(lse, torch.Tensor) and lse.dtype is _F32 and lse.shape == (t, h)
                                 and lse.device == dev):
         check_tensor("lse", lse, dtype=_F32, shape=(t, h), device=dev)
-    cuda = dev.type == "cuda"
-    capturing = cuda and torch.cuda.is_current_stream_capturing()
+    capturing = dev.type == "cuda" and _capturing()
     if capturing and isinstance(k_scale, torch.Tensor):
         raise TypeError("k_scale: pass a Python float during CUDA-graph capture (reading a tensor syncs)")
-    chosen = registry.select_call(mode, fmt, h, indices.shape[1], dev, source, capturing, backend)
+    chosen = registry.select_call(mode, fmt, h, ishape[1], dev, source, capturing, backend)
     if check and not capturing:
         _check_index_values(indices, valid_counts, t, num_rows)
     # --- allocate what the caller did not pass, once; launch --------------------------------------------------

@@ -98,6 +98,8 @@ class KVFormat:
         self.rope_dim = rope_dim
         self.compact = bool(compact)
         self._layout = self._make_layout()
+        self._id = self.name if rope_dim else (f"{self.name}-nope-compact" if self.compact else f"{self.name}-nope")
+        self._hash = hash(self._id)  # formats key the dispatch caches of every call
         self._nonfinite: Dict[torch.device, torch.Tensor] = {}
 
     # --- geometry -------------------------------------------------------------------------
@@ -116,9 +118,7 @@ class KVFormat:
     @property
     def id(self) -> str:
         """Unique short name: ``fp8_ds_mla``, ``fp8_ds_mla-nope`` or ``fp8_ds_mla-nope-compact``."""
-        if self.rope_dim:
-            return self.name
-        return f"{self.name}-nope-compact" if self.compact else f"{self.name}-nope"
+        return self._id
 
     def _make_layout(self) -> Layout:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
@@ -210,10 +210,10 @@ class KVFormat:
         return f"<KVFormat {self.id}: {self.bytes_per_token} B/token, head_dim {self.head_dim}>"
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, KVFormat) and self.id == other.id
+        return self is other or (isinstance(other, KVFormat) and self._id == other._id)
 
     def __hash__(self) -> int:
-        return hash(self.id)
+        return self._hash
 
 
 def _k_scale_fp32(k_scale: float) -> torch.Tensor:

@@ -119,10 +119,11 @@ def plan_for(q: torch.Tensor, rows: torch.Tensor, fmt, topk: int, *, fp8_qk: boo
     """The plan of a call on these tensors: :func:`sparsemla.plan.plan_attention` with the device's facts, the
     tensors' alignment and the kernels unavailable here (``kernel`` / ``num_splits``: forced, for tests)."""
     facts = _device_facts(q.device)
-    q_aligned = (q.data_ptr() & 15) == 0 and (q.stride(0) & 7) == 0 and (q.stride(1) & 7) == 0
-    return _plan._plan("staged" if staged else fmt.name, q.shape[0], q.shape[1], topk, facts[0], facts[1], fp8_qk,
-                       portable, interpreting(), q_aligned, (rows.data_ptr() & 15) == 0, kernel, None,
-                       _plan.unavailable_set(), num_splits)
+    qs, shape = q.stride(), q.shape
+    q_aligned = not ((q.data_ptr() & 15) or (qs[0] & 7) or (qs[1] & 7))
+    return _plan._plan("staged" if staged else fmt.name, shape[0], shape[1], topk, facts[0], facts[1], fp8_qk,
+                       portable, interpreting(), q_aligned, not (rows.data_ptr() & 15), kernel, None,
+                       _plan._UNAVAILABLE_SET, num_splits)
 
 
 def _device_facts(dev: torch.device):
@@ -160,12 +161,13 @@ def attention_fwd(q: torch.Tensor, rows: torch.Tensor, fmt, indices: torch.Tenso
     Returns ``(out, lse)``: lse is the natural log including sm_scale; an empty row gives 0 / -inf.
     """
     fmt = get_format(fmt)
-    t, h = q.shape[0], q.shape[1]
-    if out is None:
-        out = torch.empty((t, h, V_DIM), dtype=q.dtype, device=q.device)
-    if lse is None:
-        lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
-    if t == 0:
+    if out is None or lse is None:
+        t, h = q.shape[0], q.shape[1]
+        if out is None:
+            out = torch.empty((t, h, V_DIM), dtype=q.dtype, device=q.device)
+        if lse is None:
+            lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
+    if not out.shape[0]:
         return out, lse
     if plan is None:
         plan = plan_for(q, rows, fmt, indices.shape[1], staged=staged)
@@ -191,9 +193,24 @@ _SCRATCH: dict = {}
 _SCRATCH_MAX = 1 << 24  # fp32 elements (64 MB); a call needing more allocates its own
 
 
+def _partials(buf: torch.Tensor, n_o: int, n_all: int):
+    """(out partials, lse partials): the first ``n_o`` and the next ``n_all - n_o`` elements of ``buf``.  The views
+    live on the buffer (the scratch, or a runner's): slicing a tensor costs more host time than the rest of a
+    launch's arguments, and the buffers are long-lived."""
+    try:
+        views = buf._sparsemla_partials
+    except AttributeError:
+        views = buf._sparsemla_partials = {}
+    v = views.get((n_o, n_all))
+    if v is None:
+        v = views[(n_o, n_all)] = (buf[:n_o], buf[n_o:n_all])
+    return v
+
+
 def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers) -> None:
-    t, h = q.shape[0], q.shape[1]
+    t, h = lse.shape
     ns = plan.num_splits
+    os_, ls_ = out.stride(), lse.stride()
     if ns > 1:
         n_o = t * ns * h * V_DIM
         n_all = n_o + t * ns * h
@@ -201,36 +218,37 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
             split_buffers = _scratch(q.device, n_all)
         elif split_buffers.numel() < n_all:
             raise ValueError(f"split_buffers: {split_buffers.numel()} fp32 elements, this call needs {n_all}")
-        o_dst, l_dst = split_buffers[:n_o], split_buffers[n_o:n_all]
+        o_dst, l_dst = _partials(split_buffers, n_o, n_all)
         o_strides = (ns * h * V_DIM, h * V_DIM, V_DIM)
         l_strides = (ns * h, h, 1)
     else:
         o_dst, l_dst = out, lse
-        os_, ls_ = out.stride(), lse.stride()
         o_strides = (os_[0], 0, os_[1])
         l_strides = (ls_[0], 0, ls_[1])
-    has_vc = valid_counts is not None
-    vc = valid_counts if has_vc else indices  # a dummy pointer when absent
-    qs = q.stride()
-    args = (q, qs[0], qs[1], rows, indices, indices.stride(0), vc,
-            o_dst, *o_strides, l_dst, *l_strides, float(sm_scale) * LOG2E)
-    tail = (h, indices.shape[1], plan.rows_per_split, ns)
+    vc = indices if valid_counts is None else valid_counts  # a dummy pointer when absent
+    qs, is0, k_width = q.stride(), indices.stride()[0], indices.shape[1]
+    ints = (qs[0], qs[1], is0, *o_strides, *l_strides, h, k_width, plan.rows_per_split, ns)
+    args = (q, qs[0], qs[1], rows, indices, ints[2], vc, o_dst, *o_strides, l_dst, *l_strides, float(sm_scale) * LOG2E)
     if plan.kernel in _TAKES_K_SCALE:
-        args = args + (float(k_scale),) + tail
+        args = args + (float(k_scale),) + ints[-4:]
     else:
-        args = args + tail
-    launch = _launch_for(plan, fmt, has_vc)
+        args = args + ints[-4:]
+    launch = _launch_for(plan, fmt, valid_counts is not None)
+    # Every pointer 16-byte aligned: the integers alone decide Triton's specialization (the pointers' dtypes are
+    # fixed: q bf16, rows uint8, indices / counts int32, out bf16 or fp32 partials as ns says, lse fp32).
+    aligned = not ((q.data_ptr() | rows.data_ptr() | indices.data_ptr() | vc.data_ptr() | o_dst.data_ptr()
+                    | l_dst.data_ptr()) & 15)
     grid = (t * plan.grid,)
     if launch.built:
-        launch(grid, args)
+        launch(grid, args, ints if aligned else None)
     else:
         try:
-            launch(grid, args)
+            launch(grid, args, ints if aligned else None)
         except Exception as exc:  # a first launch that raises did not build: fall back, remember why
             if plan.kernel not in _plan.SM90_KERNELS:
                 raise
             _plan.mark_unavailable(plan.kernel, f"{type(exc).__name__}: {_first_line(exc)}")
-            fallback = _plan.plan_attention(fmt, t, h, indices.shape[1], capability=capability(q.device),
+            fallback = _plan.plan_attention(fmt, t, h, k_width, capability=capability(q.device),
                                             num_sms=num_sms(q.device), unavailable=_plan.unavailable_set(),
                                             staged=plan.kind == "staged")
             _run(fallback, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers)
@@ -238,8 +256,11 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
     if ns > 1:
         # programmatic dependent launch on sm_90+: the combine's launch overlaps the attention kernel's tail
         pdl = q.device.type == "cuda" and not interpreting() and _device_facts(q.device)[0] >= (9, 0)
-        os_, ls_ = out.stride(), lse.stride()
-        _combine_launch(ns, pdl)((t, h, V_DIM // 128), (o_dst, l_dst, out, os_[0], os_[1], lse, ls_[0], ls_[1], h, ns))
+        cints = (os_[0], os_[1], ls_[0], ls_[1], h, ns)
+        # the partials' lse part starts n_o (a multiple of 512) elements into the buffer: aligned with it
+        caligned = not ((out.data_ptr() | lse.data_ptr() | split_buffers.data_ptr()) & 15)
+        _combine_launch(ns, pdl)((t, h, V_DIM // 128), (o_dst, l_dst, out, os_[0], os_[1], lse, ls_[0], ls_[1], h, ns),
+                                 cints if caligned else None)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -138,21 +138,26 @@ def convert_indices_triton(topk_local: torch.Tensor, req_id_per_token: torch.Ten
     if return_valid_counts:
         counts = counts_out if counts_out is not None else torch.empty((t,), dtype=torch.int32, device=dev)
     if t and k:
-        req = req_id_per_token if req_id_per_token.stride(0) == 1 else req_id_per_token.contiguous()
+        req = req_id_per_token if req_id_per_token.stride()[0] == 1 else req_id_per_token.contiguous()
         has_ws = workspace_start is not None
-        ws = (workspace_start if workspace_start.stride(0) == 1 else workspace_start.contiguous()) if has_ws else req
-        block = min(triton.next_power_of_2(k), CONVERT_MAX_BLOCK)
-        meta = (block_size, has_ws, bool(compact), bool(return_valid_counts), block)
+        ws = (workspace_start if workspace_start.stride()[0] == 1 else workspace_start.contiguous()) if has_ws else req
+        meta = (block_size, has_ws, compact, return_valid_counts, k)
         launch = _LAUNCHES.get(meta)
         if launch is None:
+            block = min(triton.next_power_of_2(k), CONVERT_MAX_BLOCK)
             launch = _LAUNCHES[meta] = Launch(
                 _convert_indices_kernel, dict(BLOCK_SIZE=block_size, HAS_WS=has_ws, COMPACT=bool(compact),
                                               COUNTS=bool(return_valid_counts), BLOCK=block),
                 dict(num_warps=CONVERT_NUM_WARPS))
-        ts, bs = topk_local.stride(), block_table.stride()
-        launch((t,), (topk_local, ts[0], ts[1], req, block_table, bs[0], bs[1], ws, out, out.stride(0),
-                      out if counts is None else counts, k, block_table.shape[0], block_table.shape[1],
-                      block_stride_rows))
+        ts, bs, bshape = topk_local.stride(), block_table.stride(), block_table.shape
+        cnt = out if counts is None else counts
+        ints = (ts[0], ts[1], bs[0], bs[1], out.stride()[0], k, bshape[0], bshape[1], block_stride_rows)
+        # every pointer 16-byte aligned: the integers (and the index dtypes) decide Triton's specialization
+        aligned = not ((topk_local.data_ptr() | req.data_ptr() | block_table.data_ptr() | ws.data_ptr()
+                        | out.data_ptr() | cnt.data_ptr()) & 15)
+        launch((t,), (topk_local, ts[0], ts[1], req, block_table, bs[0], bs[1], ws, out, ints[4], cnt, k, bshape[0],
+                      bshape[1], block_stride_rows),
+               (topk_local.dtype, req.dtype, block_table.dtype, ws.dtype, ints) if aligned else None)
     elif counts is not None:
         counts.zero_()
     if return_valid_counts:

@@ -10,6 +10,10 @@ by 16 and within int32 -- and call the compiled kernel's launcher directly.
 The direct path is used only where it is the same launch Triton would make: not under the interpreter, not while
 a launch hook is installed (profilers), and only for kernels whose compile-time parameters all come after the
 runtime ones (so the launcher's argument list is ``args`` followed by those values).
+
+A caller on a hot path can pass its own ``key``: any hashable value that determines Triton's specialization of
+``args`` (the launchers pass the integer arguments themselves when every pointer is 16-byte aligned and the
+pointer dtypes are fixed by those integers).  It costs a tuple instead of a walk over every argument.
 """
 from __future__ import annotations
 
@@ -46,30 +50,36 @@ class Launch:
         else:
             self._direct = False
 
-    def __call__(self, grid: Sequence[int], args: Sequence[object]) -> None:
+    def __call__(self, grid: Sequence[int], args: Sequence[object], key=None) -> None:
+        """Launch on ``grid`` with the runtime ``args``; ``key``: optional specialization key (see the module
+        docstring), None to derive it from ``args``."""
         if not self._direct or _hooks():
             self.fn[grid](*args, **self.meta)
             self.built = True
             return
-        key = _spec_key(args)
+        dev = _device()
+        key = (dev, _spec_key(args)) if key is None else (dev, key)
         k = self._compiled.get(key)
         if k is None:
             k = self.fn[grid](*args, **self.meta)
             self.built = True
             if len(args) == self._n_runtime and k is not None and hasattr(k, "packed_metadata"):
+                if len(self._compiled) >= _MAX_KEYS:
+                    self._compiled.clear()  # bounded: a caller whose integers keep changing recompiles nothing
                 self._compiled[key] = k
             return
-        dev = _get_device()
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        k.run(grid[0], g1, g2, _get_stream(dev), k.function, k.packed_metadata, None, None, None, *args, *self._tail)
+        n = len(grid)
+        k.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(dev), k.function,
+              k.packed_metadata, None, None, None, *args, *self._tail)
+
+
+_MAX_KEYS = 4096  # compiled kernels are Triton's (cached by it); this holds only the lookups
 
 
 def _spec_key(args) -> tuple:
     """What Triton specializes a compiled kernel on (``native_specialize_impl``): pointers by dtype and 16-byte
-    alignment, integers by ``== 1``, divisibility by 16 and the int32 range; floats and bools not at all.  The
-    device is part of the key too (a compiled kernel is loaded per device)."""
-    key = [_get_device()]
+    alignment, integers by ``== 1``, divisibility by 16 and the int32 range; floats and bools not at all."""
+    key = []
     for a in args:
         if type(a) is int:
             key.append(1 if a == 1 else (2 if -0x80000000 <= a <= 0x7FFFFFFF else 4) + ((a & 15) == 0))
@@ -90,18 +100,26 @@ def _direct_ok() -> bool:
     return torch.cuda.is_available()
 
 
-def _get_device() -> int:
-    from triton.runtime.driver import driver
-    global _get_device
-    _get_device = driver.active.get_current_device
-    return _get_device()
+def _device() -> int:
+    """The current CUDA device (a compiled kernel is loaded per device, so it is part of every key)."""
+    global _device
+    get = getattr(torch._C, "_cuda_getDevice", None)  # what torch.cuda.current_device() returns, without its checks
+    if get is None:
+        from triton.runtime.driver import driver
+        get = driver.active.get_current_device
+    _device = get
+    return get()
 
 
-def _get_stream(dev: int):
-    from triton.runtime.driver import driver
-    global _get_stream
-    _get_stream = driver.active.get_current_stream
-    return _get_stream(dev)
+def _stream(dev: int):
+    """The current stream's handle, as Triton's launch takes it."""
+    global _stream
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get is None:
+        from triton.runtime.driver import driver
+        get = driver.active.get_current_stream
+    _stream = get
+    return get(dev)
 
 
 def _hooks() -> bool:

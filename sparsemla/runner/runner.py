@@ -46,6 +46,7 @@ from ..formats import KVFormat, get_format
 from .._device import triton_runs_on
 from ..indices import convert_indices
 from ..kernels.convert_indices import convert_indices_triton
+from ..kernels.step_pack import step_pack
 from ..kernels.staging import upconvert_context
 from .metadata import BatchMetadata
 
@@ -166,6 +167,7 @@ class SparseMLA:
         self._host_box = [(0, 0)] * len(self._host)
         self._turn = 0
         self._rows = torch.full((max_tokens, topk), -1, dtype=_I32, device=self.device)
+        self._views: dict = {}  # token count -> the buffers' first rows (out, lse, rows, req_id, valid_counts)
         self._out = torch.zeros((max_tokens, num_heads, V_DIM), dtype=_BF16, device=self.device)
         self._lse = torch.zeros((max_tokens, num_heads), dtype=torch.float32, device=self.device)
         spec = RunnerSpec(max_tokens, num_heads, topk, self.fmt, self.device, block_size, block_stride_rows,
@@ -347,6 +349,18 @@ class SparseMLA:
         """A device batch (or asynchronous scheduling): copy on the device, valid counts from the device's
         sequence lengths; nothing is read back."""
         self._max_block, self._max_block_at = -1, None
+        if md.device == self.device and self._convert is convert_indices_triton:
+            # one launch instead of a dozen copies, fills and element-wise ops
+            step_pack(_unit(md.query_start_loc), _unit(md.seq_lens), md.block_table, _unit(md.req_id_per_token), t,
+                      out_query_start_loc=self._query_start_loc, out_seq_lens=self._seq_lens,
+                      out_block_table=self._block_table, out_req_id=self._req_id, out_valid_counts=self._valid_counts,
+                      index_topk=self.index_topk, kpool=self.kpool, topk=self.topk)
+        else:
+            self._pack_with_torch(md, t, r, width)
+        if md.device.type == "cpu":
+            self._check_blocks(md.block_table, md.seq_lens, r)
+
+    def _pack_with_torch(self, md: BatchMetadata, t: int, r: int, width: int) -> None:
         self._block_table[:r].fill_(-1)
         self._block_table[:r, :width].copy_(md.block_table, non_blocking=True)
         self._query_start_loc[: r + 1].copy_(md.query_start_loc, non_blocking=True)
@@ -356,8 +370,6 @@ class SparseMLA:
         self._valid_counts.zero_()
         if t:
             self._valid_counts[:t].copy_(self._device_counts(self._query_start_loc, self._seq_lens, self._req_id, t))
-        if md.device.type == "cpu":
-            self._check_blocks(md.block_table, md.seq_lens, r)
 
     def _plan_workspace(self, md: BatchMetadata, r: int) -> Optional[int]:
         """Workspace starts of the prefill requests (decode requests get -1) when their contexts fit."""
@@ -397,10 +409,11 @@ class SparseMLA:
         if plan is None:
             raise RuntimeError("SparseMLA.run() before plan(): plan the step first")
         dev = self.device
-        if not (isinstance(q, torch.Tensor) and q.dtype is _BF16 and q.dim() == 3 and q.shape[1] == self.num_heads
-                and q.shape[2] == self.head_dim and q.stride(2) == 1 and q.device == dev):
+        qshape = q.shape if isinstance(q, torch.Tensor) else None
+        if not (qshape is not None and q.dtype is _BF16 and len(qshape) == 3 and qshape[1] == self.num_heads
+                and qshape[2] == self.head_dim and q.stride()[2] == 1 and q.device == dev):
             self._explain_q(q)
-        t = q.shape[0]
+        t = qshape[0]
         if not plan.num_tokens <= t <= self.max_tokens:
             raise ValueError(f"q: expected {plan.num_tokens}..{self.max_tokens} tokens (the planned batch, or "
                              f"padded to a captured size), got {t}")
@@ -416,17 +429,20 @@ class SparseMLA:
             if isinstance(k_scale, torch.Tensor):
                 raise TypeError("k_scale: expected a Python float (reading a tensor would sync with the host)")
             k_scale = check_k_scale(k_scale)
+        views = self._views.get(t)
+        if views is None:
+            views = self._views[t] = tuple(b[:t] for b in (self._out, self._lse, self._rows, self._req_id,
+                                                            self._valid_counts))
+        own_out, own_lse, rows, req, valid = views
         if out is None:
-            out = self._out if t == self.max_tokens else self._out[:t]
+            out = own_out
         else:
             check_tensor("out", out, dtype=_BF16, shape=(t, self.num_heads, V_DIM), device=dev)
         if lse is None:
-            lse = self._lse if t == self.max_tokens else self._lse[:t]
+            lse = own_lse
         else:
             check_tensor("lse", lse, dtype=torch.float32, shape=(t, self.num_heads), device=dev)
 
-        rows = self._rows if t == self.max_tokens else self._rows[:t]
-        req = self._req_id if t == self.max_tokens else self._req_id[:t]
         use_ws = self._ws_plan is not None
         ws_start = None
         if use_ws:
@@ -439,7 +455,6 @@ class SparseMLA:
         # the arguments were checked above and at construction: the conversion kernel directly
         self._convert(topk_local, req, self._block_table, self.block_size, self.block_stride_rows, False, False,
                       ws_start, rows)
-        valid = self._valid_counts if t == self.max_tokens else self._valid_counts[:t]
 
         # Decode tokens first; padding tokens (past the planned ones) join the last group.
         nd = plan.num_decode_tokens if plan.num_tokens > plan.num_decode_tokens else t
@@ -490,6 +505,11 @@ def _convert_torch(topk_local, req, block_table, block_size, block_stride_rows, 
                    out):
     return convert_indices(topk_local, req, block_table, block_size, block_stride_rows, return_counts,
                            compact=compact, workspace_start=ws_start, out=out)
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    """x with a unit stride (a 1-d int32 tensor of the batch metadata)."""
+    return x if x.stride()[0] == 1 else x.contiguous()
 
 
 def _host_ints(name: str, v, n: int) -> List[int]:
