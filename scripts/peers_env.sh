@@ -23,6 +23,8 @@ fi
 export PYTHONPATH="$SITE:$PYTHONPATH"
 if [ -n "${TRITON_BUNDLE:-}" ]; then
     mkdir -p /tmp/tv && tar xJf "$TRITON_BUNDLE" -C /tmp/tv && export PYTHONPATH="/tmp/tv:$PYTHONPATH"
+    # the bundle leaves out the AMD backend that its entry points name: discover the in-tree backends only
+    export TRITON_BACKENDS_IN_TREE=1
     echo "triton: $TRITON_BUNDLE ahead of the installed release"
 fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
