@@ -272,6 +272,11 @@ def host_section(t: Table) -> List[str]:
     return out + [""]
 
 
+def _host_cell(t: Table, cfg: str) -> str:
+    r = next((r for r in t.rows if r["config"] == cfg and r["impl"] == "sparsemla" and r["timing"] == "host"), None)
+    return f"{r['value']:.1f} us (`{r['commit'][:7]}`)" if r else "--"
+
+
 def releases_section(rows: Sequence[dict]) -> List[str]:
     rel = sorted({r["triton"] for r in rows if r["kind"] in ("decode", "prefill")})
     if len(rel) < 2:
@@ -294,6 +299,18 @@ def releases_section(rows: Sequence[dict]) -> List[str]:
             if any(c != "--" for c in cells):
                 body.append([cfg, f"`{fmt}`"] + cells)
     out += md_table(["config", "format"] + [f"Triton {v}" for v in rel], body)
+    host = [r for r in rows if r["kind"] == "host" and r["timing"] == "host" and r["impl"] == "sparsemla"]
+    hrel = sorted({r["triton"] for r in host})
+    if len(hrel) >= 2:
+        htables = {v: Table(R.latest(select(host, None, v))) for v in hrel}
+        hbody = []
+        for cfg, label in HOST:
+            cells = [_host_cell(htables[v], cfg) for v in hrel]
+            if any(c != "--" for c in cells):
+                hbody.append([label] + cells)
+        out += ["", "Host time of one eager call (no peers in these runs; the host-overhead table above has them):",
+                ""]
+        out += md_table(["call"] + [f"Triton {v}" for v in hrel], hbody)
     return out + [""]
 
 
