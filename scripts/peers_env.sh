@@ -25,6 +25,9 @@ if [ -n "${TRITON_BUNDLE:-}" ]; then
     mkdir -p /tmp/tv && tar xJf "$TRITON_BUNDLE" -C /tmp/tv && export PYTHONPATH="/tmp/tv:$PYTHONPATH"
     # the bundle leaves out the AMD backend that its entry points name: discover the in-tree backends only
     export TRITON_BACKENDS_IN_TREE=1
+    # ... and the Blackwell ptxas, which Triton 3.9 looks up even for sm_90: point it at the bundle's ptxas
+    [ -x /tmp/tv/triton/backends/nvidia/bin/ptxas-blackwell ] ||
+        export TRITON_PTXAS_BLACKWELL_PATH=/tmp/tv/triton/backends/nvidia/bin/ptxas
     echo "triton: $TRITON_BUNDLE ahead of the installed release"
 fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
