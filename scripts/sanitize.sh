@@ -14,7 +14,8 @@
 # errors per tool and driver; the exit status is 1 when any run found an error, failed or timed out.
 #
 # Environment: COMPUTE_SANITIZER (the binary; default: on PATH, else the newest /usr/local/cuda*/bin),
-# PYTHON (default python3), SANITIZE_TIMEOUT (seconds per run, default 900), SANITIZE_FULL, SANITIZE_ARGS
+# PYTHON (default python3), SANITIZE_TIMEOUT (seconds per run, default 900), SANITIZE_SHARDS (> 1: memcheck's
+# sanitize_kernels.py as four processes side by side, one per group of formats), SANITIZE_FULL, SANITIZE_ARGS
 # (extra driver arguments, e.g. "--formats fp8_ds_mla,bf16 --sections attention").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -87,7 +88,22 @@ run() {
 for tool in "${TOOLS[@]}"; do
     case "$tool" in
         memcheck)
-            if [ -f tests/gpu/sanitize_kernels.py ]; then
+            if [ -f tests/gpu/sanitize_kernels.py ] && [ "${SANITIZE_SHARDS:-1}" -gt 1 ]; then
+                # one sanitizer process per group of formats, side by side (the runs are compile- and
+                # instrumentation-bound, one CPU core each); their rows are collected afterwards
+                for shard in bf16,bf16-nope fp8,fp8-nope fp8_ds_mla,fp8_ds_mla-nope nvfp4_ds_mla,nvfp4_ds_mla-nope; do
+                    ( run memcheck "sk_${shard%%,*}" "$PY" tests/gpu/sanitize_kernels.py --formats "$shard" \
+                        > "$OUT_DIR/row-sk_${shard%%,*}" ) &
+                done
+                wait
+                for f in "$OUT_DIR"/row-sk_*; do
+                    row=$(tail -1 "$f"); echo "$row"; ROWS+=("$row")
+                    set -- $row
+                    [ "$3" = "?" ] || TOTAL=$((TOTAL + $3))
+                    [ "${!#}" = ok ] || STATUS=1
+                done
+                set --
+            elif [ -f tests/gpu/sanitize_kernels.py ]; then
                 run memcheck sanitize_kernels "$PY" tests/gpu/sanitize_kernels.py
             fi
             # shellcheck disable=SC2086

@@ -1,11 +1,13 @@
 """Run every kernel once on small shapes, for compute-sanitizer on the H200:
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \\
-        python3 tests/gpu/sanitize_kernels.py [fp8_qk]
+        python3 tests/gpu/sanitize_kernels.py [--formats F1,F2 | fp8_qk]
 
 Every attention kernel the plan can choose (the Hopper kernels forced where a small case would not pick them,
 and the portable ones), with splits, valid counts, -1 padding and empty rows; the staged path; index conversion,
-upconvert and cache writes into the last rows of an exactly sized cache.  ``fp8_qk``: only the FP8-QK variants.
+upconvert and cache writes into the last rows of an exactly sized cache.  ``fp8_qk``: only the FP8-QK variants;
+``--formats``: only these formats' kernels (the FP8-QK variants of those among them), so that ``sanitize.sh`` can
+run several sanitizer processes side by side (``SANITIZE_SHARDS``).
 """
 import os
 import sys
@@ -45,9 +47,18 @@ def _attention(c, **kw):
 
 
 def main():
-    if sys.argv[1:] == ["fp8_qk"]:
+    args = sys.argv[1:]
+    if args == ["fp8_qk"]:
         return fp8_qk()
-    for fmt in FORMATS:
+    formats = FORMATS
+    if args[:1] == ["--formats"] and len(args) == 2:
+        formats = args[1].split(",")
+        unknown = [f for f in formats if f not in FORMATS]
+        if unknown:
+            raise SystemExit(f"--formats: unknown {unknown}; expected some of {FORMATS}")
+    elif args:
+        raise SystemExit("usage: sanitize_kernels.py [--formats F1,F2 | fp8_qk]")
+    for fmt in formats:
         name = get_format(fmt).name
         for heads, splits in [(20, 2), (70, 1), (16, 1), (128, None)]:
             c = make_case(fmt, 3, heads, 128, ctx=256, block_size=64, device="cuda")
@@ -67,12 +78,15 @@ def main():
         write_into_last_rows(fmt)
         torch.cuda.synchronize()
         print("ok", fmt, flush=True)
-    fp8_qk()
+    fp8_qk([f for f in FP8_QK_FORMATS if f in formats])
 
 
-def fp8_qk():
+FP8_QK_FORMATS = ["fp8", "fp8_ds_mla", "fp8-nope", "fp8_ds_mla-nope"]
+
+
+def fp8_qk(formats=FP8_QK_FORMATS):
     """The FP8-QK variants of both Hopper kernels for e4m3 rows (few heads, head groups, 64 heads a program)."""
-    for fmt in ["fp8", "fp8_ds_mla", "fp8-nope", "fp8_ds_mla-nope"]:
+    for fmt in formats:
         for heads, splits in [(16, 1), (20, 2), (70, 1), (128, None)]:
             c = make_case(fmt, 3, heads, 256, ctx=512, block_size=64, device="cuda")
             _attention(c, num_splits=splits, fp8_qk=True)
