@@ -15,6 +15,8 @@ fills, so the GPU's speed does not enter.  Measured (aims in parentheses):
 * ``H-run``: ``SparseMLA.run`` of one layer, b 128 (25 us);
 * ``H-plan``: ``SparseMLA.plan`` of a 128-request decode step (100 us);
 * ``H-metadata``: ``BatchMetadata.from_tensors`` of 128 requests whose tensors are on the GPU (100 us);
+* ``H-launch``: the attention kernel of the b 128 call alone through the launcher (``attention_fwd`` with its plan
+  and outputs given): the floor under the calls above;
 * peers: FlashMLA ``flash_mla_with_kvcache`` (fp8_ds_mla, q padded to 64 heads) and FlashInfer's ``run()``
   after one ``plan()`` (bf16), b 1 and b 128.
 """
@@ -102,6 +104,15 @@ def main(argv=None) -> int:
                                                              P.flashinfer_attention(wlb), variant="fa3, page size 1"))
             del wlb
         if b == 128:
+            # the floor under every call: the attention kernel's launch alone (arguments prepared, no checks, no
+            # allocation, no planning; Triton's launcher and the library's key lookup)
+            from sparsemla.kernels import attention as A
+            out = torch.empty(cfg.batch, cfg.num_heads, 512, dtype=torch.bfloat16, device=dev)
+            lse = torch.empty(cfg.batch, cfg.num_heads, dtype=torch.float32, device=dev)
+            plan = A.plan_for(wl.q, wl.cache.rows, fmt, cfg.topk)
+            rec.attempt("H-launch", lambda: record(rec, "H-launch", fname, cfg.batch, 1, cfg.topk, "sparsemla", lambda: (
+                A.attention_fwd(wl.q, wl.cache.rows, fmt, wl.indices, wl.sm_scale, plan=plan, out=out, lse=lse)),
+                graph=False))
             nb, lay = cfg.batch, wl.layout        # 128 requests (2 under --dry-run)
             qsl = torch.arange(nb + 1, dtype=torch.int32, device=dev)
             seq = lay.context_lens.to(dev)

@@ -243,7 +243,8 @@ HOST = [("H-decode-b1", "`sparse_mla_decode`, default arguments, b 1"),
         ("H-prefill", "`sparse_mla_prefill`, default arguments, 128 tokens"),
         ("H-run", "`SparseMLA.run`, one layer, b 128"),
         ("H-plan", "`SparseMLA.plan`, 128 requests"),
-        ("H-metadata", "`BatchMetadata.from_tensors`, 128 requests")]
+        ("H-metadata", "`BatchMetadata.from_tensors`, 128 requests"),
+        ("H-launch", "the attention kernel's launch alone (plan and outputs given), b 128")]
 
 
 HOST_TARGET_US = {"H-decode-b1": 25, "H-decode-b128": 25, "H-prefill": 25, "H-run": 25, "H-plan": 100,
