@@ -316,11 +316,15 @@ def test_layer_forward(runtime, model, kv_cache_dtype, width, query_lens, cap):
                                                and not (fmt.name == "fp8_ds_mla" and not fmt.rope_dim))
     k_scale = 0.5 if fmt.name == "fp8" else 1.0
     layer._k_scale_float = k_scale
-    block_size, num_blocks = 64, 9
-    cache = LayeredCache(fmt, kv_cache_dtype, num_blocks, block_size, num_layers=3, layer=2, k_scale=k_scale)
+    # the block size vLLM's configuration holds (its CPU platform sets 16 for every MLA model, whatever was asked)
+    block_size = vc.cache_config.block_size
     seq_lens = [70 + 45 * i for i in range(len(query_lens))]
+    width_blocks = -(-max(seq_lens) // block_size)
+    num_blocks = width_blocks * len(query_lens) + 1
+    cache = LayeredCache(fmt, kv_cache_dtype, num_blocks, block_size, num_layers=3, layer=2, k_scale=k_scale)
     gen = torch.Generator().manual_seed(3)
-    block_table = torch.stack([torch.randperm(num_blocks, generator=gen)[:4] for _ in query_lens]).to(torch.int32)
+    block_table = torch.stack([torch.randperm(num_blocks, generator=gen)[:width_blocks]
+                               for _ in query_lens]).to(torch.int32)
     builder, md = _metadata(vc, layer, spec, query_lens, seq_lens, block_table)
     decode = all(q == 1 for q in query_lens)
     assert md.num_decode_tokens == (sum(query_lens) if decode else sum(1 for q in query_lens if q == 1))
