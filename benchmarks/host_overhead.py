@@ -64,7 +64,7 @@ def host_us(fn, dev, calls: int, reps: int) -> float:
 
 def record(rec, cfg, fmt, batch, s_q, topk, impl, fn, *, graph=True, variant=None):
     dev = rec.device
-    calls, reps = (3, 2) if rec.dry else (rec.args.calls, rec.args.reps)
+    calls, reps = (1, 1) if rec.dry else (rec.args.calls, rec.args.reps)
     us = host_us(fn, dev, calls, reps)
     common = dict(config=cfg, kind="host", fmt=fmt, heads=HEADS, batch=batch, s_q=s_q, topk=topk, impl=impl,
                   variant=variant)
