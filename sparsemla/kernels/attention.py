@@ -30,7 +30,7 @@ from .. import plan as _plan
 from .._device import capability, interpreting, num_sms
 from ..formats import get_format
 from .combine import combine_kernel
-from .launch import Launch
+from .launch import Launch, aligned
 from .portable.bf16_few import bf16_few_kernel
 from .portable.fp8_few import fp8_few_kernel
 from .portable.nvfp4_few import nvfp4_few_kernel
@@ -236,14 +236,13 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
     launch = _launch_for(plan, fmt, valid_counts is not None)
     # Every pointer 16-byte aligned: the integers alone decide Triton's specialization (the pointers' dtypes are
     # fixed: q bf16, rows uint8, indices / counts int32, out bf16 or fp32 partials as ns says, lse fp32).
-    aligned = not ((q.data_ptr() | rows.data_ptr() | indices.data_ptr() | vc.data_ptr() | o_dst.data_ptr()
-                    | l_dst.data_ptr()) & 15)
+    key = ints if aligned(q, rows, indices, vc, o_dst, l_dst) else None
     grid = (t * plan.grid,)
     if launch.built:
-        launch(grid, args, ints if aligned else None)
+        launch(grid, args, key)
     else:
         try:
-            launch(grid, args, ints if aligned else None)
+            launch(grid, args, key)
         except Exception as exc:  # a first launch that raises did not build: fall back, remember why
             if plan.kernel not in _plan.SM90_KERNELS:
                 raise
@@ -258,9 +257,8 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
         pdl = q.device.type == "cuda" and not interpreting() and _device_facts(q.device)[0] >= (9, 0)
         cints = (os_[0], os_[1], ls_[0], ls_[1], h, ns)
         # the partials' lse part starts n_o (a multiple of 512) elements into the buffer: aligned with it
-        caligned = not ((out.data_ptr() | lse.data_ptr() | split_buffers.data_ptr()) & 15)
         _combine_launch(ns, pdl)((t, h, V_DIM // 128), (o_dst, l_dst, out, os_[0], os_[1], lse, ls_[0], ls_[1], h, ns),
-                                 cints if caligned else None)
+                                 cints if aligned(out, lse, split_buffers) else None)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launch
+from .launch import Launch, aligned
 
 CONVERT_MAX_BLOCK = 1024
 CONVERT_NUM_WARPS = 4
@@ -153,11 +153,10 @@ def convert_indices_triton(topk_local: torch.Tensor, req_id_per_token: torch.Ten
         cnt = out if counts is None else counts
         ints = (ts[0], ts[1], bs[0], bs[1], out.stride()[0], k, bshape[0], bshape[1], block_stride_rows)
         # every pointer 16-byte aligned: the integers (and the index dtypes) decide Triton's specialization
-        aligned = not ((topk_local.data_ptr() | req.data_ptr() | block_table.data_ptr() | ws.data_ptr()
-                        | out.data_ptr() | cnt.data_ptr()) & 15)
+        key = ((topk_local.dtype, req.dtype, block_table.dtype, ws.dtype, ints)
+               if aligned(topk_local, req, block_table, ws, out, cnt) else None)
         launch((t,), (topk_local, ts[0], ts[1], req, block_table, bs[0], bs[1], ws, out, ints[4], cnt, k, bshape[0],
-                      bshape[1], block_stride_rows),
-               (topk_local.dtype, req.dtype, block_table.dtype, ws.dtype, ints) if aligned else None)
+                      bshape[1], block_stride_rows), key)
     elif counts is not None:
         counts.zero_()
     if return_valid_counts:
