@@ -69,11 +69,16 @@ class Launch:
                 self._compiled[key] = k
             return
         n = len(grid)
+        # Tensors go to the launcher as their addresses: given a tensor it calls ``data_ptr()`` through Python
+        # and asks the driver whether the address is device memory (cuPointerGetAttribute), per pointer and
+        # launch; the callers have checked every tensor's device already.
         k.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(dev), k.function,
-              k.packed_metadata, None, None, None, *args, *self._tail)
+              k.packed_metadata, None, None, None,
+              *[a.data_ptr() if isinstance(a, _Tensor) else a for a in args], *self._tail)
 
 
 _MAX_KEYS = 4096  # compiled kernels are Triton's (cached by it); this holds only the lookups
+_Tensor = torch.Tensor
 
 
 def aligned(*tensors) -> bool:
