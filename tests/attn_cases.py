@@ -105,6 +105,16 @@ def lse_err(a, b):
     return (a[fin].double() - b[fin].double()).abs().max().item()
 
 
+def lse_ref_err(lse, ref):
+    """The lse error against the float64 reference in the unit of the documented guarantee (docs/reliability.md):
+    ``max |lse - ref| / max(1, max |ref| / 100)``.  Heavy-tailed q and outlier channels give lse in the
+    thousands and beyond, where a few fp32 ulps exceed any absolute bound."""
+    fin = torch.isfinite(ref)
+    if not fin.any():
+        return 0.0
+    return lse_err(lse, ref) / max(1.0, ref[fin].abs().max().item() / 100)
+
+
 def check_ws_case(c, sm_scale, k_scale, splits, o_tol, lse_tol):
     """The default dispatch (a warp-specialized kernel on the H200) on case ``c``: finite, within 1e-2 of the
     float64 reference (output and lse), empty rows exactly 0 / -inf; then against the Triton kernels on the
@@ -115,7 +125,7 @@ def check_ws_case(c, sm_scale, k_scale, splits, o_tol, lse_tol):
     ref_o, ref_l = sparse_mla(c["q"].double(), c["cache"], c["indices"], sm_scale, c["valid_counts"], k_scale)
     assert torch.isfinite(out.float()).all(), f"seed {SEED}"
     assert rel_err(out, ref_o) <= 1e-2, (rel_err(out, ref_o), SEED)
-    assert lse_err(lse, ref_l) <= 1e-2, (lse_err(lse, ref_l), SEED)
+    assert lse_ref_err(lse, ref_l) <= 1e-2, (lse_ref_err(lse, ref_l), SEED)
     empty = c["valid_counts"] == 0
     assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
     o2, l2 = launch_case(c, sm_scale, True, splits, k_scale)
