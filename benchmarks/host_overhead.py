@@ -17,6 +17,8 @@ fills, so the GPU's speed does not enter.  Measured (aims in parentheses):
 * ``H-metadata``: ``BatchMetadata.from_tensors`` of 128 requests whose tensors are on the GPU (100 us);
 * ``H-launch``: the attention kernel of the b 128 call alone through the launcher (``attention_fwd`` with its plan
   and outputs given): the floor under the calls above;
+* ``H-vllm-bare`` / ``H-vllm-tensor`` / ``H-vllm-pair``: the vLLM plugin's per-layer call against the bare launch of
+  its plan (aim: at most 10 us more; see ``vllm_contract_rows``);
 * peers: FlashMLA ``flash_mla_with_kvcache`` (fp8_ds_mla, q padded to 64 heads) and FlashInfer's ``run()``
   after one ``plan()`` (bf16), b 1 and b 128.
 """
@@ -136,7 +138,45 @@ def main(argv=None) -> int:
     wl = build_workload(pcfg, fmt, device=dev)
     rec.attempt("H-prefill", lambda: record(rec, "H-prefill", fname, 1, pcfg.s_q, pcfg.topk, "sparsemla", lambda: (
         sparsemla.sparse_mla_prefill(wl.q, wl.cache, wl.indices, wl.sm_scale))))
+    rec.attempt("H-vllm", lambda: vllm_contract_rows(rec, fname))
     return rec.finish()
+
+
+def vllm_contract_rows(rec, fname: str) -> None:
+    """The vLLM plugin's per-layer call (``integrations.vllm.contract.LayerAttention.forward``, what the plugin's
+    ``_forward_mqa_kernel`` runs; no vLLM needed) against the bare launch of the same plan: one decode token with
+    64 valid rows of a 2048-wide top-k row, three layers interleaved per block as vLLM lays them out.
+    ``H-vllm-bare``: ``attention_fwd`` with the plan, the query and the buffers prepared; ``H-vllm-tensor``: the
+    contract with one query tensor; ``H-vllm-pair``: with vLLM's (ql_nope, q_pe) pair (q_pe a strided view)."""
+    from sparsemla.integrations.vllm.contract import LayerAttention, Workspace, resolve_format
+    from sparsemla.integrations.vllm.testing import layered_caches
+    from sparsemla.kernels.attention import attention_fwd
+    dev = rec.device
+    name, head, width, scale = fname.split("-")[0], 576, 2048, 0.0723
+    fmt = resolve_format(name, head)
+    num_blocks = 4 if rec.dry else 96
+    caches = layered_caches(fmt, name, num_blocks, 64, 3, 1.0, dev, seed=10)
+    ws = Workspace(fmt, 8, HEADS, width, dev)
+    layer = LayerAttention(ws, name, head, scale)
+    gen = torch.Generator().manual_seed(0)
+    ql = torch.randn(1, HEADS, 512, generator=gen).to(torch.bfloat16).to(dev)
+    proj = torch.randn(1, HEADS, 128 + fmt.rope_dim, generator=gen).to(torch.bfloat16).to(dev)
+    q_pe = proj[..., 128:]
+    slots = torch.randperm(num_blocks * 64, generator=gen)[:64].to(dev)
+    idx = torch.full((1, width), -1, dtype=torch.int32, device=dev)
+    idx[0, :64] = caches[0].slot_rows(slots).to(torch.int32)
+    vc = torch.full((1,), 64, dtype=torch.int32, device=dev)
+    q = torch.cat((ql, q_pe), -1) if fmt.rope_dim else ql
+    rows = layer.cache_view(caches[0].view).rows
+    plan = ws.plan(1)
+    out, lse = ws.out[:1], ws.lse[:1]
+    cache = caches[0].view
+    calls = {"H-vllm-bare": lambda: attention_fwd(q, rows, fmt, idx, scale, plan=plan, valid_counts=vc, k_scale=1.0,
+                                                  out=out, lse=lse, split_buffers=ws.split),
+             "H-vllm-tensor": lambda: layer.forward(q, cache, idx, vc, 1.0),
+             "H-vllm-pair": lambda: layer.forward((ql, q_pe), cache, idx, vc, 1.0)}
+    for cfg, fn in calls.items():
+        record(rec, cfg, fmt.id, 1, 1, width, "sparsemla", fn, graph=False)
 
 
 if __name__ == "__main__":

@@ -261,7 +261,10 @@ HOST = [("H-decode-b1", "`sparse_mla_decode`, default arguments, b 1"),
         ("H-run", "`SparseMLA.run`, one layer, b 128"),
         ("H-plan", "`SparseMLA.plan`, 128 requests"),
         ("H-metadata", "`BatchMetadata.from_tensors`, 128 requests"),
-        ("H-launch", "the attention kernel's launch alone (plan and outputs given), b 128")]
+        ("H-launch", "the attention kernel's launch alone (plan and outputs given), b 128"),
+        ("H-vllm-bare", "vLLM contract: the bare launch of its plan, 1 token x 64 rows"),
+        ("H-vllm-tensor", "vLLM contract: `LayerAttention.forward`, one q tensor"),
+        ("H-vllm-pair", "vLLM contract: `LayerAttention.forward`, vLLM's (ql_nope, q_pe) pair")]
 
 
 HOST_TARGET_US = {"H-decode-b1": 25, "H-decode-b128": 25, "H-prefill": 25, "H-run": 25, "H-plan": 100,
@@ -426,6 +429,11 @@ def shortfalls(t: Table) -> List[str]:
     host = t.kinds("host")
     if not host:
         items.append("- **Host overhead is not in the results file yet** (see the section above).")
+    bare = next((r for r in host if r["config"] == "H-vllm-bare" and r["timing"] == "host"), None)
+    extra = [r for r in host if r["config"] in ("H-vllm-tensor", "H-vllm-pair") and r["timing"] == "host"]
+    if bare and any(r["value"] - bare["value"] > 10 for r in extra):
+        parts = "; ".join(f"{dict(HOST)[r['config']]} +{r['value'] - bare['value']:.1f} us" for r in extra)
+        items.append(f"- **The vLLM plugin's call adds more than 10 us to the bare launch** ({parts}).")
     over = [r for r in host if r["impl"].startswith("sparsemla") and r["timing"] == "host"
             and r["value"] > HOST_TARGET_US.get(r["config"], float("inf"))]
     if over:
