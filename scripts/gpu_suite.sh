@@ -10,7 +10,8 @@
 #
 # Carry (see scripts/peers_env.sh): .whl (FlashMLA), .peers (FlashInfer); for another Triton release set
 # TRITON_BUNDLE=.carry/triton-3.8.0.tar.xz.  Time: BUDGET seconds in all (default 570); each test group
-# gets GROUP_TIMEOUT (default 420); PYTEST_N spreads each group over pytest-xdist workers; TEST_GROUPS picks
+# gets GROUP_TIMEOUT (default 420); PYTEST_N spreads each group over pytest-xdist workers (PYTEST_N_<group>
+# for one group); TEST_GROUPS picks
 # groups; MEMCHECK=0 leaves memcheck out.  BENCH picks drivers (default "decode small_batch prefill movement
 # host_overhead"); BENCH_FORMATS narrows their formats; BENCH_ARGS (every driver) and BENCH_ARGS_<driver> add
 # arguments; SPARSEMLA_COMMIT=<sha> names the commit in the rows
@@ -76,8 +77,10 @@ run_tests() {
                 python3 -m pytest -q -m gpu --collect-only $files > "$log" 2>&1
             else
                 # PYTEST_N=<workers>: each group spread over that many pytest-xdist workers (compiles in parallel)
-                timeout "${GROUP_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs ${PYTEST_N:+-n $PYTEST_N} $files \
-                    > "$log" 2>&1
+                # PYTEST_N_<group> overrides it for one group (reliability's tests each hold tens of GB)
+                local nvar="PYTEST_N_$g" n
+                n=${!nvar:-${PYTEST_N:-}}
+                timeout "${GROUP_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs ${n:+-n $n} $files > "$log" 2>&1
             fi
             rc=$?
             note "t_$g" $rc $(( $(date +%s) - t0 )) "$log"

@@ -194,7 +194,7 @@ def test_a_kernel_that_does_not_build_falls_back_to_the_portable_kernels(monkeyp
     class Broken:
         built = False
 
-        def __call__(self, grid, args, key=None):
+        def __call__(self, grid, args, key=None, addrs=None):
             raise RuntimeError("error encountered during parsing")
 
     monkeypatch.setattr(attn_mod, "_sm90_launch", lambda plan, fmt, has_vc: Broken())

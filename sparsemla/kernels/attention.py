@@ -30,7 +30,7 @@ from .. import plan as _plan
 from .._device import capability, interpreting, num_sms
 from ..formats import get_format
 from .combine import combine_kernel
-from .launch import Launch, aligned
+from .launch import Launch
 from .portable.bf16_few import bf16_few_kernel
 from .portable.fp8_few import fp8_few_kernel
 from .portable.nvfp4_few import nvfp4_few_kernel
@@ -228,21 +228,26 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
     vc = indices if valid_counts is None else valid_counts  # a dummy pointer when absent
     qs, is0, k_width = q.stride(), indices.stride()[0], indices.shape[1]
     ints = (qs[0], qs[1], is0, *o_strides, *l_strides, h, k_width, plan.rows_per_split, ns)
-    args = (q, qs[0], qs[1], rows, indices, ints[2], vc, o_dst, *o_strides, l_dst, *l_strides, float(sm_scale) * LOG2E)
+    scale = float(sm_scale) * LOG2E
+    # The launcher takes tensors as addresses; read once, they also give the alignment check.
+    pq, pr, pi, pv, po, pl = q.data_ptr(), rows.data_ptr(), indices.data_ptr(), vc.data_ptr(), o_dst.data_ptr(), \
+        l_dst.data_ptr()
     if plan.kernel in _TAKES_K_SCALE:
-        args = args + (float(k_scale),) + ints[-4:]
+        tail = (scale, float(k_scale), *ints[-4:])
     else:
-        args = args + ints[-4:]
+        tail = (scale, *ints[-4:])
+    args = (q, qs[0], qs[1], rows, indices, is0, vc, o_dst, *o_strides, l_dst, *l_strides, *tail)
+    addrs = (pq, qs[0], qs[1], pr, pi, is0, pv, po, *o_strides, pl, *l_strides, *tail)
     launch = _launch_for(plan, fmt, valid_counts is not None)
     # Every pointer 16-byte aligned: the integers alone decide Triton's specialization (the pointers' dtypes are
     # fixed: q bf16, rows uint8, indices / counts int32, out bf16 or fp32 partials as ns says, lse fp32).
-    key = ints if aligned(q, rows, indices, vc, o_dst, l_dst) else None
+    key = None if (pq | pr | pi | pv | po | pl) & 15 else ints
     grid = (t * plan.grid,)
     if launch.built:
-        launch(grid, args, key)
+        launch(grid, args, key, addrs)
     else:
         try:
-            launch(grid, args, key)
+            launch(grid, args, key, addrs)
         except Exception as exc:  # a first launch that raises did not build: fall back, remember why
             if plan.kernel not in _plan.SM90_KERNELS:
                 raise
@@ -256,9 +261,11 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
         # programmatic dependent launch on sm_90+: the combine's launch overlaps the attention kernel's tail
         pdl = q.device.type == "cuda" and not interpreting() and _device_facts(q.device)[0] >= (9, 0)
         cints = (os_[0], os_[1], ls_[0], ls_[1], h, ns)
+        p_out, p_lse = out.data_ptr(), lse.data_ptr()
         # the partials' lse part starts n_o (a multiple of 512) elements into the buffer: aligned with it
         _combine_launch(ns, pdl)((t, h, V_DIM // 128), (o_dst, l_dst, out, os_[0], os_[1], lse, ls_[0], ls_[1], h, ns),
-                                 cints if aligned(out, lse, split_buffers) else None)
+                                 None if (po | p_out | p_lse) & 15 else cints,
+                                 (po, pl, p_out, os_[0], os_[1], p_lse, ls_[0], ls_[1], h, ns))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -50,31 +50,73 @@ class Launch:
         else:
             self._direct = False
 
-    def __call__(self, grid: Sequence[int], args: Sequence[object], key=None) -> None:
+    def __call__(self, grid: Sequence[int], args: Sequence[object], key=None, addrs=None) -> None:
         """Launch on ``grid`` with the runtime ``args``; ``key``: optional specialization key (see the module
-        docstring), None to derive it from ``args``."""
+        docstring), None to derive it from ``args``; ``addrs``: optional ``args`` with every tensor replaced by
+        its address (a caller that read the addresses for its alignment check passes them on)."""
         if not self._direct or _hooks():
             self.fn[grid](*args, **self.meta)
             self.built = True
             return
         dev = _device()
         key = (dev, _spec_key(args)) if key is None else (dev, key)
-        k = self._compiled.get(key)
-        if k is None:
+        go = self._compiled.get(key)
+        if go is None:
             k = self.fn[grid](*args, **self.meta)
             self.built = True
             if len(args) == self._n_runtime and k is not None and hasattr(k, "packed_metadata"):
                 if len(self._compiled) >= _MAX_KEYS:
                     self._compiled.clear()  # bounded: a caller whose integers keep changing recompiles nothing
-                self._compiled[key] = k
+                self._compiled[key] = _direct_launch(k, self._tail)
             return
         n = len(grid)
         # Tensors go to the launcher as their addresses: given a tensor it calls ``data_ptr()`` through Python
         # and asks the driver whether the address is device memory (cuPointerGetAttribute), per pointer and
         # launch; the callers have checked every tensor's device already.
-        k.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(dev), k.function,
-              k.packed_metadata, None, None, None,
-              *[a.data_ptr() if isinstance(a, _Tensor) else a for a in args], *self._tail)
+        if addrs is None:
+            addrs = [a.data_ptr() if isinstance(a, _Tensor) else a for a in args]
+        go(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(dev), addrs)
+
+
+def _direct_launch(k, tail: tuple):
+    """``go(gx, gy, gz, stream, addrs)``: one launch of the compiled kernel ``k`` with the runtime arguments
+    ``addrs`` (tensors as addresses) and the compile-time ``tail``.
+
+    Where the kernel needs no global or profiling scratch and no sanitizer instrumentation, Triton's Python
+    launcher (``CudaLauncher.__call__``) only defines two closures and forwards to its C function; ``go`` calls
+    that C function itself, in the argument order of the installed release (3.6; 3.8 and 3.9).  Anything else
+    goes through ``k.run``."""
+    run = k.run
+    fn, meta = k.function, k.packed_metadata
+    plain = (type(run).__name__ == "CudaLauncher" and getattr(run, "global_scratch_size", 1) == 0
+             and getattr(run, "profile_scratch_size", 1) == 0 and not getattr(run, "gsan_enabled", False))
+    params = _call_params(type(run)) if plain else ()
+    if plain and params == _PARAMS_36:
+        c, coop, pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl
+        return lambda gx, gy, gz, stream, addrs: c(gx, gy, gz, stream, fn, coop, pdl, None, None, meta, None, None,
+                                                  None, *addrs, *tail)
+    if plain and params == _PARAMS_38 and hasattr(run, "arg_annotations") and hasattr(run, "kernel_signature"):
+        c, coop, pdl, ann, sig = (run.launch, run.launch_cooperative_grid, run.launch_pdl, run.arg_annotations,
+                                  run.kernel_signature)
+        return lambda gx, gy, gz, stream, addrs: c(gx, gy, gz, stream, fn, coop, pdl, meta, None, None, None, None,
+                                                  None, ann, sig, (*addrs, *tail))
+    return lambda gx, gy, gz, stream, addrs: run(gx, gy, gz, stream, fn, meta, None, None, None, *addrs, *tail)
+
+
+# CudaLauncher.__call__'s parameters: Triton 3.6 forwards (metadata, hooks, arguments) as one *args; 3.8 and 3.9
+# name the metadata and hooks and pass the arguments to the C function as one tuple after the scratch pointers.
+_PARAMS_36 = ("self", "gridX", "gridY", "gridZ", "stream", "function", "args")
+_PARAMS_38 = ("self", "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata", "launch_metadata",
+              "launch_enter_hook", "launch_exit_hook", "args")
+_PARAMS: dict = {}
+
+
+def _call_params(cls) -> tuple:
+    params = _PARAMS.get(cls)
+    if params is None:
+        import inspect
+        params = _PARAMS[cls] = tuple(inspect.signature(cls.__call__).parameters)
+    return params
 
 
 _MAX_KEYS = 4096  # compiled kernels are Triton's (cached by it); this holds only the lookups

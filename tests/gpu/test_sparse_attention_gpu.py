@@ -59,7 +59,7 @@ def test_a_kernel_that_does_not_build_falls_back(fmt, monkeypatch):
     class Broken:
         built = False
 
-        def __call__(self, grid, args, key=None):
+        def __call__(self, grid, args, key=None, addrs=None):
             raise CompilationError("simulated", None, "the installed Triton cannot build this kernel")
 
     monkeypatch.setattr(attn_mod, "_sm90_launch", lambda plan, fmt, has_vc: Broken())
