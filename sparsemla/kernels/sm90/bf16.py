@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from . import compat
 
 from .common import NEG_BIG, program_coords
+from .rows import copy_rows
 
 # Each consumer warpgroup (4 warps): S [64 heads, 64 rows] and O [64 heads, 256 columns] on wgmma; its own
 # P enters PV from registers.
@@ -43,14 +44,6 @@ O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=
 P_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT.value, k_width=2))
 SROW = gl.constexpr(gl.SliceLayout(1, S_LAYOUT.value))
 OROW = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))
-
-
-@gluon.jit
-def _copy(dst, row_ptr, col0: gl.constexpr, NCOL: gl.constexpr, valid, lay: gl.constexpr):
-    """cp.async rows [64] x columns col0..col0+NCOL (bf16 elements) of bf16 rows into dst; invalid rows
-    zero-filled."""
-    c = gl.arange(0, NCOL, layout=gl.SliceLayout(0, lay))
-    compat.async_load(dst, row_ptr[:, None] + col0 + c[None, :], mask=valid[:, None])
 
 
 @gluon.jit
@@ -76,10 +69,10 @@ def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H
     heads = g * 64 + gl.arange(0, 64, layout=rows_l)
     hm = heads < H
     q_row = gl.multiple_of(q_ptr + t.to(gl.int64) * stride_qt + gl.where(hm, heads, 0).to(gl.int64) * stride_qh, 16)
-    _copy(qL.index(0), q_row, 0, 256, hm, lay)
-    _copy(qR.index(0), q_row, 256, 256, hm, lay)
+    copy_rows(qL.index(0), q_row, 0, 256, hm, lay)
+    copy_rows(qR.index(0), q_row, 256, 256, hm, lay)
     if ROPE:
-        _copy(qE.index(0), q_row, 512, 64, hm, lay)
+        copy_rows(qE.index(0), q_row, 512, 64, hm, lay)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
 
     n_pairs = gl.cdiv(gl.cdiv(k_end - k_begin, 64), 2)
@@ -89,20 +82,20 @@ def _producer(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H
         r0, v0 = _block_rows(idx_row, k_begin + i * 128, k_end, kv_ptr, BPT, rows_l)
         r1, v1 = _block_rows(idx_row, k_begin + i * 128 + 64, k_end, kv_ptr, BPT, rows_l)
         mbarrier.wait(free_l.index(0), ph)
-        _copy(kL.index(0), r0, 0, 256, v0, lay)
+        copy_rows(kL.index(0), r0, 0, 256, v0, lay)
         async_copy.mbarrier_arrive(ready_l.index(0), increment_count=False)
         mbarrier.wait(free_r.index(1), ph)
-        _copy(kR.index(1), r1, 256, 256, v1, lay)
+        copy_rows(kR.index(1), r1, 256, 256, v1, lay)
         if ROPE:
-            _copy(kE.index(1), r1, ROPE_OFF // 2, 64, v1, lay)
+            copy_rows(kE.index(1), r1, ROPE_OFF // 2, 64, v1, lay)
         async_copy.mbarrier_arrive(ready_r.index(1), increment_count=False)
         mbarrier.wait(free_r.index(0), ph)
-        _copy(kR.index(0), r0, 256, 256, v0, lay)
+        copy_rows(kR.index(0), r0, 256, 256, v0, lay)
         if ROPE:
-            _copy(kE.index(0), r0, ROPE_OFF // 2, 64, v0, lay)
+            copy_rows(kE.index(0), r0, ROPE_OFF // 2, 64, v0, lay)
         async_copy.mbarrier_arrive(ready_r.index(0), increment_count=False)
         mbarrier.wait(free_l.index(1), ph)
-        _copy(kL.index(1), r1, 0, 256, v1, lay)
+        copy_rows(kL.index(1), r1, 0, 256, v1, lay)
         async_copy.mbarrier_arrive(ready_l.index(1), increment_count=False)
 
 

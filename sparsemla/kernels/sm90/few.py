@@ -48,8 +48,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import compat
 from .common import NEG_BIG, absmax, normalizer, program_coords, rcp
-from .rows import (L_QK64, L_V, SC_L, acc_dim, block_indices, e4m3_view, load_q_group, pow2_scale, producer,
-                   pv_rows, pv_values, relabel64, store_e4m3_terms)
+from .rows import (L_QK64, L_V, SC_L, acc_dim, block_indices, e4m3_view, fp4_values, load_q_group, pow2_scale,
+                   producer, pv_rows, pv_values, relabel64, store_e4m3_terms)
 
 NS = gl.constexpr(4)  # ring stages of 64 rows (fp8 / fp8_ds_mla rows; nvfp4 rows have 3, see the kernel)
 
@@ -89,49 +89,6 @@ L_Q4S = gl.constexpr(gl.DistributedLinearLayout(  # the chunk's scale bytes [64 
     lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[[16, 0, 0], [32, 0, 0]],
     block_bases=[], shape=[64, 4, 1]))
 
-# e2m1 nibbles -> fp16, four bytes (eight values) at a time: each nibble becomes an e4m3 code worth its value
-# x 2^-6 (sign to bit 7, the three magnitude bits to bits 2-4: exact for the subnormal code 0.5 too), the
-# codes are paired in dim order (byte 0's low and high nibble = dims 0, 1, ...: what a 16-byte store of the
-# row wants), cvt.f16x2.e4m3x2 converts them and one multiply by the block scale x 2^6 (<= 448 x 64, exact)
-# gives the exact dequantized values (<= 6 x 448, >= 2^-10: normal fp16).  $0 $1 = dims 0-3, $2 $3 = dims
-# 4-7; $4: the four bytes; $5 $6: the block scale x 2^6 as f16x2 (all four halves equal).
-_FP4N_ASM = gl.constexpr("""{
-.reg .b32 e, o, t, u, p0, p1;
-.reg .b16 h0, h1, h2, h3;
-shl.b32 t, $4, 4;
-shl.b32 u, $4, 2;
-and.b32 t, t, 0x80808080;
-and.b32 u, u, 0x1C1C1C1C;
-or.b32 e, t, u;
-shr.b32 u, $4, 2;
-and.b32 t, $4, 0x80808080;
-and.b32 u, u, 0x1C1C1C1C;
-or.b32 o, t, u;
-prmt.b32 p0, e, o, 0x5140;
-prmt.b32 p1, e, o, 0x7362;
-mov.b32 {h0, h1}, p0;
-mov.b32 {h2, h3}, p1;
-cvt.rn.f16x2.e4m3x2 $0, h0;
-cvt.rn.f16x2.e4m3x2 $1, h1;
-cvt.rn.f16x2.e4m3x2 $2, h2;
-cvt.rn.f16x2.e4m3x2 $3, h3;
-mul.f16x2 $0, $0, $5;
-mul.f16x2 $1, $1, $5;
-mul.f16x2 $2, $2, $5;
-mul.f16x2 $3, $3, $5;
-}""")
-
-
-@gluon.jit
-def _fp4n(x, sc):
-    """Packed e2m1 bytes ``x`` [64 rows, 4 blocks, 8 bytes] and each block's e4m3 scale byte ``sc`` (broadcast to
-    x's shape) -> fp16 [64, 4, 16] in dim order."""
-    f = (sc.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 64.0).to(gl.float16)
-    a, b = gl.inline_asm_elementwise(_FP4N_ASM, "=r,=r,=r,=r,r,r,r", [x, f], (gl.float16, gl.float16), True, 4)
-    # a[4p + k] = dim 8p + k, b[4p + k] = dim 8p + 4 + k (p: which four bytes): a relabelling of registers
-    return gl.join(a, b).reshape([64, 4, 2, 4, 2]).permute(0, 1, 2, 4, 3).reshape([64, 4, 16])
-
-
 @gluon.jit
 def _fp4_chunk(raw, scl, C: gl.constexpr):
     """nvfp4: 64-dim chunk C of the stage's rows -> fp16 [64 rows, 64 dims] in natural order (each thread: two
@@ -140,7 +97,7 @@ def _fp4_chunk(raw, scl, C: gl.constexpr):
     # block 4C + t of a row: its scale is at byte 8 t + C
     sc = scl.reshape([64, 4, 8]).slice(C, 1, dim=2).load(L_Q4S).reshape([64, 4])
     sc = gl.convert_layout(sc, gl.SliceLayout(2, L_Q4))[:, :, None]
-    return _fp4n(x, gl.broadcast(sc, x)[0]).reshape([64, 64])
+    return fp4_values(x, gl.broadcast(sc, x)[0]).reshape([64, 64])
 
 
 @gluon.jit

@@ -1,6 +1,6 @@
-"""Code the two kernels for quantized rows (``few.py``, ``wide.py``) share: the producer partition that gathers
-raw rows into shared memory, q staging helpers, and the register layouts that turn raw e4m3 bytes into wgmma
-A operands.
+"""Code the sm_90 kernels share beyond ``common.py``: the producer partition that gathers raw rows into shared
+memory (``few.py``, ``wide.py``), q staging and row-copy helpers, the e2m1 decoder (``few.py``, ``conv.py``) and
+the register layouts that turn raw e4m3 bytes into wgmma A operands.
 
 Row formats (byte offsets are constexprs from the format's layout; values always start at byte 0):
 
@@ -55,6 +55,38 @@ cvt.rn.f16x2.e4m3x2 $2, h2;
 cvt.rn.f16x2.e4m3x2 $3, h3;
 }""")
 
+# e2m1 nibbles -> fp16, four bytes (eight values) at a time: each nibble becomes an e4m3 code worth its value
+# x 2^-6 (sign to bit 7, the three magnitude bits to bits 2-4: exact for the subnormal code 0.5 too), the
+# codes are paired in dim order (byte 0's low and high nibble = dims 0, 1, ...: what a 16-byte store of the
+# row wants), cvt.f16x2.e4m3x2 converts them and one multiply by the block scale x 2^6 (<= 448 x 64, exact)
+# gives the exact dequantized values (<= 6 x 448, >= 2^-10: normal fp16).  $0 $1 = dims 0-3, $2 $3 = dims
+# 4-7; $4: the four bytes; $5 $6: the block scale x 2^6 as f16x2 (all four halves equal).
+_FP4N_ASM = gl.constexpr("""{
+.reg .b32 e, o, t, u, p0, p1;
+.reg .b16 h0, h1, h2, h3;
+shl.b32 t, $4, 4;
+shl.b32 u, $4, 2;
+and.b32 t, t, 0x80808080;
+and.b32 u, u, 0x1C1C1C1C;
+or.b32 e, t, u;
+shr.b32 u, $4, 2;
+and.b32 t, $4, 0x80808080;
+and.b32 u, u, 0x1C1C1C1C;
+or.b32 o, t, u;
+prmt.b32 p0, e, o, 0x5140;
+prmt.b32 p1, e, o, 0x7362;
+mov.b32 {h0, h1}, p0;
+mov.b32 {h2, h3}, p1;
+cvt.rn.f16x2.e4m3x2 $0, h0;
+cvt.rn.f16x2.e4m3x2 $1, h1;
+cvt.rn.f16x2.e4m3x2 $2, h2;
+cvt.rn.f16x2.e4m3x2 $3, h3;
+mul.f16x2 $0, $0, $5;
+mul.f16x2 $1, $1, $5;
+mul.f16x2 $2, $2, $5;
+mul.f16x2 $3, $3, $5;
+}""")
+
 # fp8_ds_mla tile scales [64 rows, 4 groups] with the rows of S^T (all four in each thread's registers)
 SC_L = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
@@ -66,6 +98,27 @@ def block_indices(idx_row, p0, k_end, rows_l: gl.constexpr):
     """The cache rows at positions p0 .. p0 + 63 (-1 past the split's end)."""
     offs = p0 + gl.arange(0, 64, layout=rows_l)
     return gl.load(idx_row + offs, mask=offs < k_end, other=-1)
+
+
+@gluon.jit
+def fp4_values(x, sc):
+    """Packed e2m1 bytes ``x`` [R rows, B blocks, 8 bytes] (each thread holding whole blocks, in byte order) and
+    each block's e4m3 scale byte ``sc`` (broadcast to x's shape) -> the dequantized values, fp16 [R, B, 16] in
+    dim order (exact; see _FP4N_ASM)."""
+    f = (sc.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 64.0).to(gl.float16)
+    a, b = gl.inline_asm_elementwise(_FP4N_ASM, "=r,=r,=r,=r,r,r,r", [x, f], (gl.float16, gl.float16), True, 4)
+    # a[4p + k] = dim 8p + k, b[4p + k] = dim 8p + 4 + k (p: which four bytes): a relabelling of registers
+    r: gl.constexpr = x.shape[0]
+    nb: gl.constexpr = x.shape[1]
+    return gl.join(a, b).reshape([r, nb, 2, 4, 2]).permute(0, 1, 2, 4, 3).reshape([r, nb, 16])
+
+
+@gluon.jit
+def copy_rows(dst, row_ptr, col0: gl.constexpr, NCOL: gl.constexpr, valid, lay: gl.constexpr):
+    """cp.async of columns col0 .. col0 + NCOL (elements of row_ptr's type) of the rows ``row_ptr`` [R] (in
+    SliceLayout(1, lay)) into dst [R, NCOL]; rows where ``valid`` is False are zero-filled, not read."""
+    c = gl.arange(0, NCOL, layout=gl.SliceLayout(0, lay))
+    compat.async_load(dst, row_ptr[:, None] + col0 + c[None, :], mask=valid[:, None])
 
 
 @gluon.jit
