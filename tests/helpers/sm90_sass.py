@@ -33,6 +33,7 @@ SIG = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "kv_ptr": "*u8"
        "stride_oh": "i32", "lse_ptr": "*fp32", "stride_lt": "i32", "stride_ls": "i32", "stride_lh": "i32",
        "sm_scale_log2": "fp32", "H": "i32", "K": "i32", "rows_per_split": "i32", "num_splits": "i32"}
 SIG_K = dict(list(SIG.items())[:16] + [("k_scale", "fp32")] + list(SIG.items())[16:])
+SIG_K_SPLIT = dict(SIG_K, o_ptr="*fp32")  # several splits: fp32 partial outputs
 
 
 # Row layouts by format id: (bytes per row, rope dims, rope offset, scale offset); the byte contract is
@@ -49,8 +50,9 @@ LAYOUTS = {
 
 def _variants():
     """name -> (module, kernel, signature, meta); meta from the module's own ``meta`` (what ``launch`` uses),
-    with two head groups and valid counts."""
-    from sparsemla.kernels.sm90 import bf16, few, wide
+    with two head groups and valid counts; the conv kernel also without valid counts (``-novc``) and writing
+    fp32 split partials (``-split``)."""
+    from sparsemla.kernels.sm90 import bf16, conv, few, wide
     v = {}
     for fid, (bpr, rope, rope_off, scale_off) in LAYOUTS.items():
         kind = fid.split("-")[0]
@@ -65,6 +67,10 @@ def _variants():
                 v[f"{name}-{fid}" + ("-fp8qk" if fp8_qk else "")] = (name, f"{name}_kernel", SIG_K, mod.meta(
                     kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                     num_groups=2, has_valid_counts=True, fp8_qk=fp8_qk))
+        for suffix, sig, vc in (("", SIG_K, True), ("-novc", SIG_K, False), ("-split", SIG_K_SPLIT, True)):
+            v[f"conv-{fid}{suffix}"] = ("conv", "conv_kernel", sig, conv.meta(
+                kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
+                num_groups=2, has_valid_counts=vc))
     return v
 
 
