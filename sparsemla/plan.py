@@ -19,6 +19,9 @@ kernel             rows                                        takes a call when
 ``portable-fp8``   fp8, staged fp8, fp8_ds_mla                 fewer heads (16-32 heads a program)
 ``portable-nvfp4`` nvfp4_ds_mla                                fewer heads
 ``portable-bf16``  bf16                                        fewer heads
+``sm90-conv``      fp8, fp8_ds_mla, nvfp4_ds_mla (rope, NoPE)  only when asked for (``kernel="sm90-conv"``):
+                                                               sm_90, 64 heads a program, a converting
+                                                               producer warpgroup (not yet measured)
 =================  ==========================================  ============================================
 
 The sm_90 kernels are Gluon kernels (warp-specialized: a producer warpgroup gathers rows, two consumer warpgroups
@@ -41,8 +44,12 @@ from typing import FrozenSet, Optional, Tuple
 
 from .formats import KVFormat, get_format
 
-KERNELS = ("sm90-few", "sm90-wide", "sm90-bf16", "portable-wide", "portable-fp8", "portable-nvfp4", "portable-bf16")
-SM90_KERNELS = KERNELS[:3]
+KERNELS = ("sm90-few", "sm90-wide", "sm90-bf16", "portable-wide", "portable-fp8", "portable-nvfp4", "portable-bf16",
+           "sm90-conv")
+SM90_KERNELS = ("sm90-few", "sm90-wide", "sm90-bf16", "sm90-conv")
+# Kernels that serve a call only when a caller forces them (``kernel=``): the order never reaches them.
+OPT_IN_KERNELS = ("sm90-conv",)
+CONV_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")  # sm90-conv: rows it converts to bf16 tiles
 
 # Row kinds: a format's name, or "staged" (FP8 rows gathered per query, [T, K, D]).
 ROW_KINDS = ("bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "staged")
@@ -143,6 +150,12 @@ def _sm90_why_not(kernel: str, kind: str, num_tokens: int, num_heads: int, num_s
             return (f"{num_heads} heads x {num_tokens} tokens need more than {FEW_WAVES[kind]} wave(s) of 16-head "
                     f"programs")
         return None
+    if kernel == "sm90-conv":
+        if kind not in CONV_KINDS:
+            return f"it reads {', '.join(CONV_KINDS)} rows, not {kind}"
+        if not q_aligned:
+            return "it needs 16-byte aligned q rows"
+        return None
     if kernel == "sm90-wide":
         if kind not in WIDE_KINDS:
             return f"it reads {', '.join(WIDE_KINDS)} rows, not {kind}"
@@ -180,7 +193,7 @@ def _why_not(kernel, kind, num_tokens, num_heads, num_sms, capability, interpret
 
 def _splits(kernel: str, num_tokens: int, num_heads: int, topk: int, hpp: int, block_n: int, num_sms: int) -> int:
     programs = max(1, num_tokens * -(-num_heads // hpp))
-    if kernel in ("sm90-few", "sm90-wide"):
+    if kernel in ("sm90-few", "sm90-wide", "sm90-conv"):
         return max(1, min(num_sms // programs, max(1, topk // 128), 64))
     want = max(1, (2 * num_sms) // programs)
     if programs <= 2:
@@ -202,7 +215,7 @@ def _plan(kind, num_tokens, num_heads, topk, capability, num_sms, fp8_qk, portab
     else:
         chosen = why = None
         for name in KERNELS:
-            if _why_not(name, *args) is None:
+            if name not in OPT_IN_KERNELS and _why_not(name, *args) is None:
                 chosen = name
                 break
         why = _WHY[chosen]
@@ -215,7 +228,7 @@ def _plan(kind, num_tokens, num_heads, topk, capability, num_sms, fp8_qk, portab
                       or f"{chosen} has no FP8-QK variant")
             raise ValueError(f"fp8_qk: the FP8-QK mode runs on the sm_90 kernels, which cannot serve this call: "
                              f"{reason}")
-    if chosen in ("sm90-few", "sm90-wide", "sm90-bf16"):
+    if chosen in SM90_KERNELS:
         hpp = 16 if chosen == "sm90-few" else 64
         block_n, warps, stages = 64, 4, 1
     elif chosen == "portable-wide":
@@ -247,6 +260,7 @@ _WHY = {
     "portable-fp8": "few heads: e4m3 rows converted on the operand registers (mma.sync)",
     "portable-nvfp4": "few heads: e2m1 rows converted on the operand registers (mma.sync)",
     "portable-bf16": "few heads: bf16 rows straight from memory (mma.sync)",
+    "sm90-conv": "asked for",
 }
 
 
@@ -297,6 +311,8 @@ def explain(fmt, num_tokens: int, num_heads: int, topk: int, *, mode: str = "dec
             continue
         reason = _why_not(name, kind, num_tokens, num_heads, o["num_sms"], tuple(o["capability"]), o["interpret"],
                           o["portable"], o["q_aligned"], o["kv_aligned"], frozenset(o["unavailable"]))
+        if reason is None and name in OPT_IN_KERNELS:
+            reason = f"it serves a call only when asked for (kernel={name!r})"
         lines.append(f"  not {name}: {reason or 'a kernel earlier in the order takes it'}")
     return "\n".join(lines)
 

@@ -117,3 +117,24 @@ def test_plans_are_cached_and_explained():
     assert "not sm90-few: 128 heads x 128 tokens need more than 4 wave(s)" in text
     assert "not sm90-wide: it reads fp8, fp8_ds_mla rows, not nvfp4_ds_mla" in text
     assert "did not build" in explain("bf16", 1, 64, 2048, unavailable=frozenset({"sm90-bf16"}), **H200)
+
+
+def test_conv_kernel_only_when_asked_for():
+    """sm90-conv (quantized rows, 64 heads a program) is opt-in: the order never picks it, a forced call gets it
+    with sm90-wide's head groups and splits, and it refuses what it cannot read."""
+    for kind in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "fp8-nope", "fp8_ds_mla-nope", "nvfp4_ds_mla-nope"):
+        for tokens, heads in ((1, 33), (4, 64), (128, 96), (128, 128)):
+            assert plan_attention(kind, tokens, heads, 2048, **H200).kernel != "sm90-conv"
+            p = plan_attention(kind, tokens, heads, 2048, kernel="sm90-conv", **H200)
+            assert (p.kernel, p.heads_per_program, p.num_groups) == ("sm90-conv", 64, -(-heads // 64))
+            wide_splits = max(1, min(132 // (tokens * p.num_groups), 2048 // 128, 64))
+            assert p.num_splits == wide_splits and p.rows_per_split % 64 == 0
+    assert plan_attention("fp8", 1, 64, 2048, kernel="sm90-conv", num_splits=3, **H200).num_splits == 3
+    for kind, opts, msg in (("bf16", H200, "reads fp8, fp8_ds_mla, nvfp4_ds_mla rows, not bf16"),
+                            ("fp8", ADA, "built for sm_90"), ("fp8", dict(H200, q_aligned=False), "aligned q rows"),
+                            ("fp8", dict(H200, interpret=True), "interpreter")):
+        with pytest.raises(ValueError, match=f"kernel: sm90-conv cannot serve .*{msg}"):
+            plan_attention(kind, 4, 64, 2048, kernel="sm90-conv", **opts)
+    with pytest.raises(ValueError, match="fp8_qk"):
+        plan_attention("fp8", 4, 64, 2048, kernel="sm90-conv", fp8_qk=True, **H200)
+    assert "not sm90-conv: it serves a call only when asked for" in explain("fp8", 128, 128, 2048, **H200)
