@@ -18,15 +18,16 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
 import sm90_sass  # noqa: E402
 
-from sparsemla.kernels.sm90 import common, compat, few, rows, wide  # noqa: E402
+from sparsemla.kernels.sm90 import common, compat, conv, few, rows, wide  # noqa: E402
 
 HOPPER_SMEM = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
 # Stack bytes (spill slots) per kernel family and Triton release, the largest over the family's variants.
 # The wide kernel keeps part of its loop state (the normaliser's partial sums) in local memory on every
 # release; a variant above its bound spills more than this code does on that release.  Releases not
-# listed get the largest bound of any.
+# listed get the largest bound of any.  The conv kernel's warpgroup 0 spills at its 192 registers (128 bytes on
+# 3.6, measured); on releases it has not been compiled with, the largest bound applies.
 STACK = {
-    "3.6": {"bf16": 56, "few": 0, "wide": 88, "wide-fp8qk": 128},
+    "3.6": {"bf16": 56, "few": 0, "wide": 88, "wide-fp8qk": 128, "conv": 128},
     "3.8": {"bf16": 64, "few": 16, "wide": 96, "wide-fp8qk": 144},
     "3.9": {"bf16": 96, "few": 0, "wide": 160, "wide-fp8qk": 216},
 }
@@ -35,9 +36,9 @@ STACK = {
 def _stack_limit(name):
     family = name.split("-")[0] + ("-fp8qk" if name.startswith("wide") and name.endswith("-fp8qk") else "")
     release = ".".join(triton.__version__.split(".")[:2])
-    if release in STACK:
+    if release in STACK and family in STACK[release]:
         return STACK[release][family]
-    return max(limits[family] for limits in STACK.values())
+    return max(limits.get(family, 0) for limits in STACK.values())
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,7 @@ def test_every_format_layout_has_variants():
             assert f"bf16-{fid}" in names
             continue
         assert f"few-{fid}" in names
+        assert {f"conv-{fid}", f"conv-{fid}-novc", f"conv-{fid}-split"} <= names
         if kind != "nvfp4_ds_mla":
             assert {f"few-{fid}-fp8qk", f"wide-{fid}", f"wide-{fid}-fp8qk"} <= names
 
@@ -89,6 +91,16 @@ def test_meta_takes_offsets_from_the_layout_and_rejects_what_a_kernel_cannot_rea
     with pytest.raises(ValueError, match="kind"):
         wide.meta(kind="nvfp4_ds_mla", bytes_per_row=352, rope_dim=64, rope_offset=256, scale_offset=320,
                   num_groups=1, has_valid_counts=False)
+    m = conv.meta(kind="nvfp4_ds_mla", bytes_per_row=288, rope_dim=0, rope_offset=-1, scale_offset=256,
+                  num_groups=2, has_valid_counts=True)
+    assert (m["BPT"], m["ROPE"], m["SCALE_OFF"], m["ROPE_OFF"], m["FP4"], m["DS"], m["NG"]) == (288, 0, 256, 0, True,
+                                                                                                False, 2)
+    m = conv.meta(kind="fp8", bytes_per_row=576, rope_dim=64, rope_offset=512, scale_offset=-1, num_groups=1,
+                  has_valid_counts=False)
+    assert (m["SCALE_OFF"], m["ROPE_OFF"], m["FP4"], m["DS"], m["maxnreg"]) == (0, 512, False, False, 168)
+    with pytest.raises(ValueError, match="kind"):
+        conv.meta(kind="bf16", bytes_per_row=1152, rope_dim=64, rope_offset=1024, scale_offset=-1, num_groups=1,
+                  has_valid_counts=False)
 
 
 def test_compat_names_exist_on_this_release():
@@ -115,7 +127,7 @@ def test_kernel_modules_hold_no_policy_and_import_no_other_kernel():
     """Kernel modules import only compat / common / rows (no import circles, no private names across
     kernels) and read no environment variables."""
     pkg = os.path.dirname(common.__file__)
-    for f in ("common.py", "rows.py", "few.py", "wide.py", "bf16.py", "compat.py"):
+    for f in ("common.py", "rows.py", "few.py", "wide.py", "bf16.py", "conv.py", "compat.py"):
         src = open(os.path.join(pkg, f)).read()
         assert "os.environ" not in src and "getenv" not in src, f
         local = re.findall(r"^\s*from \.(\w*) import (.+)$", src, re.M)

@@ -1,0 +1,126 @@
+"""The sm_90 converting-producer kernel for quantized rows (sparsemla/kernels/sm90/conv.py, plan kernel
+``sm90-conv``, opt-in, 64 heads per program) on the H200, forced by the plan: every format it reads, NoPE rows
+with and without a (zero) rope slot, against the float64 reference and the portable Triton kernels; k_scale,
+-1 padding, valid counts with garbage past them, no valid counts, empty rows, head counts that are not a
+multiple of 64, odd block counts, forced splits, strided q, poisoned outputs.  Run with `pytest -m gpu`."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from attn_cases import SEED, make_case, rel_err  # noqa: E402
+from sm90_gpu import check_case, check_reference, plan_for, run, scales_view, skip_unless_sm90  # noqa: E402
+
+from sparsemla.formats import get_format  # noqa: E402
+from sparsemla.kernels.attention import attention_fwd  # noqa: E402
+from sparsemla.plan import plan_attention  # noqa: E402
+from sparsemla.reference import sparse_mla  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+KERNEL = "sm90-conv"
+FORMATS = ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8_ds_mla-nope-compact", "fp8", "fp8-nope",
+           "nvfp4_ds_mla", "nvfp4_ds_mla-nope", "nvfp4_ds_mla-nope-compact"]
+
+
+def _k_scale(fmt):
+    return 0.5 if fmt.split("-")[0] == "fp8" else 1.0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("heads,topk,splits", [(64, 2048, 1), (128, 2048, None), (33, 64, 1), (48, 192, None),
+                                               (96, 2051, 3), (128, 320, 2), (64, 2048, 32)])
+def test_conv_matches_reference(fmt, heads, topk, splits):
+    skip_unless_sm90()
+    k_scale = _k_scale(fmt)
+    c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda",
+                  k_scale=k_scale)
+    # bf16 tiles, as the portable wide kernel's: compared at the quantized formats' tolerance
+    check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "nvfp4_ds_mla-nope"])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_conv_strided_q(fmt, splits):
+    """q a view with padded head and token strides (16-byte aligned rows, what the kernel's cp.async needs)."""
+    skip_unless_sm90()
+    k_scale = _k_scale(fmt)
+    c = make_case(fmt, 4, 96, 512, ctx=2048, block_size=64, device="cuda", k_scale=k_scale)
+    t, h, d = c["q"].shape
+    big = torch.full((t, h + 3, d + 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+    big[:, :h, :d] = c["q"]
+    c["q"] = big[:, :h, :d]
+    assert c["q"].stride() == ((h + 3) * (d + 64), d + 64, 1)
+    check_case(c, d ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8-nope", "nvfp4_ds_mla"])
+def test_conv_without_valid_counts(fmt):
+    """The variant without valid counts: -1 padding (in the middle and at the tail) only."""
+    skip_unless_sm90()
+    k_scale = _k_scale(fmt)
+    c = make_case(fmt, 3, 64, 448, ctx=2048, block_size=64, device="cuda", k_scale=k_scale)
+    c["indices"][1, 100:] = -1  # instead of garbage past a valid count
+    c["indices"][2, :] = -1     # the empty row, by padding alone
+    c["valid_counts"] = None
+    sm = c["fmt"].head_dim ** -0.5
+    for splits in (1, 3):
+        out, lse = run(c, sm, plan_for(c, KERNEL, splits), k_scale)
+        ref_o, ref_l = sparse_mla(c["q"].double(), c["cache"], c["indices"], sm, None, k_scale)
+        assert torch.isfinite(out.float()).all()
+        assert rel_err(out, ref_o) <= 1e-2, (rel_err(out, ref_o), SEED)
+        assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+        ok = torch.isfinite(ref_l)
+        assert (lse[ok] - ref_l[ok].float()).abs().max() <= 2e-3 * max(1.0, ref_l[ok].abs().max().item() / 100)
+
+
+def test_conv_k_scale_applied_once():
+    """Plain fp8 rows written with k_scale 0.5 and read with 0.5: the reference agrees; read with 1.0 the
+    result must differ (a missing or doubled 1/k_scale would pass one of the two)."""
+    skip_unless_sm90()
+    c = make_case("fp8", 4, 64, 256, ctx=1024, block_size=64, device="cuda", k_scale=0.5)
+    sm = 576 ** -0.5
+    plan = plan_for(c, KERNEL)
+    o_good, _ = run(c, sm, plan, 0.5)
+    o_bad, _ = run(c, sm, plan, 1.0)
+    ref_o, _ = sparse_mla(c["q"].double(), c["cache"], c["indices"], sm, c["valid_counts"], 0.5)
+    assert rel_err(o_good, ref_o) <= 1e-2
+    assert rel_err(o_bad, ref_o) > 5e-2
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope"])
+def test_conv_ds_scales_far_apart(fmt):
+    """fp8_ds_mla rows whose group scales differ by 2^20 between rows and groups (powers of two: the bf16
+    tile holds e4m3 x scale exactly)."""
+    skip_unless_sm90()
+    c = make_case(fmt, 3, 64, 256, ctx=1024, block_size=64, device="cuda")
+    scales = scales_view(c)
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    scales.mul_(torch.exp2(torch.randint(-10, 11, scales.shape, device="cuda", generator=g).float()))
+    sm = c["fmt"].head_dim ** -0.5
+    out, lse = run(c, sm, plan_for(c, KERNEL))
+    check_reference(c, sm, out, lse)
+
+
+def test_conv_one_token_many_splits_and_poisoned_split_buffers():
+    """One token, a split per 64-row block, a caller's split buffer full of NaN: every partial is written."""
+    skip_unless_sm90()
+    c = make_case("nvfp4_ds_mla", 1, 128, 2048, ctx=4096, block_size=64, device="cuda")
+    sm = 576 ** -0.5
+    plan = plan_for(c, KERNEL, 32)
+    assert plan.num_splits == 32
+    buf = torch.full((1 * 32 * 128 * 513,), float("nan"), dtype=torch.float32, device="cuda")
+    out = torch.full((1, 128, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((1, 128), float("nan"), dtype=torch.float32, device="cuda")
+    attention_fwd(c["q"], c["cache"].rows, c["fmt"], c["indices"], sm, plan=plan, valid_counts=c["valid_counts"],
+                  out=out, lse=lse, split_buffers=buf)
+    check_reference(c, sm, out, lse)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "nvfp4_ds_mla"])
+def test_conv_is_opt_in(fmt):
+    skip_unless_sm90()
+    assert plan_attention(get_format(fmt), 128, 128, 2048, capability=(9, 0), num_sms=132).kernel != KERNEL
