@@ -3,12 +3,14 @@
     python3 benchmarks/decode.py --heads 16,64,128 --results benchmarks/results/h200.jsonl
     python3 benchmarks/decode.py --formats fp8_ds_mla --heads 128 --reps 50          # print only
     python3 benchmarks/decode.py --dry-run --results /tmp/r.jsonl                      # CPU check
+    python3 benchmarks/decode.py --conv --heads 64,128 --formats fp8,fp8_ds_mla,nvfp4_ds_mla   # + sm90-conv
 
 Per format, one cache of b requests x 32,768 tokens (shuffled 64-token blocks, heavy-tailed values written
 through the library's cache write), then per head count the same queries and indices for everyone:
 
 * ``sparsemla``: ``sparse_mla_decode`` with its default backend; ``sparsemla-fp8qk``: backend
-  ``triton-fp8qk`` (the FP8-QK mode; fp8 and fp8_ds_mla rows, sm_90);
+  ``triton-fp8qk`` (the FP8-QK mode; fp8 and fp8_ds_mla rows, sm_90); with ``--conv``, ``sparsemla-conv``:
+  the launcher on a plan forced to the opt-in kernel ``sm90-conv`` (quantized rows, sm_90);
 * the peer that reads the same bytes: FlashMLA for fp8_ds_mla (q padded to 64 / 128 heads), FlashInfer for
   bf16 and fp8 (page size 1), prepared once outside the timed call (``sparsemla.bench.peers``).
 
@@ -36,6 +38,8 @@ from sparsemla.bench.accounting import achieved, attention_work  # noqa: E402
 
 FP8QK_BACKEND = "triton-fp8qk"
 FP8QK_FORMATS = ("fp8", "fp8_ds_mla", "fp8-nope", "fp8_ds_mla-nope")
+CONV_KERNEL = "sm90-conv"
+CONV_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")  # the row kinds sm90-conv reads (rope and NoPE)
 ALL_FORMATS = "bf16,fp8,fp8_ds_mla,nvfp4_ds_mla,bf16-nope,fp8-nope,fp8_ds_mla-nope,nvfp4_ds_mla-nope"
 CHECK_TOKENS = 4
 REL_TOL = 2e-2  # a wrong kernel is far off; the formats' own error is ~1e-3 against float64 on their rows
@@ -50,6 +54,22 @@ def ours_call(wl, backend="auto"):
     def call():
         return sparsemla.sparse_mla_decode(wl.q, wl.cache, wl.indices, wl.sm_scale, wl.valid_counts, wl.k_scale,
                                            backend=backend, out=out, lse=lse)
+    return call, out
+
+
+def forced_call(wl, kernel):
+    """The attention launcher on a plan forced to ``kernel`` (an opt-in kernel the public API does not pick),
+    the same rows, indices and outputs as ``ours_call``."""
+    from sparsemla.kernels.attention import attention_fwd, plan_for
+    t, h, _ = wl.q.shape
+    rows = wl.cache.rows
+    plan = plan_for(wl.q, rows, wl.fmt, wl.indices.shape[1], kernel=kernel)
+    out = torch.empty(t, h, 512, dtype=torch.bfloat16, device=wl.q.device)
+    lse = torch.empty(t, h, dtype=torch.float32, device=wl.q.device)
+
+    def call():
+        return attention_fwd(wl.q, rows, wl.fmt, wl.indices, wl.sm_scale, plan=plan, valid_counts=wl.valid_counts,
+                             k_scale=wl.k_scale, out=out, lse=lse)
     return call, out
 
 
@@ -81,8 +101,9 @@ def measure(rec, cfg_name: str, wl, impl: str, make, *, variant=None, check=True
     D.print_row(row)
 
 
-def run_decode(rec, config_names, formats, *, fp8qk=True, peers=True):
-    """Every (format, configuration): sparsemla, its FP8-QK mode and the same-format peer."""
+def run_decode(rec, config_names, formats, *, fp8qk=True, peers=True, conv=False):
+    """Every (format, configuration): sparsemla, its FP8-QK mode, (``conv``) the forced sm90-conv kernel and the
+    same-format peer."""
     from sparsemla.bench import peers as P
     from sparsemla.bench.workload import build_queries, build_workload
     from sparsemla.formats import get_format
@@ -105,6 +126,10 @@ def run_decode(rec, config_names, formats, *, fp8qk=True, peers=True):
                     rec.attempt(f"{name} {fname} {FP8QK_BACKEND}",
                                 lambda: measure(rec, name, wl, "sparsemla-fp8qk",
                                                 lambda: ours_call(wl, FP8QK_BACKEND)))
+                if conv and fmt.name in CONV_KINDS and not rec.dry:  # a Gluon kernel: not under the interpreter
+                    rec.attempt(f"{name} {fname} {CONV_KERNEL}",
+                                lambda: measure(rec, name, wl, "sparsemla-conv",
+                                                lambda: forced_call(wl, CONV_KERNEL)))
                 if not peers:
                     continue
                 for peer, fmts in P.PEER_FORMATS.items():
@@ -125,10 +150,12 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default=None, help="comma list of configuration names instead of --heads "
                     "(e.g. D-h128-mtp,D-k-k1024-h128)")
     ap.add_argument("--no-fp8qk", action="store_true", help="leave out the FP8-QK mode")
+    ap.add_argument("--conv", action="store_true", help="add the opt-in sm90-conv kernel (quantized rows, sm_90) "
+                    "as impl sparsemla-conv")
     a = ap.parse_args(argv)
     names = a.configs.split(",") if a.configs else [f"D-h{h}" for h in D.int_list(a.heads)]
     rec = D.Recorder(a)
-    run_decode(rec, names, D.fmt_list(a.formats), fp8qk=not a.no_fp8qk, peers=not a.no_peers)
+    run_decode(rec, names, D.fmt_list(a.formats), fp8qk=not a.no_fp8qk, peers=not a.no_peers, conv=a.conv)
     return rec.finish()
 
 
