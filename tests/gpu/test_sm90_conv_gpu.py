@@ -16,10 +16,18 @@ from sm90_gpu import check_case, check_reference, plan_for, run, scales_view, sk
 
 from sparsemla.formats import get_format  # noqa: E402
 from sparsemla.kernels.attention import attention_fwd  # noqa: E402
-from sparsemla.plan import plan_attention  # noqa: E402
+from sparsemla.plan import plan_attention, unavailable_kernels  # noqa: E402
 from sparsemla.reference import sparse_mla  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _conv_built():
+    """A kernel that fails to build at its first launch is recorded and the call runs the portable kernels,
+    which would pass these checks: each test also asserts that sm90-conv built."""
+    yield
+    assert "sm90-conv" not in unavailable_kernels(), unavailable_kernels()["sm90-conv"]
 
 KERNEL = "sm90-conv"
 FORMATS = ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8_ds_mla-nope-compact", "fp8", "fp8-nope",
