@@ -14,14 +14,13 @@ kernel             rows                                        takes a call when
                                                                tokens x ceil(H / 16) programs fit in
                                                                ``FEW_WAVES[kind]`` waves of one per SM
 ``sm90-wide``      fp8, fp8_ds_mla                             sm_90, H > 32 otherwise (64 heads a program)
+``sm90-conv``      nvfp4_ds_mla (rope, NoPE); fp8, fp8_ds_mla  sm_90, H > 32 otherwise (64 heads a program, a
+                   only when asked for (``kernel=``)           converting producer warpgroup, 16-byte aligned q)
 ``sm90-bf16``      bf16 (cache or prefill workspace)           sm_90, H > 32 (64 heads a program)
 ``portable-wide``  every kind                                  H >= ``WIDE_MIN_HEADS[kind]`` (33; nvfp4 17)
 ``portable-fp8``   fp8, staged fp8, fp8_ds_mla                 fewer heads (16-32 heads a program)
 ``portable-nvfp4`` nvfp4_ds_mla                                fewer heads
 ``portable-bf16``  bf16                                        fewer heads
-``sm90-conv``      fp8, fp8_ds_mla, nvfp4_ds_mla (rope, NoPE)  only when asked for (``kernel="sm90-conv"``):
-                                                               sm_90, 64 heads a program, a converting
-                                                               producer warpgroup (not yet measured)
 =================  ==========================================  ============================================
 
 The sm_90 kernels are Gluon kernels (warp-specialized: a producer warpgroup gathers rows, two consumer warpgroups
@@ -44,12 +43,14 @@ from typing import FrozenSet, Optional, Tuple
 
 from .formats import KVFormat, get_format
 
-KERNELS = ("sm90-few", "sm90-wide", "sm90-bf16", "portable-wide", "portable-fp8", "portable-nvfp4", "portable-bf16",
-           "sm90-conv")
-SM90_KERNELS = ("sm90-few", "sm90-wide", "sm90-bf16", "sm90-conv")
-# Kernels that serve a call only when a caller forces them (``kernel=``): the order never reaches them.
-OPT_IN_KERNELS = ("sm90-conv",)
+KERNELS = ("sm90-few", "sm90-wide", "sm90-conv", "sm90-bf16", "portable-wide", "portable-fp8", "portable-nvfp4",
+           "portable-bf16")
+SM90_KERNELS = ("sm90-few", "sm90-wide", "sm90-conv", "sm90-bf16")
 CONV_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")  # sm90-conv: rows it converts to bf16 tiles
+# Kinds the plan gives sm90-conv by itself; it serves the others only when asked for (``kernel="sm90-conv"``).
+# H200, b 128, 64 / 128 heads (BENCHMARKS.md): nvfp4_ds_mla 143 / 271 us against 256 / 461 on the kernels before
+# it; e4m3 rows 8-45 % slower than on sm90-wide, which converts each row once in registers.
+CONV_AUTO_KINDS = ("nvfp4_ds_mla",)
 
 # Row kinds: a format's name, or "staged" (FP8 rows gathered per query, [T, K, D]).
 ROW_KINDS = ("bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "staged")
@@ -59,8 +60,8 @@ FEW_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")
 FEW_MAX_HEADS = 32  # the few-heads kernel always takes up to this many heads
 # Above FEW_MAX_HEADS the few-heads kernel runs ceil(H / 16) programs per token, each reading the token's rows
 # (from L2 after the first); it keeps a call while those programs fit in this many waves of one program per SM.
-# nvfp4 has no wide warp-specialized kernel, and its few-heads kernel leads the portable wide kernel further.
-FEW_WAVES = {"fp8": 1, "fp8_ds_mla": 1, "nvfp4_ds_mla": 4}
+# Beyond that the 64-head kernels (sm90-wide, sm90-conv) read each row once per 64 heads.
+FEW_WAVES = {"fp8": 1, "fp8_ds_mla": 1, "nvfp4_ds_mla": 1}
 WIDE_KINDS = ("fp8", "fp8_ds_mla")
 FP8_QK_KINDS = ("fp8", "fp8_ds_mla")  # e4m3 rows: the QK MMAs take their bytes as they are
 
@@ -191,6 +192,11 @@ def _why_not(kernel, kind, num_tokens, num_heads, num_sms, capability, interpret
     return _portable_why_not(kernel, kind, num_heads)
 
 
+def _auto(kernel: str, kind: str) -> bool:
+    """Whether the plan may choose ``kernel`` for ``kind`` rows by itself (sm90-conv: only :data:`CONV_AUTO_KINDS`)."""
+    return kernel != "sm90-conv" or kind in CONV_AUTO_KINDS
+
+
 def _splits(kernel: str, num_tokens: int, num_heads: int, topk: int, hpp: int, block_n: int, num_sms: int) -> int:
     programs = max(1, num_tokens * -(-num_heads // hpp))
     if kernel in ("sm90-few", "sm90-wide", "sm90-conv"):
@@ -215,7 +221,7 @@ def _plan(kind, num_tokens, num_heads, topk, capability, num_sms, fp8_qk, portab
     else:
         chosen = why = None
         for name in KERNELS:
-            if name not in OPT_IN_KERNELS and _why_not(name, *args) is None:
+            if _auto(name, kind) and _why_not(name, *args) is None:
                 chosen = name
                 break
         why = _WHY[chosen]
@@ -260,7 +266,8 @@ _WHY = {
     "portable-fp8": "few heads: e4m3 rows converted on the operand registers (mma.sync)",
     "portable-nvfp4": "few heads: e2m1 rows converted on the operand registers (mma.sync)",
     "portable-bf16": "few heads: bf16 rows straight from memory (mma.sync)",
-    "sm90-conv": "asked for",
+    "sm90-conv": ("e2m1 rows on Hopper above 32 heads: a producer warpgroup converts each row once to a bf16 tile, "
+                  "the MMA warpgroups run on it (64 heads a program)"),
 }
 
 
@@ -311,8 +318,8 @@ def explain(fmt, num_tokens: int, num_heads: int, topk: int, *, mode: str = "dec
             continue
         reason = _why_not(name, kind, num_tokens, num_heads, o["num_sms"], tuple(o["capability"]), o["interpret"],
                           o["portable"], o["q_aligned"], o["kv_aligned"], frozenset(o["unavailable"]))
-        if reason is None and name in OPT_IN_KERNELS:
-            reason = f"it serves a call only when asked for (kernel={name!r})"
+        if reason is None and not _auto(name, kind):
+            reason = f"it serves {kind} rows only when asked for (kernel={name!r})"
         lines.append(f"  not {name}: {reason or 'a kernel earlier in the order takes it'}")
     return "\n".join(lines)
 

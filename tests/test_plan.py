@@ -16,8 +16,9 @@ ADA = dict(capability=(8, 9), num_sms=128)
     ("fp8", 128, 16, "sm90-few"), ("fp8", 128, 64, "sm90-wide"), ("fp8", 33, 64, "sm90-few"),
     ("fp8", 34, 64, "sm90-wide"),
     ("nvfp4_ds_mla", 128, 16, "sm90-few"), ("nvfp4_ds_mla", 128, 32, "sm90-few"),
-    ("nvfp4_ds_mla", 128, 64, "sm90-few"),  # four waves: 128 x 4 = 512 <= 528
-    ("nvfp4_ds_mla", 133, 64, "portable-wide"), ("nvfp4_ds_mla", 128, 128, "portable-wide"),
+    ("nvfp4_ds_mla", 33, 64, "sm90-few"), ("nvfp4_ds_mla", 16, 128, "sm90-few"),  # one wave of 16-head programs
+    ("nvfp4_ds_mla", 34, 64, "sm90-conv"), ("nvfp4_ds_mla", 128, 64, "sm90-conv"),
+    ("nvfp4_ds_mla", 128, 128, "sm90-conv"), ("nvfp4_ds_mla-nope", 128, 96, "sm90-conv"),
     ("bf16", 128, 16, "portable-bf16"), ("bf16", 128, 32, "portable-bf16"), ("bf16", 128, 33, "sm90-bf16"),
     ("bf16", 4096, 128, "sm90-bf16"),
     ("fp8_ds_mla-nope", 128, 16, "sm90-few"), ("nvfp4_ds_mla-nope", 128, 16, "sm90-few"),
@@ -113,18 +114,20 @@ def test_plans_are_cached_and_explained():
     a = plan_attention("fp8_ds_mla", 128, 128, 2048, **H200)
     assert plan_attention("fp8_ds_mla", 128, 128, 2048, **H200) is a
     text = explain("nvfp4_ds_mla", 128, 128, 2048, **H200)
-    assert "portable-wide" in text.splitlines()[0]
-    assert "not sm90-few: 128 heads x 128 tokens need more than 4 wave(s)" in text
+    assert "sm90-conv" in text.splitlines()[0]
+    assert "not sm90-few: 128 heads x 128 tokens need more than 1 wave(s)" in text
     assert "not sm90-wide: it reads fp8, fp8_ds_mla rows, not nvfp4_ds_mla" in text
     assert "did not build" in explain("bf16", 1, 64, 2048, unavailable=frozenset({"sm90-bf16"}), **H200)
 
 
-def test_conv_kernel_only_when_asked_for():
-    """sm90-conv (quantized rows, 64 heads a program) is opt-in: the order never picks it, a forced call gets it
-    with sm90-wide's head groups and splits, and it refuses what it cannot read."""
+def test_conv_kernel_plans():
+    """sm90-conv (quantized rows, 64 heads a program) takes nvfp4 rows above 32 heads past one wave of the few-heads
+    kernel by itself and e4m3 rows only when asked for; a forced call gets sm90-wide's head groups and splits, and
+    it refuses what it cannot read."""
     for kind in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "fp8-nope", "fp8_ds_mla-nope", "nvfp4_ds_mla-nope"):
         for tokens, heads in ((1, 33), (4, 64), (128, 96), (128, 128)):
-            assert plan_attention(kind, tokens, heads, 2048, **H200).kernel != "sm90-conv"
+            auto = kind.startswith("nvfp4") and tokens == 128
+            assert (plan_attention(kind, tokens, heads, 2048, **H200).kernel == "sm90-conv") == auto
             p = plan_attention(kind, tokens, heads, 2048, kernel="sm90-conv", **H200)
             assert (p.kernel, p.heads_per_program, p.num_groups) == ("sm90-conv", 64, -(-heads // 64))
             wide_splits = max(1, min(132 // (tokens * p.num_groups), 2048 // 128, 64))
@@ -137,4 +140,4 @@ def test_conv_kernel_only_when_asked_for():
             plan_attention(kind, 4, 64, 2048, kernel="sm90-conv", **opts)
     with pytest.raises(ValueError, match="fp8_qk"):
         plan_attention("fp8", 4, 64, 2048, kernel="sm90-conv", fp8_qk=True, **H200)
-    assert "not sm90-conv: it serves a call only when asked for" in explain("fp8", 128, 128, 2048, **H200)
+    assert "not sm90-conv: it serves fp8 rows only when asked for" in explain("fp8", 128, 128, 2048, **H200)

@@ -327,7 +327,7 @@ def probe_builds(device=None) -> Optional[dict]:
     if capability(dev) != (9, 0):
         return None
     for kernel, fid, heads in (("sm90-few", "fp8_ds_mla", 16), ("sm90-wide", "fp8_ds_mla", 64),
-                               ("sm90-bf16", "bf16", 64)):
+                               ("sm90-conv", "nvfp4_ds_mla", 64), ("sm90-bf16", "bf16", 64)):
         fmt = get_format(fid)
         rows = torch.zeros((64, fmt.bytes_per_token), dtype=torch.uint8, device=dev)
         q = torch.zeros((1, heads, fmt.head_dim), dtype=torch.bfloat16, device=dev)

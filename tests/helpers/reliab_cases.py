@@ -764,7 +764,6 @@ def planned_kernel(spec: Spec, capability=(9, 0), num_sms: int = 132) -> Optiona
 def plan_kernel_names() -> List[str]:
     try:
         from sparsemla import plan as P
-        # opt-in kernels (sm90-conv) serve forced calls only: no planned case can reach them
-        return [k for k in P.KERNELS if k not in getattr(P, "OPT_IN_KERNELS", ())]
+        return list(P.KERNELS)
     except Exception:
         return []

@@ -12,7 +12,8 @@ conversion has its own warpgroup and the MMA warpgroups run the bf16 kernel's ki
   their tile rows are zeros (so that P = 0 times them stays 0);
 - warpgroup 0 (default partition): S = q K^T over all 576 (512) dims for 64 heads x 64 rows (wgmma m64n64,
   q and the tile from shared memory), the online softmax (base 2), publishes P (bf16) and the rescale factor
-  alpha for warpgroup 1, and PV for output columns 0-255 with P from registers (V = kL read as the MMA's B
+  alpha for warpgroup 1, and PV for output columns 0-255 with P from shared memory too (P in registers needs 208
+  registers, which leave the others too few; V = kL read as the MMA's B
   operand, MN-major: no transpose).  The next block's QK is issued behind this block's PV;
 - warpgroup 1 (worker partition): PV for output columns 256-511 (A = P from shared memory, B = kR), its
   accumulator rescaled by warpgroup 0's alpha.
@@ -29,7 +30,7 @@ warpgroup 1), ``l_bar`` (warpgroup 0's final row sums, so that both halves of th
 the same l).
 
 Shared memory: q 72 KB + 2 tiles x 72 KB + P 8 KB (NoPE the same: the rope buffers stay allocated).  Registers:
-168 at launch for 12 warps; warpgroup 0 gets 192 (O 128 + S 32 + P 16), warpgroup 1 160, the producer 152.
+168 at launch for 12 warps; warpgroup 0 gets 192 (O 128 + S 32 + the next QK), warpgroup 1 160, the producer 152.
 
 Gluon kernels do not run under the Triton interpreter: ``tests/test_sm90_compile.py`` compiles every variant
 for sm_90 on the CPU; ``tests/gpu/test_sm90_conv_gpu.py`` checks the numbers against the float64 reference.
