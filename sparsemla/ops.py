@@ -30,6 +30,7 @@ from torch import Tensor
 from .attention import sparse_mla_decode as _decode, sparse_mla_prefill as _prefill
 from .cache import PagedKVCache
 from .indices import convert_indices as _convert
+from .kernels.attention import per_call_partials
 
 V_DIM = 512
 _WORKSPACE = ""  # the fmt argument that marks a bf16 workspace (prefill)
@@ -97,7 +98,8 @@ def _fake_attention(q: Tensor):
 def _decode_op(q: Tensor, kv_rows: Tensor, fmt: str, block_size: int, block_stride_rows: int, indices: Tensor,
                sm_scale: float, valid_counts: Optional[Tensor], k_scale: float, backend: str) -> Tuple[Tensor, Tensor]:
     cache = _cache_view(kv_rows, fmt, block_size, block_stride_rows)
-    return _decode(q, cache, indices, sm_scale, valid_counts, k_scale, backend, check=False)
+    with per_call_partials():
+        return _decode(q, cache, indices, sm_scale, valid_counts, k_scale, backend, check=False)
 
 
 @_decode_op.register_fake
@@ -109,7 +111,8 @@ def _(q, kv_rows, fmt, block_size, block_stride_rows, indices, sm_scale, valid_c
 def _prefill_op(q: Tensor, kv: Tensor, fmt: str, block_size: int, block_stride_rows: int, indices: Tensor,
                 sm_scale: float, valid_counts: Optional[Tensor], k_scale: float, backend: str) -> Tuple[Tensor, Tensor]:
     src = kv if fmt == _WORKSPACE else _cache_view(kv, fmt, block_size, block_stride_rows)
-    return _prefill(q, src, indices, sm_scale, valid_counts, k_scale, backend, check=False)
+    with per_call_partials():
+        return _prefill(q, src, indices, sm_scale, valid_counts, k_scale, backend, check=False)
 
 
 @_prefill_op.register_fake

@@ -22,6 +22,8 @@ A Hopper (Gluon) kernel that fails to build on the installed Triton is recorded
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Optional, Tuple
 
 import torch
@@ -187,7 +189,7 @@ def _scratch(device: torch.device, n_o: int, n_all: int):
     call on that stream writes them).  Under CUDA-graph capture, and for a large buffer, views of a fresh
     allocation instead, which nothing keeps alive past the call (a graph pool must hold no tensor that is not
     an output: torch.compile's CUDA-graph trees check it)."""
-    if device.type != "cuda" or n_all > _SCRATCH_MAX or _capturing():
+    if device.type != "cuda" or n_all > _SCRATCH_MAX or _capturing() or getattr(_LOCAL, "per_call", False):
         buf = torch.empty(n_all, dtype=torch.float32, device=device)
         return buf[:n_o], buf[n_o:]
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -198,6 +200,20 @@ def _scratch(device: torch.device, n_o: int, n_all: int):
     return _partials(buf, n_o, n_all)
 
 
+@contextlib.contextmanager
+def per_call_partials():
+    """Inside this context split partials are a per-call allocation, never the cached scratch.  The custom ops
+    run in it: torch.compile's CUDA-graph trees route a warm-up run's allocations to the graph's memory pool and
+    then require every live tensor there to be an output, which a grow-only scratch created there is not."""
+    prev = getattr(_LOCAL, "per_call", False)
+    _LOCAL.per_call = True
+    try:
+        yield
+    finally:
+        _LOCAL.per_call = prev
+
+
+_LOCAL = threading.local()
 _SCRATCH: dict = {}
 _SCRATCH_MAX = 1 << 24  # fp32 elements (64 MB); a call needing more allocates its own
 
@@ -341,4 +357,4 @@ def probe_builds(device=None) -> Optional[dict]:
     return _plan.unavailable_kernels()
 
 
-__all__ = ["attention_fwd", "plan_for", "probe_builds", "runner_split_elements", "split_elements"]
+__all__ = ["attention_fwd", "per_call_partials", "plan_for", "probe_builds", "runner_split_elements", "split_elements"]
