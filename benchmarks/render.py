@@ -5,8 +5,9 @@
     python3 benchmarks/render.py --results other.jsonl --benchmarks /tmp/B.md --readme /tmp/R.md
 
 Both documents come from the same rows (``sparsemla.bench.results``), so they cannot drift from the data.
-The tables show the rows of one commit, that of the newest decode run (``current``), and within it the
-newest row of every measured key (``results.latest``).  Tables show one Triton release (``--triton``,
+The tables show the rows of one commit, that of the newest full decode run (``current``), and within it the
+newest row of every measured key (``results.latest``); rows of partial runs measured after it follow in their
+own table.  Tables show one Triton release (``--triton``,
 default: the release with the most rows); when the file holds decode or prefill rows of several releases, a
 table per release follows.  The README block lies between the two ``RESULTS`` marker comments.
 """
@@ -92,13 +93,35 @@ def select(rows: Sequence[dict], gpu: Optional[str], triton: Optional[str]) -> L
 
 
 def current(rows: Sequence[dict]) -> List[dict]:
-    """The rows of one commit: that of the newest sparsemla decode row (a full run measures every driver at
-    one commit), so that no table mixes runs.  Rows of older commits stay in the file as history."""
-    dec = [r for r in rows if r["kind"] == "decode" and r["impl"] == "sparsemla"]
-    if not dec:
-        return list(rows)
-    commit = dec[-1]["commit"]
-    return [r for r in rows if r["commit"] == commit]
+    """The rows of one commit: that of the newest full decode run (sparsemla rows at 16, 64 and 128 heads for every
+    format of :data:`FORMATS`; a full run measures every driver at one commit), so that no table mixes runs.
+    Without a full run, the newest decode run's.  Rows of other commits stay in the file: older ones as history,
+    newer partial runs in :func:`later_section`."""
+    commit = table_commit(rows)
+    return list(rows) if commit is None else [r for r in rows if r["commit"] == commit]
+
+
+def table_commit(rows: Sequence[dict]) -> Optional[str]:
+    need = {(f"D-h{h}", f) for h in (16, 64, 128) for f in FORMATS}
+    have: Dict[str, set] = collections.defaultdict(set)
+    last = None
+    for r in rows:
+        if r["kind"] == "decode" and r["impl"] == "sparsemla":
+            have[r["commit"]].add((r["config"], r["format"]))
+            last = r["commit"]
+    full = [c for c in have if need <= have[c]]  # dicts keep first-seen order: the newest full run is last
+    return full[-1] if full else last
+
+
+def later_rows(rows: Sequence[dict]) -> List[dict]:
+    """Decode and host rows of commits measured after the tables' commit (partial runs: a kernel or a host path
+    changed since the full run), newest row per key."""
+    commit = table_commit(rows)
+    if commit is None:
+        return []
+    after = max(i for i, r in enumerate(rows) if r["commit"] == commit)
+    later = [r for r in rows[after + 1:] if r["commit"] != commit and r["kind"] in ("decode", "host")]
+    return R.latest(later)
 
 
 # --- formatting ----------------------------------------------------------------------------------------
@@ -293,6 +316,30 @@ def host_section(t: Table) -> List[str]:
     return out + [""]
 
 
+def later_section(rows: Sequence[dict]) -> List[dict]:
+    later = later_rows(rows)
+    if not later:
+        return []
+    out = ["## Later partial runs", "",
+           "Rows measured after the full run of the tables above, by drivers run for the formats or calls that "
+           "changed (peers in the same process as the rows beside them). Decode: b 128, top-k 2048, 32K-token "
+           "contexts, CUDA-graph replay; `sparsemla-conv` is the `sm90-conv` kernel forced. Host: as in the host "
+           "table.", ""]
+    body = []
+    order = {f: i for i, f in enumerate(FORMATS)}
+    key = (lambda r: (r["kind"], r["commit"], r["heads"] if r["kind"] == "decode" else 0, r["config"],
+                      order.get(r["format"], 99), r["impl"], r["timing"]))
+    for r in sorted(later, key=key):
+        what = r["config"] if r["kind"] == "decode" else r["config"] + f" (b {r['batch']})"
+        impl = r["impl"] if r["impl"].startswith("sparsemla") else PEERS.get(r["impl"], r["impl"])
+        if r.get("variant"):
+            impl += f" ({r['variant']})"
+        body.append([f"`{r['commit'][:7]}`", what, f"`{r['format']}`", impl, r["timing"],
+                     f"{r['value']:.1f} {r['unit']}"])
+    out += md_table(["commit", "config", "format", "impl", "timing", "value"], body)
+    return out + [""]
+
+
 def _host_cell(t: Table, cfg: str) -> str:
     r = next((r for r in t.rows if r["config"] == cfg and r["impl"] == "sparsemla" and r["timing"] == "host"), None)
     return f"{r['value']:.1f} us (`{r['commit'][:7]}`)" if r else "--"
@@ -477,7 +524,7 @@ def render_benchmarks(rows: Sequence[dict], results_name: str, triton: Optional[
              "commit, versions, date and command). Edit the data, not this file.", ""]
     lines += environment(t.rows)
     lines += decode_section(t) + small_section(t) + prefill_section(t) + movement_section(t) + host_section(t)
-    lines += releases_section(rows) + shortfalls(t)
+    lines += later_section(select(rows, None, triton)) + releases_section(rows) + shortfalls(t)
     lines += ["## Reproducing", "", "Each driver appends rows to the file named by `--results`; then "
               "`python3 benchmarks/render.py` rewrites this file and the README's table.", "", "```bash"]
     lines += [REPRODUCE[k] for k in ("decode", "small", "prefill", "movement", "host", "all")]
@@ -511,6 +558,16 @@ def render_readme_block(rows: Sequence[dict], triton: Optional[str] = None) -> s
     summary = ratio_summary(t)
     if summary:
         lines += ["", summary]
+    # later rows of the table's cells that moved by more than 10 % (a kernel that changed since the full run)
+    later = [r for r in later_rows(select(rows, None, triton)) if r["kind"] == "decode" and r["impl"] == "sparsemla"
+             and r["config"] in ("D-h16", "D-h64", "D-h128") and r["timing"] == "graph"
+             and r["format"] in ("bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla")
+             and not 0.9 <= r["value"] / (t.get(r["config"], r["format"], "sparsemla") or r)["value"] <= 1.1]
+    if later:
+        cells = "; ".join(f"`{r['format']}` {r['heads']} heads {r['value']:.0f} us"
+                          for r in sorted(later, key=lambda r: (FORMATS.index(r["format"]) if r["format"] in FORMATS
+                                                                else 99, r["heads"])))
+        lines += ["", f"Changed since this run ({provenance(later)}; BENCHMARKS.md, later partial runs): {cells}."]
     lines += [END]
     return "\n".join(lines)
 
