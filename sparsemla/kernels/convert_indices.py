@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launch, aligned
+from .launch import Launch
 
 CONVERT_MAX_BLOCK = 1024
 CONVERT_NUM_WARPS = 4
@@ -152,11 +152,15 @@ def convert_indices_triton(topk_local: torch.Tensor, req_id_per_token: torch.Ten
         ts, bs, bshape = topk_local.stride(), block_table.stride(), block_table.shape
         cnt = out if counts is None else counts
         ints = (ts[0], ts[1], bs[0], bs[1], out.stride()[0], k, bshape[0], bshape[1], block_stride_rows)
-        # every pointer 16-byte aligned: the integers (and the index dtypes) decide Triton's specialization
-        key = ((topk_local.dtype, req.dtype, block_table.dtype, ws.dtype, ints)
-               if aligned(topk_local, req, block_table, ws, out, cnt) else None)
-        launch((t,), (topk_local, ts[0], ts[1], req, block_table, bs[0], bs[1], ws, out, ints[4], cnt, k, bshape[0],
-                      bshape[1], block_stride_rows), key)
+        # the launcher takes tensors as addresses; read once, they also give the alignment check: every pointer
+        # 16-byte aligned, the integers (and the index dtypes) decide Triton's specialization
+        pt, pr, pb, pw, po, pc = (topk_local.data_ptr(), req.data_ptr(), block_table.data_ptr(), ws.data_ptr(),
+                                  out.data_ptr(), cnt.data_ptr())
+        key = None if (pt | pr | pb | pw | po | pc) & 15 else (topk_local.dtype, req.dtype, block_table.dtype,
+                                                               ws.dtype, ints)
+        tail = (k, bshape[0], bshape[1], block_stride_rows)
+        launch((t,), (topk_local, ts[0], ts[1], req, block_table, bs[0], bs[1], ws, out, ints[4], cnt, *tail), key,
+               (pt, ts[0], ts[1], pr, pb, bs[0], bs[1], pw, po, ints[4], pc, *tail))
     elif counts is not None:
         counts.zero_()
     if return_valid_counts:

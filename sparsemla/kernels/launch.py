@@ -123,15 +123,6 @@ _MAX_KEYS = 4096  # compiled kernels are Triton's (cached by it); this holds onl
 _Tensor = torch.Tensor
 
 
-def aligned(*tensors) -> bool:
-    """Every tensor's data pointer is 16-byte aligned (the condition under which a caller's integer key is the
-    whole specialization)."""
-    bits = 0
-    for t in tensors:
-        bits |= t.data_ptr()
-    return not bits & 15
-
-
 def _spec_key(args) -> tuple:
     """What Triton specializes a compiled kernel on (``native_specialize_impl``): pointers by dtype and 16-byte
     alignment, integers by ``== 1``, divisibility by 16 and the int32 range; floats and bools not at all."""
