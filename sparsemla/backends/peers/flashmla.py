@@ -49,6 +49,9 @@ def _takes_no_required_args(fn) -> bool:
     return all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty for p in ps)
 
 
+_LEGACY_PREFILL_TOPK = 128  # the Hopper sparse prefill's top-k granularity (`params.topk % (2*B_TOPK) == 0`)
+
+
 class FlashMLAPeer(Backend):
     name = "flashmla"
     description = "FlashMLA Hopper sparse kernels (sgl-flash-mla), heads padded to 64/128"
@@ -219,9 +222,14 @@ class FlashMLAPeer(Backend):
                 kwargs["topk_length"] = valid_counts
             else:
                 idx = mask_past_counts(indices, valid_counts)
+        idx = idx.view(t, 1, k)
+        if kwargs.get("use_legacy") and k % _LEGACY_PREFILL_TOPK:
+            # the Hopper kernel walks the top-k list in pairs of 64-entry blocks and asserts a multiple of 128:
+            # pad with -1 (no token)
+            pad = idx.new_full((t, 1, -k % _LEGACY_PREFILL_TOPK), -1)
+            idx = torch.cat([idx, pad], dim=2)
         qp = self._pad_q(q, hp)
-        res = feats["flash_mla_sparse_fwd"](qp, kv_b.unsqueeze(1), idx.view(t, 1, k).contiguous(), sm_scale, 512,
-                                            **kwargs)
+        res = feats["flash_mla_sparse_fwd"](qp, kv_b.unsqueeze(1), idx.contiguous(), sm_scale, 512, **kwargs)
         o, l = res[0], res[2]  # (out [T, Hp, 512], max_logits, lse [T, Hp], ...)
         return o, l
 
