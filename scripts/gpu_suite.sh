@@ -11,8 +11,8 @@
 # Carry (see scripts/peers_env.sh): .whl (FlashMLA), .peers (FlashInfer); for another Triton release set
 # TRITON_BUNDLE=.carry/triton-3.8.0.tar.xz.  Time: BUDGET seconds in all (default 570); each test group
 # gets GROUP_TIMEOUT (default 420); PYTEST_N spreads each group over pytest-xdist workers (PYTEST_N_<group>
-# for one group); TEST_GROUPS picks
-# groups; MEMCHECK=0 leaves memcheck out.  BENCH picks drivers (default "decode small_batch prefill movement
+# for one group); TEST_GROUPS picks groups, ";" between phases that run one after the other (default: the
+# reliability group alone, after the others); MEMCHECK=0 leaves memcheck out.  BENCH picks drivers (default "decode small_batch prefill movement
 # host_overhead"); BENCH_FORMATS narrows their formats; BENCH_ARGS (every driver) and BENCH_ARGS_<driver> add
 # arguments; SPARSEMLA_COMMIT=<sha> names the commit in the rows
 # when the copy of the tree has no git history.  Afterwards, on your machine:
@@ -61,47 +61,54 @@ group_files() {
     esac
 }
 ALL_GROUPS="attention sm90 movement system reliability"
-TEST_GROUPS=${TEST_GROUPS:-"$ALL_GROUPS other"}  # a subset: TEST_GROUPS="sm90 attention"; MEMCHECK=0 skips memcheck
-run_tests() {
-    local listed other pids=() names=()
-    listed=$(for g in $ALL_GROUPS; do group_files $g; done)
-    other=$(ls tests/gpu/test_*_gpu.py 2>/dev/null | grep -vxF "$listed" || true)
-    for g in $TEST_GROUPS; do
-        local files
-        if [ $g = other ]; then files=$other; else files=$(group_files $g); fi
-        [ -n "$files" ] || continue
-        local log="$OUT/logs/t_$g.log"
-        (
-            t0=$(date +%s)
-            if [ "$DRY" = 1 ]; then
-                python3 -m pytest -q -m gpu --collect-only $files > "$log" 2>&1
-            else
-                # PYTEST_N=<workers>: each group spread over that many pytest-xdist workers (compiles in parallel)
-                # PYTEST_N_<group> overrides it for one group (reliability's tests each hold tens of GB)
-                local nvar="PYTEST_N_$g" n
-                n=${!nvar:-${PYTEST_N:-}}
-                timeout "${GROUP_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs ${n:+-n $n} $files > "$log" 2>&1
-            fi
-            rc=$?
-            note "t_$g" $rc $(( $(date +%s) - t0 )) "$log"
-        ) &
-        pids+=($!)
-    done
-    # memcheck alongside (PyTorch's caching allocator hides overruns inside its segments: turned off)
-    [ "${MEMCHECK:-1}" = 1 ] && (
-        t0=$(date +%s); log="$OUT/logs/memcheck.log"
+# Groups separated by ";" run as phases, one after the other; the groups of a phase run side by side.  The
+# reliability group's tests hold tens of GB of GPU memory each: by default it runs alone, after the others.
+TEST_GROUPS=${TEST_GROUPS:-"attention sm90 movement system other; reliability"}  # MEMCHECK=0 skips memcheck
+run_group() {  # one group's pytest run, in the background; its pid appended to PIDS
+    local g=$1 files log="$OUT/logs/t_$1.log"
+    if [ $g = other ]; then files=$OTHER; else files=$(group_files $g); fi
+    [ -n "$files" ] || return 0
+    (
+        t0=$(date +%s)
         if [ "$DRY" = 1 ]; then
-            echo "dry run: memcheck left out (needs a GPU and compute-sanitizer)" > "$log"; rc=0
-        elif [ -f scripts/sanitize.sh ]; then
-            OUT="$OUT/sanitize" timeout "${MEMCHECK_TIMEOUT:-${GROUP_TIMEOUT:-420}}" bash scripts/sanitize.sh memcheck > "$log" 2>&1; rc=$?
+            python3 -m pytest -q -m gpu --collect-only $files > "$log" 2>&1
         else
-            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${GROUP_TIMEOUT:-420}" compute-sanitizer --tool memcheck \
-                --error-exitcode 9 python3 tests/gpu/sanitize_kernels.py > "$log" 2>&1; rc=$?
+            # PYTEST_N=<workers>: each group spread over that many pytest-xdist workers (compiles in parallel);
+            # PYTEST_N_<group> overrides it for one group
+            nvar="PYTEST_N_$g"
+            n=${!nvar:-${PYTEST_N:-}}
+            timeout "${GROUP_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs ${n:+-n $n} $files > "$log" 2>&1
         fi
-        note memcheck $rc $(( $(date +%s) - t0 )) "$log"
+        rc=$?
+        note "t_$g" $rc $(( $(date +%s) - t0 )) "$log"
     ) &
-    [ "${MEMCHECK:-1}" = 1 ] && pids+=($!)
-    wait "${pids[@]}"
+    PIDS+=($!)
+}
+run_tests() {
+    local listed phases phase mpid=
+    listed=$(for g in $ALL_GROUPS; do group_files $g; done)
+    OTHER=$(ls tests/gpu/test_*_gpu.py 2>/dev/null | grep -vxF "$listed" || true)
+    # memcheck alongside the test phases (PyTorch's caching allocator hides overruns inside its segments: off)
+    if [ "${MEMCHECK:-1}" = 1 ]; then
+        (
+            t0=$(date +%s); log="$OUT/logs/memcheck.log"
+            if [ "$DRY" = 1 ]; then
+                echo "dry run: memcheck left out (needs a GPU and compute-sanitizer)" > "$log"; rc=0
+            else
+                OUT="$OUT/sanitize" timeout "${MEMCHECK_TIMEOUT:-${GROUP_TIMEOUT:-420}}" bash scripts/sanitize.sh memcheck \
+                    > "$log" 2>&1; rc=$?
+            fi
+            note memcheck $rc $(( $(date +%s) - t0 )) "$log"
+        ) &
+        mpid=$!
+    fi
+    IFS=';' read -ra phases <<< "$TEST_GROUPS"
+    for phase in "${phases[@]}"; do
+        PIDS=()
+        for g in $phase; do run_group "$g"; done
+        [ ${#PIDS[@]} -gt 0 ] && wait "${PIDS[@]}"
+    done
+    [ -n "$mpid" ] && wait "$mpid"
 }
 
 # ---- benchmarks: one driver at a time, each within the time left --------------------------------------
@@ -146,4 +153,4 @@ printf "%-16s %-8s %6s  %s\n" step rc seconds summary
 sort "$SUMMARY" | while IFS=$'\t' read -r name rc secs line; do
     printf "%-16s %-8s %6s  %s\n" "$name" "$rc" "$secs" "$line"
 done
-[ -f "$RESULTS" ] && echo "rows measured: $(wc -l < "$RESULTS") in $RESULTS"
+if [ -f "$RESULTS" ]; then echo "rows measured: $(wc -l < "$RESULTS") in $RESULTS"; fi
