@@ -84,6 +84,20 @@ def _rows(idx_row, p0, k_end, kv_ptr, BPT: gl.constexpr, rows_l: gl.constexpr):
 
 
 @gluon.jit
+def _block_rows(idx_row, p0, k_end, kv_ptr, BPT: gl.constexpr, rl: gl.constexpr, sl: gl.constexpr,
+                FP4: gl.constexpr):
+    """``_rows`` of a block in the piece layout ``rl`` and, for nvfp4, in the block-scale layout ``sl`` (other
+    rows read their scales with the pieces: the same pointers)."""
+    base, valid = _rows(idx_row, p0, k_end, kv_ptr, BPT, rl)
+    if FP4:
+        sbase, svalid = _rows(idx_row, p0, k_end, kv_ptr, BPT, sl)
+    else:
+        sbase = base
+        svalid = valid
+    return base, valid, sbase, svalid
+
+
+@gluon.jit
 def _load_piece(base, valid, sbase, svalid, P: gl.constexpr, SCALE_OFF: gl.constexpr, DS: gl.constexpr,
                 FP4: gl.constexpr):
     """Raw bytes of 128-dim piece P of 64 rows and their scales, zeros for invalid rows: e4m3 [64, 128] u8
@@ -183,22 +197,12 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
         el: gl.constexpr = gl.SliceLayout(1, L_B16)
     else:
         el: gl.constexpr = gl.SliceLayout(1, L_R8)
-    base, valid = _rows(idx_row, k_begin, k_end, kv_ptr, BPT, rl)
-    if FP4:
-        sbase, svalid = _rows(idx_row, k_begin, k_end, kv_ptr, BPT, sl)
-    else:
-        sbase = base
-        svalid = valid
+    base, valid, sbase, svalid = _block_rows(idx_row, k_begin, k_end, kv_ptr, BPT, rl, sl, FP4)
     raw, sc = _load_piece(base, valid, sbase, svalid, 0, SCALE_OFF, DS, FP4)
     for i in range(n_blocks):
         b = i % 2
         p_next = k_begin + (i + 1) * 64
-        nbase, nvalid = _rows(idx_row, p_next, k_end, kv_ptr, BPT, rl)
-        if FP4:
-            nsbase, nsvalid = _rows(idx_row, p_next, k_end, kv_ptr, BPT, sl)
-        else:
-            nsbase = nbase
-            nsvalid = nvalid
+        nbase, nvalid, nsbase, nsvalid = _block_rows(idx_row, p_next, k_end, kv_ptr, BPT, rl, sl, FP4)
         if ROPE:
             rbase, rvalid = _rows(idx_row, k_begin + i * 64, k_end, kv_ptr, BPT, el)
         raw1, sc1 = _load_piece(base, valid, sbase, svalid, 1, SCALE_OFF, DS, FP4)

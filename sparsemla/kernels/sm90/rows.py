@@ -42,18 +42,21 @@ L_V = gl.constexpr(gl.DistributedLinearLayout(
 # Two rows' four e4m3 bytes ($4: row r, $5: row r + 1; dims d0..d3) -> fp16 pairs (d0 r, d0 r+1), (d1 r,
 # d1 r+1), (d2 ..), (d3 ..) in $0..$3: the byte pairing is two prmt before the converts instead of four
 # after them
-_E4M3_ROWS_ASM = gl.constexpr("""{
-.reg .b32 p0, p1;
-.reg .b16 h0, h1, h2, h3;
-prmt.b32 p0, $4, $5, 0x5140;
-prmt.b32 p1, $4, $5, 0x7362;
-mov.b32 {h0, h1}, p0;
-mov.b32 {h2, h3}, p1;
+# Interleave the bytes of two 32-bit words A, B into dim-order pairs (A0 B0, A1 B1, A2 B2, A3 B3) and convert
+# each pair of e4m3 codes to f16x2 in $0..$3 (the common tail of the two conversions below).
+_PAIR_CVT = """prmt.b32 p0, {a}, {b}, 0x5140;
+prmt.b32 p1, {a}, {b}, 0x7362;
+mov.b32 {{h0, h1}}, p0;
+mov.b32 {{h2, h3}}, p1;
 cvt.rn.f16x2.e4m3x2 $0, h0;
 cvt.rn.f16x2.e4m3x2 $1, h1;
 cvt.rn.f16x2.e4m3x2 $2, h2;
 cvt.rn.f16x2.e4m3x2 $3, h3;
-}""")
+"""
+_E4M3_ROWS_ASM = gl.constexpr("""{
+.reg .b32 p0, p1;
+.reg .b16 h0, h1, h2, h3;
+""" + _PAIR_CVT.format(a="$4", b="$5") + "}")
 
 # e2m1 nibbles -> fp16, four bytes (eight values) at a time: each nibble becomes an e4m3 code worth its value
 # x 2^-6 (sign to bit 7, the three magnitude bits to bits 2-4: exact for the subnormal code 0.5 too), the
@@ -73,15 +76,7 @@ shr.b32 u, $4, 2;
 and.b32 t, $4, 0x80808080;
 and.b32 u, u, 0x1C1C1C1C;
 or.b32 o, t, u;
-prmt.b32 p0, e, o, 0x5140;
-prmt.b32 p1, e, o, 0x7362;
-mov.b32 {h0, h1}, p0;
-mov.b32 {h2, h3}, p1;
-cvt.rn.f16x2.e4m3x2 $0, h0;
-cvt.rn.f16x2.e4m3x2 $1, h1;
-cvt.rn.f16x2.e4m3x2 $2, h2;
-cvt.rn.f16x2.e4m3x2 $3, h3;
-mul.f16x2 $0, $0, $5;
+""" + _PAIR_CVT.format(a="e", b="o") + """mul.f16x2 $0, $0, $5;
 mul.f16x2 $1, $1, $5;
 mul.f16x2 $2, $2, $5;
 mul.f16x2 $3, $3, $5;
