@@ -7,16 +7,15 @@ import os
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from attn_cases import SEED, make_case, rel_err  # noqa: E402
-from sm90_gpu import check_case, check_reference, plan_for, run, scales_view, skip_unless_sm90  # noqa: E402
+from attn_cases import make_case  # noqa: E402
+from sm90_gpu import (check_case, check_ds_scales_far_apart, check_k_scale_applied_once,  # noqa: E402
+                      skip_unless_sm90)
 
 from sparsemla.formats import get_format  # noqa: E402
 from sparsemla.plan import plan_attention  # noqa: E402
-from sparsemla.reference import sparse_mla  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -39,14 +38,7 @@ def test_wide_k_scale_applied_once():
     """Plain fp8 rows written with k_scale 0.5 and read with 0.5: the reference agrees; read with 1.0 the
     result must differ (a missing or doubled 1/k_scale would pass one of the two)."""
     skip_unless_sm90()
-    c = make_case("fp8", 4, 64, 256, ctx=1024, block_size=64, device="cuda", k_scale=0.5)
-    sm = 576 ** -0.5
-    plan = plan_for(c, "sm90-wide")
-    o_good, _ = run(c, sm, plan, 0.5)
-    o_bad, _ = run(c, sm, plan, 1.0)
-    ref_o, _ = sparse_mla(c["q"].double(), c["cache"], c["indices"], sm, c["valid_counts"], 0.5)
-    assert rel_err(o_good, ref_o) <= 1e-2
-    assert rel_err(o_bad, ref_o) > 5e-2
+    check_k_scale_applied_once("sm90-wide")
 
 
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope"])
@@ -54,13 +46,7 @@ def test_wide_ds_scales_far_apart(fmt):
     """fp8_ds_mla rows whose group scales differ by 2^20 between rows and groups: the A operands hold
     e4m3 x scale / (the row's largest scale), so nothing leaves fp16's range."""
     skip_unless_sm90()
-    c = make_case(fmt, 3, 64, 256, ctx=1024, block_size=64, device="cuda")
-    scales = scales_view(c)
-    g = torch.Generator(device="cuda").manual_seed(SEED)
-    scales.mul_(torch.exp2(torch.randint(-10, 11, scales.shape, device="cuda", generator=g).float()))
-    sm = c["fmt"].head_dim ** -0.5
-    out, lse = run(c, sm, plan_for(c, "sm90-wide"))
-    check_reference(c, sm, out, lse)
+    check_ds_scales_far_apart(fmt, "sm90-wide")
 
 
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from attn_cases import SEED, lse_err, lse_scale, rel_err  # noqa: E402
+from attn_cases import SEED, lse_err, lse_scale, make_case, rel_err  # noqa: E402
 
 from sparsemla.kernels.attention import attention_fwd  # noqa: E402
 from sparsemla.plan import plan_attention  # noqa: E402
@@ -84,3 +84,27 @@ def scales_view(c):
     """fp8_ds_mla rows' four fp32 group scales, [rows, 4] (a view: writes change the cache)."""
     off = c["fmt"].layout.scale_offset
     return c["cache"].rows[:, off:off + 16].view(torch.float32)
+
+
+def check_k_scale_applied_once(kernel):
+    """Plain fp8 rows written with k_scale 0.5 and read with 0.5 on ``kernel``: the reference agrees; read with
+    1.0 the result must differ (a missing or doubled 1/k_scale would pass one of the two)."""
+    c = make_case("fp8", 4, 64, 256, ctx=1024, block_size=64, device="cuda", k_scale=0.5)
+    sm = 576 ** -0.5
+    plan = plan_for(c, kernel)
+    o_good, _ = run(c, sm, plan, 0.5)
+    o_bad, _ = run(c, sm, plan, 1.0)
+    ref_o, _ = sparse_mla(c["q"].double(), c["cache"], c["indices"], sm, c["valid_counts"], 0.5)
+    assert rel_err(o_good, ref_o) <= 1e-2
+    assert rel_err(o_bad, ref_o) > 5e-2
+
+
+def check_ds_scales_far_apart(fmt, kernel):
+    """fp8_ds_mla rows (``fmt``) whose group scales differ by 2^20 between rows and groups, on ``kernel``."""
+    c = make_case(fmt, 3, 64, 256, ctx=1024, block_size=64, device="cuda")
+    scales = scales_view(c)
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    scales.mul_(torch.exp2(torch.randint(-10, 11, scales.shape, device="cuda", generator=g).float()))
+    sm = c["fmt"].head_dim ** -0.5
+    out, lse = run(c, sm, plan_for(c, kernel))
+    check_reference(c, sm, out, lse)
