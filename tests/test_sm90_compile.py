@@ -24,11 +24,11 @@ HOPPER_SMEM = 232448  # bytes of shared memory one block may use on sm_90 (227 K
 # Stack bytes (spill slots) per kernel family and Triton release, the largest over the family's variants.
 # The wide kernel keeps part of its loop state (the normaliser's partial sums) in local memory on every
 # release; a variant above its bound spills more than this code does on that release.  Releases not
-# listed get the largest bound of any.  The conv kernel's warpgroup 0 spills at its 192 registers: 128 bytes on
-# 3.6, 176-200 on 3.8, 216-264 on 3.9 (NoPE the most), measured.
+# listed get the largest bound of any.  The conv kernel's warpgroup 0 spills at its 192 registers: 80-160 bytes on
+# 3.6, 176-216 on 3.8, 216-264 on 3.9 (split partials and NoPE the most), measured.
 STACK = {
-    "3.6": {"bf16": 56, "few": 0, "wide": 88, "wide-fp8qk": 128, "conv": 128},
-    "3.8": {"bf16": 64, "few": 16, "wide": 96, "wide-fp8qk": 144, "conv": 200},
+    "3.6": {"bf16": 56, "few": 0, "wide": 88, "wide-fp8qk": 128, "conv": 160},
+    "3.8": {"bf16": 64, "few": 16, "wide": 96, "wide-fp8qk": 144, "conv": 216},
     "3.9": {"bf16": 96, "few": 0, "wide": 160, "wide-fp8qk": 216, "conv": 264},
 }
 
@@ -39,6 +39,12 @@ def _stack_limit(name):
     if release in STACK and family in STACK[release]:
         return STACK[release][family]
     return max(limits.get(family, 0) for limits in STACK.values())
+
+
+def _cp_async_fed(name):
+    """Whether a variant's shared memory is filled by cp.async with mbarrier arrivals: all but the conv
+    kernel's variants with fp16 tiles (nvfp4, fp8), whose q is converted by the producer."""
+    return not (name.startswith("conv-") and not name.startswith("conv-fp8_ds_mla"))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +62,10 @@ def test_compiles_for_sm90_within_limits(compiled, name):
     r = compiled[name]
     assert "error" not in r, r.get("error")
     assert r["smem"] <= HOPPER_SMEM, r
-    assert r["setmaxnreg"] and r["mbarrier_cp_async"], r
+    assert r["setmaxnreg"], r
+    # every kernel gathers with cp.async into mbarrier-tracked stages, except the conv kernel's converting
+    # producer, which loads into registers (and for fp16 tiles converts q with plain loads too)
+    assert r["mbarrier_cp_async"] == _cp_async_fed(name), r
     assert r["stack"] <= _stack_limit(name), r
     # a wait that names accumulators still in flight makes ptxas serialize every wgmma (visible only in its
     # log): the kernel then runs about half as fast

@@ -101,6 +101,28 @@ def test_conv_ds_scales_far_apart(fmt):
     check_ds_scales_far_apart(fmt, KERNEL)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4_ds_mla", "fp8", "nvfp4_ds_mla-nope"])
+def test_conv_fp16_q_across_the_bf16_range(fmt):
+    """fp16 tiles (nvfp4, fp8): q is converted to fp16 per head times a power of two.  Heads whose q spans
+    2^-100 .. 2^100 (far outside fp16's range), one head all zeros, one with a single huge entry among tiny
+    ones: against the float64 reference.  sm_scale is shrunk with the largest head so that its scores stay
+    finite in fp32."""
+    skip_unless_sm90()
+    k_scale = _k_scale(fmt)
+    c = make_case(fmt, 3, 64, 512, ctx=1024, block_size=64, device="cuda", k_scale=k_scale)
+    q = c["q"].float()
+    exps = torch.linspace(-100, 100, q.shape[1], device="cuda").round()
+    q = q * torch.exp2(exps)[None, :, None]
+    q[:, 5] = 0.0
+    q[:, 6] = q[:, 6] * 2.0 ** -40
+    q[:, 6, 7] = 2.0 ** 40
+    c["q"] = q.to(torch.bfloat16)
+    sm = 2.0 ** -110
+    plan = plan_for(c, KERNEL, 1)
+    out, lse = run(c, sm, plan, k_scale)
+    check_reference(c, sm, out, lse, k_scale)
+
+
 def test_conv_one_token_many_splits_and_poisoned_split_buffers():
     """One token, a split per 64-row block, a caller's split buffer full of NaN: every partial is written."""
     skip_unless_sm90()

@@ -5,27 +5,32 @@ The other quantized kernels (``few.py``, ``wide.py``) convert the raw bytes in t
 once per head group and operand; at 64-128 heads their tensor cores then idle most of the time.  Here the
 conversion has its own warpgroup and the MMA warpgroups run the bf16 kernel's kind of loop on converted tiles:
 
-- producer (worker partition, 4 warps): stages q (bf16, cp.async); per 64-row block, gathers the raw rows with
-  16-byte ``gl.load`` s in 128-dim pieces, one piece ahead of the one it converts (registers allow no more
-  without spilling), dequantizes each piece to bf16 and stores it into the block's tile (kL: dims 0-255, kR:
-  256-511, kE: the rope), two tiles double-buffered.  Rows of -1 / past the valid count are never read and
-  their tile rows are zeros (so that P = 0 times them stays 0);
+- producer (worker partition, 4 warps): stages q; per 64-row block, gathers the raw rows as 32-bit words (16
+  bytes a thread and row), one whole block ahead of the conversion (after converting a piece of block i it
+  issues the same piece's loads for block i + 1), dequantizes each 128-dim piece and stores it into the
+  block's tile (kL: dims 0-255, kR: 256-511, kE: the rope), two tiles double-buffered.  Rows of -1 / past
+  the valid count are never read and their tile rows are zeros (so that P = 0 times them stays 0);
 - warpgroup 0 (default partition): S = q K^T over all 576 (512) dims for 64 heads x 64 rows (wgmma m64n64,
-  q and the tile from shared memory), the online softmax (base 2), publishes P (bf16) and the rescale factor
+  q and the tile from shared memory), the online softmax (base 2), publishes P (in the tiles' 16-bit type) and the rescale factor
   alpha for warpgroup 1, and PV for output columns 0-255 with P from shared memory too (P in registers needs 208
   registers, which leave the others too few; V = kL read as the MMA's B
   operand, MN-major: no transpose).  The next block's QK is issued behind this block's PV;
 - warpgroup 1 (worker partition): PV for output columns 256-511 (A = P from shared memory, B = kR), its
   accumulator rescaled by warpgroup 0's alpha.
 
-Values.  fp8: e4m3 -> bf16 (exact); the per-tensor k_scale multiplies the scores and the output.
+Values.  The tiles, q and P are fp16 where the row values are exact in it, bf16 otherwise.  fp8: e4m3 -> fp16
+(exact); the per-tensor k_scale multiplies the scores and the output.  nvfp4_ds_mla: e2m1 x the 16-dim block's
+e4m3 scale (exact in fp16, ``rows.fp4_words_f16``); the e4m3 rope -> fp16.  For these two q is converted to fp16
+by the producer, each head times a power of two that keeps it in fp16's range (undone on its scores).
 fp8_ds_mla: e4m3 x the 128-dim group's fp32 scale, rounded to bf16 (exact for the power-of-two scales the
-writers produce; other scales round once, like a bf16 cache); the bf16 rope is copied.  nvfp4_ds_mla: e2m1 x
-the 16-dim block's e4m3 scale (exact in fp16 and in bf16, ``rows.fp4_values``); the e4m3 rope -> bf16.
+writers produce; other scales round once, like a bf16 cache; fp16 could overflow); the bf16 rope and q are
+copied.  Converting to fp16 takes half the producer's instructions of converting to bf16 (no detour through
+fp32), measured: 791 against 1228 a block for nvfp4.
 
-mbarriers: ``q_bar`` (q staged: one cp.async arrival per producer thread), ``ready[b]`` (tile b converted;
+mbarriers: ``q_bar`` (q staged: one cp.async arrival per producer thread; fp16 q: one arrival), ``ready[b]`` (tile b converted;
 the producer fences its generic-proxy stores for the async proxy first), ``free[b]`` (count 2: both
-warpgroups done reading tile b), ``p_ready`` / ``p_free`` (P and alpha handed from warpgroup 0 to
+warpgroups done reading tile b; warpgroup 0 arrives when its PV of the block is done, before the next
+block's QK is), ``p_ready`` / ``p_free`` (P and alpha handed from warpgroup 0 to
 warpgroup 1), ``l_bar`` (warpgroup 0's final row sums, so that both halves of the output are normalized by
 the same l).
 
@@ -45,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import compat
 from .common import NEG_BIG, normalizer, program_coords
-from .rows import block_indices, copy_rows, fp4_values
+from .rows import block_indices, copy_rows, e4m3_words_bf16, e4m3_words_f16, fp4_words_f16, pow2_scale
 
 # warpgroup 0's S [64 heads, 64 rows] and each warpgroup's O [64 heads, 256 columns] on wgmma
 S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
@@ -62,58 +67,49 @@ OROW = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))  # one value per head (of
 WG1_REGS = gl.constexpr(160)
 PRODUCER_REGS = gl.constexpr(152)
 
-# Producer register layouts (4 warps), 16 contiguous bytes a thread per row:
-# e4m3 piece [64 rows, 128 bytes] (4 rows a thread)
-L_E8 = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
-# e2m1 piece [64 rows, 64 bytes = 128 dims] (2 rows a thread), and the same bytes as [64, 8 blocks, 8]
-L_E2 = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
-L_E2B = gl.constexpr(gl.BlockedLayout([1, 2, 8], [8, 4, 1], [4, 1, 1], [2, 1, 0]))
-L_E2S = gl.constexpr(gl.SliceLayout(2, L_E2B.value))  # the e4m3 block scales [64 rows, 8 blocks]
-# e4m3 rope [64 rows, 64 bytes] (2 x 16 bytes a thread); bf16 rope / q rows [R, 64k elements] (8 elements)
-L_R8 = gl.constexpr(gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0]))
+# Producer register layouts (4 warps): the raw rows are loaded as 32-bit words, 16 contiguous bytes a thread
+# per row (as bytes, the values carried from one block to the next would take a register each).
+# e4m3 piece [64 rows, 32 words = 128 dims] (4 rows a thread); bf16 rope [64, 32 words] alike
+L_W8 = gl.constexpr(gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0]))
+# e2m1 piece [64 rows, 16 words = 128 dims] (2 rows a thread), the same words as [64, 8 blocks, 2]; e4m3 rope
+# [64, 16 words] alike
+L_W2 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
+L_W2B = gl.constexpr(gl.BlockedLayout([1, 2, 2], [8, 4, 1], [4, 1, 1], [2, 1, 0]))
+L_W2S = gl.constexpr(gl.SliceLayout(2, L_W2B.value))  # the e4m3 block scales [64 rows, 8 blocks]
+# bf16 q rows [64, 64k elements] (8 elements a thread)
 L_B16 = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
 
 
 @gluon.jit
-def _rows(idx_row, p0, k_end, kv_ptr, BPT: gl.constexpr, rows_l: gl.constexpr):
-    """Byte pointers to the rows at positions p0 .. p0 + 63 [64] (row 0 for an invalid entry: never read) and
-    which are valid."""
-    idx = block_indices(idx_row, p0, k_end, rows_l)
+def _ptrs(idx, kv_ptr, BPT: gl.constexpr):
+    """Byte pointers to the cache rows ``idx`` (row 0 for an invalid entry: never read) and which are valid."""
     valid = idx >= 0
     return gl.multiple_of(kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * BPT, 16), valid
 
 
 @gluon.jit
-def _block_rows(idx_row, p0, k_end, kv_ptr, BPT: gl.constexpr, rl: gl.constexpr, sl: gl.constexpr,
-                FP4: gl.constexpr):
-    """``_rows`` of a block in the piece layout ``rl`` and, for nvfp4, in the block-scale layout ``sl`` (other
-    rows read their scales with the pieces: the same pointers)."""
-    base, valid = _rows(idx_row, p0, k_end, kv_ptr, BPT, rl)
-    if FP4:
-        sbase, svalid = _rows(idx_row, p0, k_end, kv_ptr, BPT, sl)
-    else:
-        sbase = base
-        svalid = valid
-    return base, valid, sbase, svalid
+def _words(base, valid, off: gl.constexpr, N: gl.constexpr, lay: gl.constexpr):
+    """N 32-bit words at byte ``off`` of the rows ``base`` [64] (SliceLayout(1, lay)), zeros for invalid rows."""
+    c = gl.arange(0, N, layout=gl.SliceLayout(0, lay))
+    p = gl.multiple_of(base + off, 16).to(gl.pointer_type(gl.int32))
+    return gl.load(p[:, None] + c[None, :], mask=valid[:, None], other=0)
 
 
 @gluon.jit
-def _load_piece(base, valid, sbase, svalid, P: gl.constexpr, SCALE_OFF: gl.constexpr, DS: gl.constexpr,
-                FP4: gl.constexpr):
-    """Raw bytes of 128-dim piece P of 64 rows and their scales, zeros for invalid rows: e4m3 [64, 128] u8
-    (L_E8) and, fp8_ds_mla, the group scale [64] fp32; nvfp4 [64, 64] u8 (L_E2) and the 8 block scales
-    [64, 8] u8 (L_E2S; ``sbase`` / ``svalid`` are the rows in that layout).  Plain fp8: the scale is 0
-    (unused)."""
+def _load_piece(base, valid, P: gl.constexpr, SCALE_OFF: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr):
+    """Raw words of 128-dim piece P of 64 rows and their scales, zeros for invalid rows: e4m3 [64, 32] (L_W8)
+    and, fp8_ds_mla, the group scale [64] fp32; nvfp4 [64, 16] (L_W2) and the 8 block scales [64, 8] u8
+    (L_W2S).  Plain fp8: the scale is 0 (unused)."""
     if FP4:
-        c = gl.arange(0, 64, layout=gl.SliceLayout(0, L_E2))
-        raw = gl.load(gl.multiple_of(base + 64 * P, 16)[:, None] + c[None, :], mask=valid[:, None], other=0)
+        raw = _words(base, valid, 64 * P, 16, L_W2)
         # block 8 P + j of a row: its scale byte is at 8 (j % 4) + 2 P + j // 4 (kv-formats.md)
-        j = gl.arange(0, 8, layout=gl.SliceLayout(0, L_E2S))
+        sl: gl.constexpr = gl.SliceLayout(1, L_W2S)
+        j = gl.arange(0, 8, layout=gl.SliceLayout(0, L_W2S))
         so = SCALE_OFF + 2 * P + 8 * (j % 4) + j // 4
-        sc = gl.load(sbase[:, None] + so[None, :], mask=svalid[:, None], other=0)
+        sbase = gl.convert_layout(base, sl)  # the same rows in each thread
+        sc = gl.load(sbase[:, None] + so[None, :], mask=gl.convert_layout(valid, sl)[:, None], other=0)
     else:
-        c = gl.arange(0, 128, layout=gl.SliceLayout(0, L_E8))
-        raw = gl.load(gl.multiple_of(base + 128 * P, 16)[:, None] + c[None, :], mask=valid[:, None], other=0)
+        raw = _words(base, valid, 128 * P, 32, L_W8)
         if DS:
             sc = gl.load((base + (SCALE_OFF + 4 * P)).to(gl.pointer_type(gl.float32)), mask=valid, other=0.0)
         else:
@@ -123,108 +119,157 @@ def _load_piece(base, valid, sbase, svalid, P: gl.constexpr, SCALE_OFF: gl.const
 
 @gluon.jit
 def _store_piece(raw, sc, dst, DS: gl.constexpr, FP4: gl.constexpr):
-    """Dequantize a piece (``_load_piece``) to bf16 and store it into ``dst`` [64, 128] (a tile slice)."""
+    """Dequantize a piece (``_load_piece``) and store it into ``dst`` [64, 64] int32 (pairs of the tile's
+    16-bit type: a tile slice)."""
     if FP4:
-        x = gl.convert_layout(raw.reshape([64, 8, 8]), L_E2B)  # the same registers
-        v = fp4_values(x, gl.broadcast(sc[:, :, None], x)[0]).reshape([64, 128]).to(gl.bfloat16)
+        v = fp4_words_f16(gl.convert_layout(raw.reshape([64, 8, 2]), L_W2B), sc)  # the same registers
     elif DS:
-        v = (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]).to(gl.bfloat16)
+        v = e4m3_words_bf16(raw, gl.broadcast(sc[:, None], raw)[0])
     else:
-        v = raw.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16)
+        v = e4m3_words_f16(raw)
     dst.store(v)
 
 
 @gluon.jit
-def _load_rope(rbase, rvalid, ROPE_OFF: gl.constexpr, DS: gl.constexpr):
-    """The rope part of 64 rows: bf16 [64, 64] (fp8_ds_mla, L_B16) or e4m3 bytes [64, 64] (L_R8); zeros for
-    invalid rows."""
+def _load_rope(base, valid, ROPE_OFF: gl.constexpr, DS: gl.constexpr):
+    """The rope part of 64 rows as words: bf16 [64, 32] (fp8_ds_mla, L_W8) or e4m3 [64, 16] (L_W2); zeros for
+    invalid rows.  ``base`` in the layout of the value pieces (the same for fp8_ds_mla and nvfp4) or of L_W2
+    (fp8)."""
     if DS:
-        c = gl.arange(0, 64, layout=gl.SliceLayout(0, L_B16))
-        p = gl.multiple_of(rbase + ROPE_OFF, 16).to(gl.pointer_type(gl.bfloat16))
+        return _words(base, valid, ROPE_OFF, 32, L_W8)
     else:
-        c = gl.arange(0, 64, layout=gl.SliceLayout(0, L_R8))
-        p = gl.multiple_of(rbase + ROPE_OFF, 16)
-    return gl.load(p[:, None] + c[None, :], mask=rvalid[:, None], other=0)
+        return _words(base, valid, ROPE_OFF, 16, L_W2)
 
 
 @gluon.jit
 def _store_rope(r, dst, DS: gl.constexpr):
+    """Rope words (``_load_rope``) into ``dst`` [64, 32] int32 (bf16 pairs)."""
     if DS:
         dst.store(r)
     else:
-        dst.store(r.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16))
+        dst.store(e4m3_words_f16(r))
 
 
 @gluon.jit
-def _piece_dst(kL, kR, b, P: gl.constexpr):
-    """Tile b's columns 128 P .. 128 P + 127 (kL: pieces 0, 1; kR: pieces 2, 3)."""
+def _piece_dst(kLw, kRw, b, P: gl.constexpr):
+    """Tile b's dims 128 P .. 128 P + 127 as bf16 pairs (kL: pieces 0, 1; kR: pieces 2, 3)."""
     if P < 2:
-        return kL.index(b).slice(128 * P, 128, dim=1)
+        return kLw.index(b).slice(64 * P, 64, dim=1)
     else:
-        return kR.index(b).slice(128 * (P - 2), 128, dim=1)
+        return kRw.index(b).slice(64 * (P - 2), 64, dim=1)
+
+
+@gluon.jit
+def _stage_q_f16(q_row, hm, qL, qR, qE, sQ, ROPE: gl.constexpr):
+    """q rows [64 heads] (bf16) -> fp16 in qL / qR / qE, each head times a power of two c (its amax x c in
+    [2^14, 2^15): no overflow, and bf16's 8 significant bits stay exact down to 2^-22 of the amax), and 1 / c
+    into sQ.  Two passes over q (the second from L1 / L2): the amax, then the scaled values."""
+    amax = gl.zeros([64], gl.float32, gl.SliceLayout(1, L_B16))
+    for j in gl.static_range(4):
+        amax = gl.maximum(amax, gl.max(gl.abs(_q_part(q_row, hm, 128 * j, 128)), 1))
+    if ROPE:
+        amax = gl.maximum(amax, gl.max(gl.abs(_q_part(q_row, hm, 512, 64)), 1))
+    c, inv_c = pow2_scale(amax)  # amax c in [128, 256)
+    c = c * 128.0
+    for j in gl.static_range(2):
+        qL.index(0).slice(128 * j, 128, dim=1).store(
+            (_q_part(q_row, hm, 128 * j, 128, True) * c[:, None]).to(gl.float16))
+        qR.index(0).slice(128 * j, 128, dim=1).store(
+            (_q_part(q_row, hm, 256 + 128 * j, 128, True) * c[:, None]).to(gl.float16))
+    if ROPE:
+        qE.index(0).store((_q_part(q_row, hm, 512, 64, True) * c[:, None]).to(gl.float16))
+    sQ.store(inv_c * 0.0078125)
+
+
+@gluon.jit
+def _q_part(q_row, hm, col0: gl.constexpr, N: gl.constexpr, AGAIN: gl.constexpr = False):
+    """q[:, col0 : col0 + N] of the rows ``q_row`` as fp32 [64, N] (L_B16; zeros for rows not in ``hm``).
+    AGAIN: the second read of the same elements, volatile so that the compiler cannot keep the first read's
+    values live instead (all of q: 288 values a thread)."""
+    c = gl.arange(0, N, layout=gl.SliceLayout(0, L_B16))
+    return gl.load(q_row[:, None] + col0 + c[None, :], mask=hm[:, None], other=0.0, volatile=AGAIN).to(gl.float32)
 
 
 @gluon.jit
 def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
               DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
-    """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run one
-    piece ahead of the conversion: the next piece (after the last value piece: the rope, after the rope: the
-    next block's first piece) is loaded before the current one is converted; the next block's rows are looked
-    up at the start of a block."""
+    """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).
+
+    The rows are gathered one whole block ahead of the conversion: after converting a piece of block i it
+    issues the loads of the same piece of block i + 1 into the registers it frees, so that a block's worth of
+    loads is always in flight (a gathered row costs about a microsecond of latency; with one piece in flight
+    the producer waited for it five times a block).  The rows' indices are loaded one block ahead of the
+    loads, so that their latency is off that path too."""
     (q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem,
      bars) = args
-    qL, qR, qE, kL, kR, kE, sP, sA, sL = smem
-    q_bar, ready, free, p_ready, p_free, l_bar = bars
+    qL, qR, qE, kLw, kRw, kEw, sQ = smem
+    q_bar, ready, free = bars
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
-    # q [64 heads, 576] bf16 by cp.async (rows of heads >= H zero-filled)
+    # q [64 heads, 576] (rows of heads >= H zero-filled)
     heads = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, L_B16))
     hm = heads < H
     q_row = gl.multiple_of(q_ptr + t.to(gl.int64) * stride_qt + gl.where(hm, heads, 0).to(gl.int64) * stride_qh, 16)
-    copy_rows(qL.index(0), q_row, 0, 256, hm, L_B16)
-    copy_rows(qR.index(0), q_row, 256, 256, hm, L_B16)
-    if ROPE:
-        copy_rows(qE.index(0), q_row, 512, 64, hm, L_B16)
-    async_copy.mbarrier_arrive(q_bar, increment_count=False)
+    if DS:
+        # bf16, as it is, by cp.async
+        copy_rows(qL.index(0), q_row, 0, 256, hm, L_B16)
+        copy_rows(qR.index(0), q_row, 256, 256, hm, L_B16)
+        if ROPE:
+            copy_rows(qE.index(0), q_row, 512, 64, hm, L_B16)
+        async_copy.mbarrier_arrive(q_bar, increment_count=False)
+    else:
+        _stage_q_f16(q_row, hm, qL, qR, qE, sQ, ROPE)
+        fence_async_shared()  # q is read by the consumers' wgmma (async proxy)
+        compat.barrier()
+        mbarrier.arrive(q_bar, count=1)
 
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    # the rows in the layout of the pieces (rl) and, for plain fp8, of its 64-byte rope (el; fp8_ds_mla's and
+    # nvfp4's rope is read in rl)
     if FP4:
-        rl: gl.constexpr = gl.SliceLayout(1, L_E2)
+        rl: gl.constexpr = gl.SliceLayout(1, L_W2)
     else:
-        rl: gl.constexpr = gl.SliceLayout(1, L_E8)
-    sl: gl.constexpr = gl.SliceLayout(1, L_E2S)
-    if DS:
-        el: gl.constexpr = gl.SliceLayout(1, L_B16)
-    else:
-        el: gl.constexpr = gl.SliceLayout(1, L_R8)
-    base, valid, sbase, svalid = _block_rows(idx_row, k_begin, k_end, kv_ptr, BPT, rl, sl, FP4)
-    raw, sc = _load_piece(base, valid, sbase, svalid, 0, SCALE_OFF, DS, FP4)
+        rl: gl.constexpr = gl.SliceLayout(1, L_W8)
+    el: gl.constexpr = gl.SliceLayout(1, L_W2)
+    SEP: gl.constexpr = ROPE and not DS and not FP4  # a rope in its own layout
+    # block 0's raw words in flight, block 1's indices
+    base, valid = _ptrs(block_indices(idx_row, k_begin, k_end, rl), kv_ptr, BPT)
+    r0, s0 = _load_piece(base, valid, 0, SCALE_OFF, DS, FP4)
+    r1, s1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4)
+    r2, s2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4)
+    r3, s3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4)
+    if ROPE:
+        if SEP:
+            rbase, rvalid = _ptrs(block_indices(idx_row, k_begin, k_end, el), kv_ptr, BPT)
+            rope = _load_rope(rbase, rvalid, ROPE_OFF, DS)
+            n_ri = block_indices(idx_row, k_begin + 64, k_end, el)
+        else:
+            rope = _load_rope(base, valid, ROPE_OFF, DS)
+    n_i = block_indices(idx_row, k_begin + 64, k_end, rl)
     for i in range(n_blocks):
         b = i % 2
-        p_next = k_begin + (i + 1) * 64
-        nbase, nvalid, nsbase, nsvalid = _block_rows(idx_row, p_next, k_end, kv_ptr, BPT, rl, sl, FP4)
-        if ROPE:
-            rbase, rvalid = _rows(idx_row, k_begin + i * 64, k_end, kv_ptr, BPT, el)
-        raw1, sc1 = _load_piece(base, valid, sbase, svalid, 1, SCALE_OFF, DS, FP4)
+        # block i + 1's rows (past the end: all invalid, so that its loads read nothing), block i + 2's indices
+        p2 = k_begin + (i + 2) * 64
+        base, valid = _ptrs(n_i, kv_ptr, BPT)
+        n_i = block_indices(idx_row, p2, k_end, rl)
+        if SEP:
+            rbase, rvalid = _ptrs(n_ri, kv_ptr, BPT)
+            n_ri = block_indices(idx_row, p2, k_end, el)
         mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
-        _store_piece(raw, sc, _piece_dst(kL, kR, b, 0), DS, FP4)
-        raw2, sc2 = _load_piece(base, valid, sbase, svalid, 2, SCALE_OFF, DS, FP4)
-        _store_piece(raw1, sc1, _piece_dst(kL, kR, b, 1), DS, FP4)
-        raw3, sc3 = _load_piece(base, valid, sbase, svalid, 3, SCALE_OFF, DS, FP4)
-        _store_piece(raw2, sc2, _piece_dst(kL, kR, b, 2), DS, FP4)
+        _store_piece(r0, s0, _piece_dst(kLw, kRw, b, 0), DS, FP4)
+        r0, s0 = _load_piece(base, valid, 0, SCALE_OFF, DS, FP4)
+        _store_piece(r1, s1, _piece_dst(kLw, kRw, b, 1), DS, FP4)
+        r1, s1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4)
+        _store_piece(r2, s2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
+        r2, s2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4)
+        _store_piece(r3, s3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
+        r3, s3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4)
         if ROPE:
-            rope = _load_rope(rbase, rvalid, ROPE_OFF, DS)
-            _store_piece(raw3, sc3, _piece_dst(kL, kR, b, 3), DS, FP4)
-            # the next block's first piece (all zeros past the end: its rows are invalid)
-            raw, sc = _load_piece(nbase, nvalid, nsbase, nsvalid, 0, SCALE_OFF, DS, FP4)
-            _store_rope(rope, kE.index(b), DS)
-        else:
-            raw, sc = _load_piece(nbase, nvalid, nsbase, nsvalid, 0, SCALE_OFF, DS, FP4)
-            _store_piece(raw3, sc3, _piece_dst(kL, kR, b, 3), DS, FP4)
-        base = nbase
-        valid = nvalid
-        sbase = nsbase
-        svalid = nsvalid
+            _store_rope(rope, kEw.index(b), DS)
+            if SEP:
+                rope = _load_rope(rbase, rvalid, ROPE_OFF, DS)
+            else:
+                rope = _load_rope(base, valid, ROPE_OFF, DS)
         fence_async_shared()  # this thread's tile stores -> the consumers' wgmma (async proxy) reads
         compat.barrier()      # every producer thread has stored and fenced
         mbarrier.arrive(ready.index(b), count=1)
@@ -256,7 +301,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
     """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
-    qL, qR, qE, kL, kR, kE, sP, sA, sL = smem
+    qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ = smem
     q_bar, ready, free, p_ready, p_free, l_bar = bars
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
@@ -269,6 +314,8 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
     l_i = gl.zeros([64], gl.float32, SROW)
     acc = gl.zeros([64, 256], gl.float32, O_LAYOUT)
     mbarrier.wait(q_bar, 0)
+    if not DS:
+        ss = ss * sQ.load(SROW)  # fp16 q: each head's power-of-two scale undone on its scores
     if n_blocks > 0:
         mbarrier.wait(ready.index(0), 0)
         fence_async_shared()
@@ -283,14 +330,18 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         z = i // (n_blocks + 1)
         offs = k_begin + i * 64 + gl.arange(0, 64, layout=SCOL)
         ok = gl.load(idx_row + offs, mask=offs < k_end, other=-1) >= 0
-        sc = gl.where(ok[None, :], sc * ss, float("-inf"))
+        if DS:
+            sc = sc * ss
+        else:
+            sc = sc * ss[:, None]
+        sc = gl.where(ok[None, :], sc, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sc, 1))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
         acc = acc * gl.convert_layout(alpha, OROW)[:, None]
-        pb = p.to(gl.bfloat16)
+        pb = p.to(sP.dtype)
         # hand P and alpha to warpgroup 1 once it is done with the previous ones
         mbarrier.wait(p_free, (i & 1) ^ 1)
         sP.store(pb)
@@ -308,11 +359,16 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
             mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
             fence_async_shared()
             sc = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)
-            sc, acc = warpgroup_mma_wait(0, deps=(sc, acc))
+            # tile b is released as soon as this PV is done (wgmma groups retire in order), not after the next
+            # QK: the producer then converts the block after next while that QK runs
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            compat.barrier()  # every warp's reads of tile b are done
+            mbarrier.arrive(free.index(b), count=1)
+            sc = warpgroup_mma_wait(0, deps=(sc, ))
         else:
             acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(pa, kL.index(b + z), acc, is_async=True), ))
-        compat.barrier()  # every warp's reads of tile b are done
-        mbarrier.arrive(free.index(b), count=1)
+            compat.barrier()  # every warp's reads of tile b are done
+            mbarrier.arrive(free.index(b), count=1)
     # both warpgroups normalize with these row sums
     sL.store(l_i)
     compat.barrier()
@@ -330,7 +386,7 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
     """Warpgroup 1: PV for output columns 256-511 with warpgroup 0's P and alpha."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
-    qL, qR, qE, kL, kR, kE, sP, sA, sL = smem
+    qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ = smem
     q_bar, ready, free, p_ready, p_free, l_bar = bars
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
@@ -363,18 +419,24 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                 NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``)."""
-    half: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)
-    small: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    # the 16-bit type of q, the tiles and P: fp16 where the values are exact in it (nvfp4, fp8), else bf16
+    if DS:
+        TD: gl.constexpr = gl.bfloat16
+    else:
+        TD: gl.constexpr = gl.float16
+    half: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], TD)
+    small: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], TD)
     vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    qL = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 256], half)
-    qR = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 256], half)
-    qE = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], small)
-    kL = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 256], half)
-    kR = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 256], half)
-    kE = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], small)
-    sP = gl.allocate_shared_memory(gl.bfloat16, [64, 64], small)
+    qL = gl.allocate_shared_memory(TD, [1, 64, 256], half)
+    qR = gl.allocate_shared_memory(TD, [1, 64, 256], half)
+    qE = gl.allocate_shared_memory(TD, [1, 64, 64], small)
+    kL = gl.allocate_shared_memory(TD, [2, 64, 256], half)
+    kR = gl.allocate_shared_memory(TD, [2, 64, 256], half)
+    kE = gl.allocate_shared_memory(TD, [2, 64, 64], small)
+    sP = gl.allocate_shared_memory(TD, [64, 64], small)
     sA = gl.allocate_shared_memory(gl.float32, [64], vec)
     sL = gl.allocate_shared_memory(gl.float32, [64], vec)
+    sQ = gl.allocate_shared_memory(gl.float32, [64], vec)  # fp16 q: 1 / each head's scale
     bl: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
@@ -382,7 +444,10 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
     p_ready = gl.allocate_shared_memory(gl.int64, [1], bl)
     p_free = gl.allocate_shared_memory(gl.int64, [1], bl)
     l_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
-    mbarrier.init(q_bar, count=128)  # one cp.async arrival per producer thread
+    if DS:
+        mbarrier.init(q_bar, count=128)  # one cp.async arrival per producer thread
+    else:
+        mbarrier.init(q_bar, count=1)  # the producer, after a warpgroup barrier
     for b in gl.static_range(2):
         mbarrier.init(ready.index(b), count=1)  # the producer, after a warpgroup barrier
         mbarrier.init(free.index(b), count=2)   # both consumer warpgroups
@@ -392,9 +457,14 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
     # (constexprs reach a partition as constexprs only when written into warp_specialize's argument tuples)
     ca = (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls,
           stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-          (qL, qR, qE, kL, kR, kE, sP, sA, sL), (q_bar, ready, free, p_ready, p_free, l_bar))
+          (qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ), (q_bar, ready, free, p_ready, p_free, l_bar))
+    # the producer stores bf16 pairs as 32-bit words: the same bytes under the same 128-byte swizzle
+    words: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    kLw = compat.reinterpret(kL, gl.int32, [2, 64, 128], words)
+    kRw = compat.reinterpret(kR, gl.int32, [2, 64, 128], words)
+    kEw = compat.reinterpret(kE, gl.int32, [2, 64, 32], words)
     pa = (q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits,
-          (qL, qR, qE, kL, kR, kE, sP, sA, sL), (q_bar, ready, free, p_ready, p_free, l_bar))
+          (qL, qR, qE, kLw, kRw, kEw, sQ), (q_bar, ready, free))
     gl.warp_specialize([(_wg0, (ca, ROPE, DS, FP4, NG, HAS_VC)), (_wg1, (ca, DS, FP4, NG, HAS_VC)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC))],
                        [4, 4], [WG1_REGS, PRODUCER_REGS])

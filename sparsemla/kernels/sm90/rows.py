@@ -64,22 +64,57 @@ _E4M3_ROWS_ASM = gl.constexpr("""{
 # row wants), cvt.f16x2.e4m3x2 converts them and one multiply by the block scale x 2^6 (<= 448 x 64, exact)
 # gives the exact dequantized values (<= 6 x 448, >= 2^-10: normal fp16).  $0 $1 = dims 0-3, $2 $3 = dims
 # 4-7; $4: the four bytes; $5 $6: the block scale x 2^6 as f16x2 (all four halves equal).
-_FP4N_ASM = gl.constexpr("""{
-.reg .b32 e, o, t, u, p0, p1;
-.reg .b16 h0, h1, h2, h3;
-shl.b32 t, $4, 4;
-shl.b32 u, $4, 2;
+_FP4_CODES = """shl.b32 t, {x}, 4;
+shl.b32 u, {x}, 2;
 and.b32 t, t, 0x80808080;
 and.b32 u, u, 0x1C1C1C1C;
 or.b32 e, t, u;
-shr.b32 u, $4, 2;
-and.b32 t, $4, 0x80808080;
+shr.b32 u, {x}, 2;
+and.b32 t, {x}, 0x80808080;
 and.b32 u, u, 0x1C1C1C1C;
 or.b32 o, t, u;
-""" + _PAIR_CVT.format(a="e", b="o") + """mul.f16x2 $0, $0, $5;
+"""
+_FP4N_ASM = gl.constexpr("""{
+.reg .b32 e, o, t, u, p0, p1;
+.reg .b16 h0, h1, h2, h3;
+""" + _FP4_CODES.format(x="$4") + _PAIR_CVT.format(a="e", b="o") + """mul.f16x2 $0, $0, $5;
 mul.f16x2 $1, $1, $5;
 mul.f16x2 $2, $2, $5;
 mul.f16x2 $3, $3, $5;
+}""")
+
+# The same values as _FP4N_ASM from one 32-bit word of packed e2m1 ($4, eight values) and the block scale
+# x 2^6 as f16x2 ($5): fp16 pairs in dim order, $0 = dims 0-1, ..., $3 = dims 6-7.
+_FP4W_ASM = gl.constexpr("""{
+.reg .b32 e, o, t, u, p0, p1;
+.reg .b16 h0, h1, h2, h3;
+""" + _FP4_CODES.format(x="$4") + _PAIR_CVT.format(a="e", b="o") + "".join(
+    f"mul.f16x2 ${k}, ${k}, $5;\n" for k in range(4)) + "}")
+
+# One 32-bit word of four e4m3 values ($2, dim order) -> fp16 pairs $0 (dims 0-1), $1 (dims 2-3), exact
+_E4M3W_ASM = gl.constexpr("""{
+.reg .b16 l, h;
+mov.b32 {l, h}, $2;
+cvt.rn.f16x2.e4m3x2 $0, l;
+cvt.rn.f16x2.e4m3x2 $1, h;
+}""")
+
+# ... and to bf16 pairs, each value times the fp32 scale $3 (rounded once, to bf16)
+_E4M3WS_ASM = gl.constexpr("""{
+.reg .b16 l, h, g0, g1, g2, g3;
+.reg .b32 a, b;
+.reg .f32 f0, f1, f2, f3;
+mov.b32 {l, h}, $2;
+cvt.rn.f16x2.e4m3x2 a, l;
+cvt.rn.f16x2.e4m3x2 b, h;
+mov.b32 {g0, g1}, a;
+mov.b32 {g2, g3}, b;
+cvt.f32.f16 f0, g0;
+cvt.f32.f16 f1, g1;
+cvt.f32.f16 f2, g2;
+cvt.f32.f16 f3, g3;
+""" + "".join(f"mul.f32 f{k}, f{k}, $3;\n" for k in range(4)) + """cvt.rn.bf16x2.f32 $0, f1, f0;
+cvt.rn.bf16x2.f32 $1, f3, f2;
 }""")
 
 # fp8_ds_mla tile scales [64 rows, 4 groups] with the rows of S^T (all four in each thread's registers)
@@ -106,6 +141,39 @@ def fp4_values(x, sc):
     r: gl.constexpr = x.shape[0]
     nb: gl.constexpr = x.shape[1]
     return gl.join(a, b).reshape([r, nb, 2, 4, 2]).permute(0, 1, 2, 4, 3).reshape([r, nb, 16])
+
+
+@gluon.jit
+def fp4_words_f16(x, sc):
+    """Packed e2m1 words ``x`` [R, B blocks, 2] int32 (a 16-dim block = two words, each thread holding whole
+    blocks) and each block's e4m3 scale byte ``sc`` [R, B] (x's layout sliced on dim 2) -> the dequantized
+    values as fp16 pairs, int32 [R, 8 B] (pair j = dims 2j, 2j + 1; exact, see _FP4N_ASM)."""
+    f = (sc.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 64.0).to(gl.float16)
+    fw = f.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    fw = gl.broadcast((fw | (fw << 16))[:, :, None], x)[0]
+    o0, o1, o2, o3 = gl.inline_asm_elementwise(_FP4W_ASM, "=r,=r,=r,=r,r,r", [x, fw],
+                                               (gl.int32, gl.int32, gl.int32, gl.int32), True, 1)
+    r: gl.constexpr = x.shape[0]
+    nb: gl.constexpr = x.shape[1]
+    # [R, B, word, pair]: o_k is pair k of each word (join(join(o0, o1), join(o2, o3)) puts it at [.., k % 2,
+    # k // 2])
+    return gl.join(gl.join(o0, o1), gl.join(o2, o3)).permute(0, 1, 2, 4, 3).reshape([r, nb * 8])
+
+
+@gluon.jit
+def e4m3_words_f16(w):
+    """Words of four e4m3 values ``w`` [R, C] int32 (dim order) -> fp16 pairs [R, 2C] int32 (pair j = dims 2j,
+    2j + 1; exact)."""
+    a, b = gl.inline_asm_elementwise(_E4M3W_ASM, "=r,=r,r", [w], (gl.int32, gl.int32), True, 1)
+    return gl.join(a, b).reshape([w.shape[0], 2 * w.shape[1]])
+
+
+@gluon.jit
+def e4m3_words_bf16(w, s):
+    """Words of four e4m3 values ``w`` [R, C] int32 (dim order) times ``s`` (fp32, w's shape) -> bf16 pairs
+    [R, 2C] int32 (pair j = dims 2j, 2j + 1), rounded once."""
+    a, b = gl.inline_asm_elementwise(_E4M3WS_ASM, "=r,=r,r,f", [w, s], (gl.int32, gl.int32), True, 1)
+    return gl.join(a, b).reshape([w.shape[0], 2 * w.shape[1]])
 
 
 @gluon.jit
