@@ -6,9 +6,9 @@ once per head group and operand; at 64-128 heads their tensor cores then idle mo
 conversion has its own warpgroup and the MMA warpgroups run the bf16 kernel's kind of loop on converted tiles:
 
 - producer (worker partition, 4 warps): stages q; per 64-row block, gathers the raw rows as 32-bit words (16
-  bytes a thread and row), one whole block ahead of the conversion (after converting a piece of block i it
-  issues the same piece's loads for block i + 1), dequantizes each 128-dim piece and stores it into the
-  block's tile (kL: dims 0-255, kR: 256-511, kE: the rope), two tiles double-buffered.  Rows of -1 / past
+  bytes a thread and row) in 128-dim pieces, one piece ahead of the one it converts (measured faster than a
+  whole block ahead, docs/design/kernels.md), dequantizes each piece and stores it into the block's tile (kL:
+  dims 0-255, kR: 256-511, kE: the rope), two tiles double-buffered.  Rows of -1 / past
   the valid count are never read and their tile rows are zeros (so that P = 0 times them stays 0);
 - warpgroup 0 (default partition): S = q K^T over all 576 (512) dims for 64 heads x 64 rows (wgmma m64n64,
   q and the tile from shared memory), the online softmax (base 2), publishes P (in the tiles' 16-bit type) and the rescale factor
@@ -24,8 +24,8 @@ e4m3 scale (exact in fp16, ``rows.fp4_words_f16``); the e4m3 rope -> fp16.  For 
 by the producer, each head times a power of two that keeps it in fp16's range (undone on its scores).
 fp8_ds_mla: e4m3 x the 128-dim group's fp32 scale, rounded to bf16 (exact for the power-of-two scales the
 writers produce; other scales round once, like a bf16 cache; fp16 could overflow); the bf16 rope and q are
-copied.  Converting to fp16 takes half the producer's instructions of converting to bf16 (no detour through
-fp32), measured: 791 against 1228 a block for nvfp4.
+copied.  Converting to fp16 saves a third of the producer's instructions against bf16 (no detour through
+fp32), measured in SASS: about 800 against 1230 a thread and block for nvfp4.
 
 mbarriers: ``q_bar`` (q staged: one cp.async arrival per producer thread; fp16 q: one arrival), ``ready[b]`` (tile b converted;
 the producer fences its generic-proxy stores for the async proxy first), ``free[b]`` (count 2: both
@@ -152,7 +152,7 @@ def _store_rope(r, dst, DS: gl.constexpr):
 
 @gluon.jit
 def _piece_dst(kLw, kRw, b, P: gl.constexpr):
-    """Tile b's dims 128 P .. 128 P + 127 as bf16 pairs (kL: pieces 0, 1; kR: pieces 2, 3)."""
+    """Tile b's dims 128 P .. 128 P + 127 as pairs of 16-bit values (kL: pieces 0, 1; kR: pieces 2, 3)."""
     if P < 2:
         return kLw.index(b).slice(64 * P, 64, dim=1)
     else:
@@ -193,13 +193,10 @@ def _q_part(q_row, hm, col0: gl.constexpr, N: gl.constexpr, AGAIN: gl.constexpr 
 @gluon.jit
 def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
               DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
-    """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).
-
-    The rows are gathered one whole block ahead of the conversion: after converting a piece of block i it
-    issues the loads of the same piece of block i + 1 into the registers it frees, so that a block's worth of
-    loads is always in flight (a gathered row costs about a microsecond of latency; with one piece in flight
-    the producer waited for it five times a block).  The rows' indices are loaded one block ahead of the
-    loads, so that their latency is off that path too."""
+    """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run one
+    piece ahead of the conversion: the next piece (after the last value piece: the rope, after the rope: the
+    next block's first piece) is loaded before the current one is converted; the next block's rows are looked
+    up at the start of a block."""
     (q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem,
      bars) = args
     qL, qR, qE, kLw, kRw, kEw, sQ = smem
@@ -225,51 +222,39 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     # the rows in the layout of the pieces (rl) and, for plain fp8, of its 64-byte rope (el; fp8_ds_mla's and
-    # nvfp4's rope is read in rl)
+    # nvfp4's rope is read with the pieces' pointers)
     if FP4:
         rl: gl.constexpr = gl.SliceLayout(1, L_W2)
     else:
         rl: gl.constexpr = gl.SliceLayout(1, L_W8)
     el: gl.constexpr = gl.SliceLayout(1, L_W2)
     SEP: gl.constexpr = ROPE and not DS and not FP4  # a rope in its own layout
-    # block 0's raw words in flight, block 1's indices
     base, valid = _ptrs(block_indices(idx_row, k_begin, k_end, rl), kv_ptr, BPT)
-    r0, s0 = _load_piece(base, valid, 0, SCALE_OFF, DS, FP4)
-    r1, s1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4)
-    r2, s2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4)
-    r3, s3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4)
-    if ROPE:
-        if SEP:
-            rbase, rvalid = _ptrs(block_indices(idx_row, k_begin, k_end, el), kv_ptr, BPT)
-            rope = _load_rope(rbase, rvalid, ROPE_OFF, DS)
-            n_ri = block_indices(idx_row, k_begin + 64, k_end, el)
-        else:
-            rope = _load_rope(base, valid, ROPE_OFF, DS)
-    n_i = block_indices(idx_row, k_begin + 64, k_end, rl)
+    raw, sc = _load_piece(base, valid, 0, SCALE_OFF, DS, FP4)
     for i in range(n_blocks):
         b = i % 2
-        # block i + 1's rows (past the end: all invalid, so that its loads read nothing), block i + 2's indices
-        p2 = k_begin + (i + 2) * 64
-        base, valid = _ptrs(n_i, kv_ptr, BPT)
-        n_i = block_indices(idx_row, p2, k_end, rl)
+        nbase, nvalid = _ptrs(block_indices(idx_row, k_begin + (i + 1) * 64, k_end, rl), kv_ptr, BPT)
         if SEP:
-            rbase, rvalid = _ptrs(n_ri, kv_ptr, BPT)
-            n_ri = block_indices(idx_row, p2, k_end, el)
+            rbase, rvalid = _ptrs(block_indices(idx_row, k_begin + i * 64, k_end, el), kv_ptr, BPT)
+        else:
+            rbase, rvalid = base, valid
+        raw1, sc1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4)
         mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
-        _store_piece(r0, s0, _piece_dst(kLw, kRw, b, 0), DS, FP4)
-        r0, s0 = _load_piece(base, valid, 0, SCALE_OFF, DS, FP4)
-        _store_piece(r1, s1, _piece_dst(kLw, kRw, b, 1), DS, FP4)
-        r1, s1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4)
-        _store_piece(r2, s2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
-        r2, s2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4)
-        _store_piece(r3, s3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
-        r3, s3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4)
+        _store_piece(raw, sc, _piece_dst(kLw, kRw, b, 0), DS, FP4)
+        raw2, sc2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4)
+        _store_piece(raw1, sc1, _piece_dst(kLw, kRw, b, 1), DS, FP4)
+        raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4)
+        _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
         if ROPE:
+            rope = _load_rope(rbase, rvalid, ROPE_OFF, DS)
+            _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
+            raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4)
             _store_rope(rope, kEw.index(b), DS)
-            if SEP:
-                rope = _load_rope(rbase, rvalid, ROPE_OFF, DS)
-            else:
-                rope = _load_rope(base, valid, ROPE_OFF, DS)
+        else:
+            raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4)
+            _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
+        base = nbase
+        valid = nvalid
         fence_async_shared()  # this thread's tile stores -> the consumers' wgmma (async proxy) reads
         compat.barrier()      # every producer thread has stored and fenced
         mbarrier.arrive(ready.index(b), count=1)
