@@ -62,8 +62,8 @@ OROW = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))  # one value per head (of
 
 # setmaxnreg of warpgroup 1 and the producer; warpgroup 0 gets the rest of 12 warps x 168, 192.  Below 160
 # warpgroup 1 and below 192 warpgroup 0 make ptxas serialize the wgmma pipeline (C7512); a producer below 136
-# spills its pieces.  Measured on Triton 3.6: 128 bytes of stack, all in warpgroup 0 (its 208-register split,
-# producer 136, spills 16-176 bytes depending on the variant).
+# spills its pieces.  Measured on Triton 3.6: 80-160 bytes of stack, warpgroup 0's and the split epilogue's; the
+# producer's loop spills nothing.
 WG1_REGS = gl.constexpr(160)
 PRODUCER_REGS = gl.constexpr(152)
 
@@ -143,7 +143,7 @@ def _load_rope(base, valid, ROPE_OFF: gl.constexpr, DS: gl.constexpr):
 
 @gluon.jit
 def _store_rope(r, dst, DS: gl.constexpr):
-    """Rope words (``_load_rope``) into ``dst`` [64, 32] int32 (bf16 pairs)."""
+    """Rope words (``_load_rope``) into ``dst`` [64, 32] int32 (pairs of the tile's 16-bit type)."""
     if DS:
         dst.store(r)
     else:

@@ -63,7 +63,8 @@ _E4M3_ROWS_ASM = gl.constexpr("""{
 # codes are paired in dim order (byte 0's low and high nibble = dims 0, 1, ...: what a 16-byte store of the
 # row wants), cvt.f16x2.e4m3x2 converts them and one multiply by the block scale x 2^6 (<= 448 x 64, exact)
 # gives the exact dequantized values (<= 6 x 448, >= 2^-10: normal fp16).  $0 $1 = dims 0-3, $2 $3 = dims
-# 4-7; $4: the four bytes; $5 $6: the block scale x 2^6 as f16x2 (all four halves equal).
+# 4-7; $4: the four bytes; $5: the block scale x 2^6 as f16x2 (both halves equal).  ``fp4_values`` packs four
+# fp16 elements per call ($5 $6, $6 unused), ``fp4_words_f16`` one int32 word holding the f16x2.
 _FP4_CODES = """shl.b32 t, {x}, 4;
 shl.b32 u, {x}, 2;
 and.b32 t, t, 0x80808080;
@@ -82,14 +83,6 @@ mul.f16x2 $1, $1, $5;
 mul.f16x2 $2, $2, $5;
 mul.f16x2 $3, $3, $5;
 }""")
-
-# The same values as _FP4N_ASM from one 32-bit word of packed e2m1 ($4, eight values) and the block scale
-# x 2^6 as f16x2 ($5): fp16 pairs in dim order, $0 = dims 0-1, ..., $3 = dims 6-7.
-_FP4W_ASM = gl.constexpr("""{
-.reg .b32 e, o, t, u, p0, p1;
-.reg .b16 h0, h1, h2, h3;
-""" + _FP4_CODES.format(x="$4") + _PAIR_CVT.format(a="e", b="o") + "".join(
-    f"mul.f16x2 ${k}, ${k}, $5;\n" for k in range(4)) + "}")
 
 # One 32-bit word of four e4m3 values ($2, dim order) -> fp16 pairs $0 (dims 0-1), $1 (dims 2-3), exact
 _E4M3W_ASM = gl.constexpr("""{
@@ -151,7 +144,7 @@ def fp4_words_f16(x, sc):
     f = (sc.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 64.0).to(gl.float16)
     fw = f.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
     fw = gl.broadcast((fw | (fw << 16))[:, :, None], x)[0]
-    o0, o1, o2, o3 = gl.inline_asm_elementwise(_FP4W_ASM, "=r,=r,=r,=r,r,r", [x, fw],
+    o0, o1, o2, o3 = gl.inline_asm_elementwise(_FP4N_ASM, "=r,=r,=r,=r,r,r", [x, fw],
                                                (gl.int32, gl.int32, gl.int32, gl.int32), True, 1)
     r: gl.constexpr = x.shape[0]
     nb: gl.constexpr = x.shape[1]
