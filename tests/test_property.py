@@ -65,3 +65,28 @@ def test_nan_row_affects_only_the_queries_that_select_it(fmt, backend, victim, d
     select its neighbours, or have -1 entries; the others must be bitwise unchanged."""
     c = rc.nan_isolation_case(fmt, 3, 8, 16, device, seed=11 + FORMATS.index(fmt), victim_row0=victim == "row0")
     rc.check_nan_isolation(c, backend, plant="write" if victim == "write" else "bytes")
+
+
+def test_parallel_runs_merge_into_one_summary():
+    """The H200 run's processes (``RELIAB_GPU_PROCS``) report through one summary: counts add up, the worst
+    metric wins (NaN over any number), failures keep their seeds, a kernel counts as never planned only when
+    no process planned it."""
+    import math
+
+    import reliab_property as rp
+    base = {"device": "cpu", "torch": "t", "triton": "x", "seconds": 1.0, "configs": 3, "stopped_by_time": False}
+    a = dict(base, seed=1, cases_run=10, failures=1, failed_cases=[{"case": [1, 0, 3]}], refused_configs={},
+             worst={"out_err/tol": 0.5, "token_err/tol": 0.1, "lse_err/tol": 0.2, "exact_violations": 0.0},
+             kernels_planned={"sm90-few": 4, "portable-bf16": 6}, kernels_never_planned=["sm90-conv", "sm90-wide"])
+    b = dict(base, seed=2, cases_run=7, failures=0, failed_cases=[], refused_configs={4: "cannot serve"},
+             seconds=3.0, stopped_by_time=True,
+             worst={"out_err/tol": 0.7, "token_err/tol": float("nan"), "lse_err/tol": 0.1, "exact_violations": 0.0},
+             kernels_planned={"sm90-few": 2, "sm90-conv": 5}, kernels_never_planned=["sm90-wide", "portable-bf16"])
+    m = rp.merge_summaries([a, b])
+    assert m["seeds"] == [1, 2] and m["cases_run"] == 17 and m["failures"] == 1
+    assert m["failed_cases"] == [{"case": [1, 0, 3]}] and m["refused_configs"] == {"2:4": "cannot serve"}
+    assert m["worst"]["out_err/tol"] == 0.7 and math.isnan(m["worst"]["token_err/tol"])
+    assert m["worst"]["lse_err/tol"] == 0.2
+    assert m["kernels_planned"] == {"sm90-few": 6, "portable-bf16": 6, "sm90-conv": 5}
+    assert m["kernels_never_planned"] == ["sm90-wide"]
+    assert m["stopped_by_time"] and m["seconds"] == 3.0 and len(m["runs"]) == 2

@@ -10,9 +10,12 @@
   (few heads, head groups, 64-head programs, split-KV with the combine, the portable, staged and FP8-QK
   backends): other queries bitwise equal to a clean run.
 
-Run: ``python3 -m pytest -m gpu tests/gpu/test_property_gpu.py -q -s`` (about 2 minutes on an H200 with a
-cold kernel cache, most of it compiling kernel variants; ``RELIAB_PRECOMPILE_WORKERS`` spawns that many
-processes to compile them in parallel first, default a quarter of the CPU cores up to 4, 0 turns it off).
+Run: ``python3 -m pytest -m gpu tests/gpu/test_property_gpu.py -q -s``.  One process runs about 8 cases a
+second on an H200, bound by its host work (1,557 cases in 200 s, after 69 s compiling kernel variants), so
+10,000 cases take ~25 minutes in one process; ``RELIAB_GPU_PROCS=7`` runs seeds seed .. seed + 6 in seven
+processes side by side (six ran 8,594 cases in 390 s) and merges their summaries.  ``RELIAB_PRECOMPILE_WORKERS``:
+processes that compile the variants first (per run process; default a quarter of the CPU cores up to 4 for one
+process, 2 each for several; 0 turns it off).  ``RELIAB_GPU_SECONDS`` bounds the run (after the precompile).
 """
 import os
 import random
@@ -29,6 +32,9 @@ import reliab_property as rp  # noqa: E402
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 NUM_CASES = int(os.environ.get("RELIAB_GPU_CASES", "10000"))
+# a bound on the run's seconds (after the precompile), for a machine that limits one command's time: the run
+# then stops, writes its summary and fails unless NUM_CASES were reached
+MAX_SECONDS = float(os.environ["RELIAB_GPU_SECONDS"]) if os.environ.get("RELIAB_GPU_SECONDS") else None
 
 
 def _seed() -> int:
@@ -38,9 +44,16 @@ def _seed() -> int:
 
 def test_10000_random_cases_match_the_reference():
     seed = _seed()
-    workers = int(os.environ.get("RELIAB_PRECOMPILE_WORKERS", str(min(4, (os.cpu_count() or 2) // 4))))
-    print(f"\nproperty run: seed {seed}, {NUM_CASES} cases, {workers} precompile workers", flush=True)
-    summary = rp.run_many(seed, NUM_CASES, DEV, rc.GPU, precompile_workers=workers)
+    procs = int(os.environ.get("RELIAB_GPU_PROCS", "1"))
+    default_workers = min(4, (os.cpu_count() or 2) // 4) if procs == 1 else 2
+    workers = int(os.environ.get("RELIAB_PRECOMPILE_WORKERS", str(default_workers)))
+    print(f"\nproperty run: seed {seed}, {NUM_CASES} cases, {procs} processes, {workers} precompile workers each",
+          flush=True)
+    if procs > 1:  # seeds seed, seed + 1, ...: each process draws its own configurations
+        summary = rp.run_parallel([seed + k for k in range(procs)], NUM_CASES, DEV, rc.GPU,
+                                  precompile_workers=workers, max_seconds=MAX_SECONDS)
+    else:
+        summary = rp.run_many(seed, NUM_CASES, DEV, rc.GPU, precompile_workers=workers, max_seconds=MAX_SECONDS)
     path = rp.write_summary(summary, "property_gpu.json")
     worst = ", ".join(f"{k} {v:.3g}" for k, v in summary["worst"].items())
     print(f"property run: seed {seed}: {summary['cases_run']} cases, {summary['failures']} failures, "
@@ -48,7 +61,8 @@ def test_10000_random_cases_match_the_reference():
           f"(precompile {summary.get('precompile')}); worst {worst}; summary {path}", flush=True)
     for f in summary["failed_cases"][:10]:
         print("FAILED", f, flush=True)
-    assert summary["cases_run"] >= NUM_CASES, summary["refused_configs"]
+    assert summary["cases_run"] >= NUM_CASES, ("stopped by RELIAB_GPU_SECONDS" if summary["stopped_by_time"]
+                                               else summary["refused_configs"])
     assert summary["failures"] == 0, f"seed {seed}: {summary['failed_cases'][:5]}"
     assert not summary["refused_configs"], summary["refused_configs"]
     assert not summary["kernels_never_planned"], f"no case reached {summary['kernels_never_planned']}"

@@ -20,7 +20,7 @@ import json
 import math
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -121,8 +121,11 @@ def precompile(seed: int, num_configs: int, workers: int, device, profile: rc.Pr
 
 
 def run_many(seed: int, num_cases: int, device="cuda", profile: rc.Profile = rc.GPU, *,
-             precompile_workers: int = 0, flush: int = 500, max_failures_kept: int = 50) -> Dict:
-    """Run at least ``num_cases`` cases; returns the summary (see the keys below)."""
+             precompile_workers: int = 0, flush: int = 500, max_failures_kept: int = 50,
+             max_seconds: Optional[float] = None) -> Dict:
+    """Run at least ``num_cases`` cases; returns the summary (see the keys below).  ``max_seconds``: stop
+    after that long (counted after the precompile) with the cases run so far (``stopped_by_time`` is then
+    True).  A progress line (cases, failures, seconds) is printed at every check of ``flush`` cases."""
     device = torch.device(device)
     configs = draw_configs(seed, device.type)
     per = math.ceil(num_cases / len(configs))
@@ -167,13 +170,18 @@ def run_many(seed: int, num_cases: int, device="cuda", profile: rc.Profile = rc.
                     failures.append({"case": [seed, i, j]})
         pending.clear()
         keys.clear()
+        print(f"property run: {ran} cases, {len(failures)} failures, {time.time() - t0:.0f} s", flush=True)
 
     # every configuration's first `per` cases, then more of the configurations that served until
     # `num_cases` ran (a refused configuration is reported, not counted)
     order = [(i, j) for i in range(len(configs)) for j in range(per)]
     extra = per
+    stopped = False
     while True:
         for i, j in order:
+            if max_seconds is not None and time.time() - t0 > max_seconds:
+                stopped = True
+                break
             if i in refused:
                 continue
             config = configs[i]
@@ -200,13 +208,13 @@ def run_many(seed: int, num_cases: int, device="cuda", profile: rc.Profile = rc.
                 drain()
         drain()
         live = [i for i in range(len(configs)) if i not in refused]
-        if ran >= num_cases or not live:
+        if ran >= num_cases or not live or stopped:
             break
         need = num_cases - ran
         order = [(live[k % len(live)], extra + k // len(live)) for k in range(need)]
         extra += -(-need // len(live))
     summary.update({
-        "cases_run": ran, "failures": len(failures), "failed_cases": failures, "refused_configs": refused,
+        "cases_run": ran, "stopped_by_time": stopped, "failures": len(failures), "failed_cases": failures, "refused_configs": refused,
         "worst": dict(zip(rc.METRICS, worst)), "seconds": round(time.time() - t0, 1),
         "per_config": {str(i): dict(v, config=dataclasses.asdict(configs[i])) for i, v in per_config.items()},
         "kernels_compiled": rc.compiled_kernels(),
@@ -214,6 +222,58 @@ def run_many(seed: int, num_cases: int, device="cuda", profile: rc.Profile = rc.
         "kernels_never_planned": [k for k in rc.plan_kernel_names() if not any(p.startswith(k) for p in planned)],
     })
     return summary
+
+
+def _run_one(args) -> Dict:
+    """Worker of :func:`run_parallel`: one seed's :func:`run_many` in its own process."""
+    seed, num_cases, device, profile_name, precompile_workers, max_seconds = args
+    profile = rc.GPU if profile_name == "gpu" else rc.CPU
+    return run_many(seed, num_cases, device, profile, precompile_workers=precompile_workers,
+                    max_seconds=max_seconds)
+
+
+def run_parallel(seeds: Sequence[int], num_cases: int, device="cuda", profile: rc.Profile = rc.GPU, *,
+                 precompile_workers: int = 0, max_seconds: Optional[float] = None) -> Dict:
+    """:func:`run_many` for each seed in its own spawned process, side by side on one device (a case is small:
+    one process leaves the GPU mostly idle, bound by its host work), ``ceil(num_cases / len(seeds))`` cases
+    each; returns :func:`merge_summaries` of their summaries."""
+    import multiprocessing as mp
+    per = math.ceil(num_cases / len(seeds))
+    jobs = [(s, per, str(device), profile.name, precompile_workers, max_seconds) for s in seeds]
+    with mp.get_context("spawn").Pool(len(seeds)) as pool:
+        return merge_summaries(pool.map(_run_one, jobs))
+
+
+def merge_summaries(runs: Sequence[Dict]) -> Dict:
+    """One summary of several :func:`run_many` runs (different seeds): counts and kernels summed, worst metrics
+    the largest (NaN wins), failures and refusals kept with their seeds, a kernel never planned only if no run
+    planned it; each run's own figures under ``runs``."""
+    def worse(a, b):
+        return a if math.isnan(a) else b if math.isnan(b) else max(a, b)
+
+    planned: Dict[str, int] = {}
+    for r in runs:
+        for k, n in r["kernels_planned"].items():
+            planned[k] = planned.get(k, 0) + n
+    worst = {k: 0.0 for k in rc.METRICS}
+    for r in runs:
+        worst = {k: worse(worst[k], r["worst"][k]) for k in rc.METRICS}
+    never = set(runs[0]["kernels_never_planned"]) if runs else set()
+    for r in runs[1:]:
+        never &= set(r["kernels_never_planned"])
+    return {
+        "seeds": [r["seed"] for r in runs], "device": runs[0]["device"] if runs else None,
+        "torch": runs[0].get("torch") if runs else None, "triton": runs[0].get("triton") if runs else None,
+        "cases_run": sum(r["cases_run"] for r in runs),
+        "stopped_by_time": any(r.get("stopped_by_time") for r in runs),
+        "failures": sum(r["failures"] for r in runs),
+        "failed_cases": [f for r in runs for f in r["failed_cases"]],
+        "refused_configs": {f"{r['seed']}:{i}": why for r in runs for i, why in r["refused_configs"].items()},
+        "worst": worst, "seconds": max((r["seconds"] for r in runs), default=0.0),
+        "kernels_planned": planned, "kernels_never_planned": sorted(never),
+        "runs": [{k: r.get(k) for k in ("seed", "cases_run", "failures", "seconds", "precompile", "worst",
+                                         "stopped_by_time", "configs")} for r in runs],
+    }
 
 
 def write_summary(summary: Dict, name: str) -> Optional[str]:
