@@ -156,3 +156,27 @@ def test_workspace_prepare_plans_ahead():
     assert plan is ws.plan(3)  # cached: the same object
     assert plan.num_splits >= 1 and ws.split.numel() >= 1
     assert "fp8_ds_mla" in repr(ws)
+
+
+def test_workspace_reuses_views_and_plans_until_a_kernel_is_marked_unavailable():
+    """A call looks its output views and plan up instead of slicing and planning again (host time), and a kernel
+    that fails to build later is not planned from the cache."""
+    from sparsemla import plan as P
+    fmt = resolve_format("fp8_ds_mla", 576)
+    ws = Workspace(fmt, 8, 16, 2048, "cpu")
+    ws.facts = ((9, 0), 132, False)  # plan as for an H200 (planning is host-only): a Gluon kernel to lose
+    out, lse = ws.views(3)
+    assert ws.views(3)[0] is out and ws.views(3)[1] is lse
+    assert out.shape == (3, 16, 512) and out.data_ptr() == ws.out.data_ptr() and lse.shape == (3, 16)
+    p = ws.plan(3, True, True)
+    assert ws.plan(3, True, True) is p and ws.plan(3, True, False) is not p
+    assert p.kernel.startswith("sm90-")
+    facts = ws.facts
+    assert p == P.plan_attention(fmt, 3, 16, 2048, capability=facts[0], num_sms=facts[1], interpret=facts[2],
+                                 q_aligned=True, kv_aligned=True, unavailable=P.unavailable_set())
+    try:
+        P.mark_unavailable(p.kernel, "a simulated build failure")
+        p2 = ws.plan(3, True, True)
+        assert p2.kernel != p.kernel and ws.plan(3, True, True) is p2
+    finally:
+        P.clear_unavailable()

@@ -37,6 +37,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ...formats import KVFormat, from_vllm
+from ...plan import plan_attention, unavailable_set
 
 V_DIM = 512
 ROPE_DIM = 64
@@ -65,8 +66,6 @@ def _device_facts(device: torch.device):
 
 def _plan(fmt: KVFormat, num_tokens: int, num_heads: int, topk: int, facts, q_aligned: bool, kv_aligned: bool):
     """The kernel plan of one call (pure and cached: ``sparsemla.plan.plan_attention``)."""
-    from ...plan import plan_attention, unavailable_set
-
     cap, sms, interp = facts
     return plan_attention(fmt, num_tokens, num_heads, topk, capability=cap, num_sms=sms, interpret=interp,
                           q_aligned=q_aligned, kv_aligned=kv_aligned, unavailable=unavailable_set())
@@ -81,10 +80,14 @@ def _split_elements(fmt: KVFormat, max_tokens: int, num_heads: int, topk: int, d
 
 def _launch(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split) -> None:
     """Run one planned call into the given buffers (kernel launches only)."""
-    from ...kernels.attention import attention_fwd
+    global _attention_fwd
+    if _attention_fwd is None:  # the kernels' module on first use (it imports Triton); an import statement per
+        from ...kernels.attention import attention_fwd as _attention_fwd  # call would cost ~1 us of host time
+    _attention_fwd(q, rows, fmt, indices, sm_scale, plan=plan, valid_counts=valid_counts, k_scale=k_scale,
+                   out=out, lse=lse, split_buffers=split)
 
-    attention_fwd(q, rows, fmt, indices, sm_scale, plan=plan, valid_counts=valid_counts, k_scale=k_scale,
-                  out=out, lse=lse, split_buffers=split)
+
+_attention_fwd = None
 
 
 def _wrap_cache(fmt: KVFormat, kv_cache: torch.Tensor):
@@ -183,6 +186,11 @@ class Workspace:
                   if fmt.rope_dim else None)
         self.split = torch.empty(max(1, _split_elements(fmt, max_tokens, num_heads, topk, device)),
                                  dtype=torch.float32, device=device)
+        # per token count: the output views and the plans (host time: slicing two tensors and a plan lookup cost
+        # ~4 us a call, a dict lookup ~0.1 us); the plans are dropped when a kernel is marked unavailable
+        self._views: dict = {}
+        self._plans: dict = {}
+        self._plans_under = unavailable_set()
 
     @property
     def nbytes(self) -> int:
@@ -191,7 +199,23 @@ class Workspace:
 
     def plan(self, num_tokens: int, q_aligned: bool = True, kv_aligned: bool = True):
         """The kernel plan of a call on ``num_tokens`` tokens (host only, cached)."""
-        return _plan(self.fmt, num_tokens, self.num_heads, self.topk, self.facts, q_aligned, kv_aligned)
+        under = unavailable_set()
+        if under is not self._plans_under:  # a kernel failed to build since: plan again
+            self._plans.clear()
+            self._plans_under = under
+        key = (num_tokens, q_aligned, kv_aligned)
+        p = self._plans.get(key)
+        if p is None:
+            p = self._plans[key] = _plan(self.fmt, num_tokens, self.num_heads, self.topk, self.facts, q_aligned,
+                                         kv_aligned)
+        return p
+
+    def views(self, num_tokens: int):
+        """``(out, lse)``: the first ``num_tokens`` rows of the output buffers (the same views every call)."""
+        v = self._views.get(num_tokens)
+        if v is None:
+            v = self._views[num_tokens] = (self.out[:num_tokens], self.lse[:num_tokens])
+        return v
 
     def prepare(self, *token_counts: int) -> None:
         """Plan the calls of a step on the host ahead of the forward (an engine's metadata build, outside graph
@@ -307,7 +331,7 @@ class LayerAttention:
             raise ValueError(f"indices: expected them on {ws.device}, got {indices.device}")
         cache = self.cache_view(kv_cache)
         qq = assemble_query(q, self.fmt, ws, t)
-        out, lse = ws.out[:t], ws.lse[:t]
+        out, lse = ws.views(t)
         if t == 0:
             return out, lse
         if self.backend == "native":
