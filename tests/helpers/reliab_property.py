@@ -81,11 +81,21 @@ class Storage:
         return self.buf
 
 
+def _profile(name: str) -> rc.Profile:
+    """A profile by its name (what a spawned worker is handed)."""
+    return rc.GPU if name == "gpu" else rc.CPU
+
+
+def _worse(a: float, b: float) -> float:
+    """The larger of two metrics, NaN over any number (a NaN metric is a failure that must stay visible)."""
+    return a if math.isnan(a) else b if math.isnan(b) else max(a, b)
+
+
 def _warm(args) -> int:
     """Worker: run the first cases of some configurations (no checks) so their kernels are compiled into
     the on-disk cache.  Returns the number of cases run."""
     seed, indices, per_config, device, profile_name = args
-    profile = rc.GPU if profile_name == "gpu" else rc.CPU
+    profile = _profile(profile_name)
     configs = draw_configs(seed, torch.device(device).type)
     store = Storage(device)
     n = 0
@@ -158,9 +168,9 @@ def run_many(seed: int, num_cases: int, device="cuda", profile: rc.Profile = rc.
             ran += 1
             pc = per_config.setdefault(i, {"cases": 0, "failures": 0, "worst": [0.0] * 4})
             pc["cases"] += 1
-            pc["worst"] = [max(a, b) if not math.isnan(b) else float("nan") for a, b in zip(pc["worst"], m)]
+            pc["worst"] = [_worse(a, b) for a, b in zip(pc["worst"], m)]
             for k in range(4):
-                worst[k] = max(worst[k], m[k]) if not math.isnan(m[k]) else float("nan")
+                worst[k] = _worse(worst[k], m[k])
             if not rc.passed(m):
                 pc["failures"] += 1
                 if len(failures) < max_failures_kept:
@@ -214,7 +224,8 @@ def run_many(seed: int, num_cases: int, device="cuda", profile: rc.Profile = rc.
         order = [(live[k % len(live)], extra + k // len(live)) for k in range(need)]
         extra += -(-need // len(live))
     summary.update({
-        "cases_run": ran, "stopped_by_time": stopped, "failures": len(failures), "failed_cases": failures, "refused_configs": refused,
+        "cases_run": ran, "stopped_by_time": stopped, "failures": len(failures), "failed_cases": failures,
+        "refused_configs": refused,
         "worst": dict(zip(rc.METRICS, worst)), "seconds": round(time.time() - t0, 1),
         "per_config": {str(i): dict(v, config=dataclasses.asdict(configs[i])) for i, v in per_config.items()},
         "kernels_compiled": rc.compiled_kernels(),
@@ -227,8 +238,7 @@ def run_many(seed: int, num_cases: int, device="cuda", profile: rc.Profile = rc.
 def _run_one(args) -> Dict:
     """Worker of :func:`run_parallel`: one seed's :func:`run_many` in its own process."""
     seed, num_cases, device, profile_name, precompile_workers, max_seconds = args
-    profile = rc.GPU if profile_name == "gpu" else rc.CPU
-    return run_many(seed, num_cases, device, profile, precompile_workers=precompile_workers,
+    return run_many(seed, num_cases, device, _profile(profile_name), precompile_workers=precompile_workers,
                     max_seconds=max_seconds)
 
 
@@ -248,16 +258,13 @@ def merge_summaries(runs: Sequence[Dict]) -> Dict:
     """One summary of several :func:`run_many` runs (different seeds): counts and kernels summed, worst metrics
     the largest (NaN wins), failures and refusals kept with their seeds, a kernel never planned only if no run
     planned it; each run's own figures under ``runs``."""
-    def worse(a, b):
-        return a if math.isnan(a) else b if math.isnan(b) else max(a, b)
-
     planned: Dict[str, int] = {}
     for r in runs:
         for k, n in r["kernels_planned"].items():
             planned[k] = planned.get(k, 0) + n
     worst = {k: 0.0 for k in rc.METRICS}
     for r in runs:
-        worst = {k: worse(worst[k], r["worst"][k]) for k in rc.METRICS}
+        worst = {k: _worse(worst[k], r["worst"][k]) for k in rc.METRICS}
     never = set(runs[0]["kernels_never_planned"]) if runs else set()
     for r in runs[1:]:
         never &= set(r["kernels_never_planned"])
