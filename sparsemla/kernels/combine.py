@@ -31,7 +31,7 @@ def combine_kernel(op_ptr, lp_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_
     mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
     w = tl.exp(lp - mx_safe)  # 0 for empty splits (their partial output is never read)
     tot = tl.sum(w, 0)
-    has = tot > 0
+    has = tot != 0  # NaN (a split's NaN lse) passes through to out and lse
     w = w * tl.where(has, 1.0 / tl.where(has, tot, 1.0), 0.0)
     d = c * 128 + tl.arange(0, 128)
     part = tl.load(op_ptr + ((t.to(tl.int64) * num_splits + sp[:, None]) * H + h) * 512 + d[None, :],

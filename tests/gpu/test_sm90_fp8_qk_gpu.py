@@ -6,7 +6,7 @@ where the mode applies.  Run with `pytest -m gpu`.
 
 Error budget against the float64 reference: q's two e4m3 terms hold bf16 q exactly (but for its smallest
 elements), so the outputs are as close as the default mode's (1e-2); the e4m3 tensor cores accumulate with
-~14 significant bits, which moves the scores and the lse by up to a few 1e-3 x |lse|: lse within LSE_TOL x
+~14 significant bits (sm90-few adds each 128-dim group's accumulator in fp32), which moves the scores and the lse by up to a few 1e-3 x |lse|: lse within LSE_TOL x
 max(10, |lse|)."""
 import os
 import sys
@@ -99,6 +99,23 @@ def test_fp8_qk_head_scales_far_apart(fmt, kernel, tokens, heads):
     assert (d <= tol).all(), ((d / tol).max().item(), SEED)
     empty = c["valid_counts"] == 0
     assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope"])
+def test_fp8_qk_few_q_groups_far_apart(fmt):
+    """sm90-few scales q by a power of two per head and 128-dim group: q's four groups lie 2^-12 .. 2^3 apart
+    within every head and the keys' groups the other way (through the rows' group scales), so that each group
+    adds as much to the scores as the others.  With one scale per head the small groups' elements would fall
+    below e4m3's subnormals and be lost (the sm90-wide variant keeps one scale per head)."""
+    skip_unless_sm90()
+    c = make_case(fmt, 3, 16, 512, ctx=1024, block_size=64, device="cuda")
+    e = torch.tensor([-12.0, 0.0, -6.0, 3.0], device="cuda")
+    q = c["q"].float()
+    for k in range(4):
+        q[..., 128 * k:128 * (k + 1)] *= torch.exp2(e[k])
+    c["q"] = q.to(torch.bfloat16)
+    scales_view(c).mul_(torch.exp2(-e))
+    _check(c, c["fmt"].head_dim ** -0.5, "sm90-few")
 
 
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope"])

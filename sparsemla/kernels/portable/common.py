@@ -80,8 +80,9 @@ def store_chunk(o_ptr, t, s, heads, hm, cols, val, stride_ot, stride_os, stride_
 
 @triton.jit
 def finish(l_i, m_i):
-    """(1/l with 0 for empty rows, natural-log lse with -inf for empty rows)."""
-    has = l_i > 0
+    """(1/l with 0 for empty rows, natural-log lse with -inf for empty rows).  l is >= 0, or NaN where a selected
+    row held a NaN: ``!= 0``, not ``> 0``, so that the NaN reaches out and lse instead of emptying the row."""
+    has = l_i != 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     return inv_l, lse

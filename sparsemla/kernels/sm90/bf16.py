@@ -139,7 +139,7 @@ def _epilogue(acc, l_own, m_i, sL_own, sL_other, bar_own, bar_other, col0: gl.co
     mbarrier.arrive(bar_own, count=1)
     mbarrier.wait(bar_other, 0)
     l_i = l_own + sL_other.load(SROW)
-    has = l_i > 0
+    has = l_i != 0  # NaN (a selected row held a NaN) passes through, see common.normalizer
     inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
     heads = g * 64 + gl.arange(0, 64, layout=OROW)
     cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, O_LAYOUT))

@@ -50,8 +50,9 @@ def lg2(x):
 @gluon.jit
 def normalizer(m, l):
     """From a head's running max ``m`` (log2 units) and sum ``l``: 1 / l and the natural-log lse (approximate
-    reciprocal and log2, ~1e-7 relative); 0 and -inf for a head without a valid row (l == 0)."""
-    has = l > 0
+    reciprocal and log2, ~1e-7 relative); 0 and -inf for a head without a valid row (l == 0).  A NaN l (a
+    selected row held a NaN) passes through to both, as the cache's non-finite policy says."""
+    has = l != 0
     l1 = gl.where(has, l, 1.0)
     inv_l = gl.where(has, rcp(l1), 0.0)
     lse = gl.where(has, (m + lg2(l1)) * 0.6931471805599453, float("-inf"))

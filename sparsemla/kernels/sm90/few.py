@@ -30,10 +30,12 @@ nvfp4_ds_mla rows (``_consumer_fp4``): converting e2m1 costs about four instruct
 consumer warpgroup's own fp16 tile in shared memory, and both MMAs read the tile (S^T: A = the tile; O^T:
 A = the tile transposed).  Two 64 KB tiles leave room for three 22 KB stages.
 
-FP8_QK (fp8 / fp8_ds_mla rows): q as two e4m3 terms with a power of two per head (``_stage_q8``), QK on e4m3
-wgmma with both operands in shared memory, so the gathered bytes feed the MMA as they are and the QK half of
-the conversions is gone; PV is unchanged (wgmma takes an fp8 A operand only K-major, and V^T would need a
-byte transpose costing as much as the conversion it replaces).  The ring then holds each stage as four
+FP8_QK (fp8 / fp8_ds_mla rows): q as two e4m3 terms with a power of two per head and 128-dim group
+(``_stage_q8``), QK on e4m3 wgmma with both operands in shared memory, so the gathered bytes feed the MMA as
+they are and the QK half of the conversions is gone.  Each group (and the e4m3 rope) has its own accumulator,
+added in fp32: the e4m3 MMAs accumulate with less than fp32's precision, so no chain runs past 128 dims.  PV
+is unchanged (wgmma takes an fp8 A operand only K-major, and V^T would need a byte transpose costing as much
+as the conversion it replaces).  The ring then holds each stage as four
 [64, 128] pieces in wgmma's swizzled layout.
 
 Gluon kernels do not run under the Triton interpreter: ``tests/test_sm90_compile.py`` compiles every
@@ -48,8 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import compat
 from .common import NEG_BIG, absmax, normalizer, program_coords, rcp
-from .rows import (L_QK64, L_V, SC_L, acc_dim, block_indices, e4m3_view, fp4_values, load_q_group, pow2_scale,
-                   producer, pv_rows, pv_values, relabel64, store_e4m3_terms)
+from .rows import (L_QK64, L_V, LO_SHIFT, SC_L, acc_dim, block_indices, e4m3_view, fp4_values, load_q_group,
+                   pow2_scale, producer, pv_rows, pv_values, relabel64, store_e4m3_terms)
 
 NS = gl.constexpr(4)  # ring stages of 64 rows (fp8 / fp8_ds_mla rows; nvfp4 rows have 3, see the kernel)
 
@@ -148,24 +150,26 @@ def _qk8(a, qb, i, acc, use_acc: gl.constexpr):
 
 
 @gluon.jit
-def _fold(acc):
-    """[64, 32] S8_L (hi columns, then lo) -> hi + lo, [64, 16] in S_L (each thread holds both halves of its
-    heads: an in-register add)."""
+def _fold(acc, inv_c):
+    """[64, 32] S8_L (hi columns, then lo) -> (hi + lo / LO_SHIFT) / c_h, [64, 16] in S_L (each thread holds
+    both halves of its heads: in-register arithmetic); ``inv_c``: 1 / c_h of the part ([16], HEAD)."""
     hi, lo = acc.reshape([64, 2, 16]).permute(0, 2, 1).split()
-    return gl.convert_layout(hi + lo, S_L)
+    return gl.convert_layout(hi + lo * (1.0 / LO_SHIFT), S_L) * inv_c[None, :]
 
 
 @gluon.jit
-def _qk_chain8(raw, rope, st, qn, qr, z, ROPE: gl.constexpr):
-    """FP8_QK, plain fp8: S^T = K q^T as one chain of fp8 MMAs from shared memory (the e4m3 rope included)."""
-    s_zero = gl.zeros([64, 32], gl.float32, S8_L)
-    acc = _qk8(e4m3_view(raw, 4 * st + 0), qn, 0 + z, s_zero, False)
-    acc = _qk8(e4m3_view(raw, 4 * st + 1), qn, 1 + z, acc, True)
-    acc = _qk8(e4m3_view(raw, 4 * st + 2), qn, 2 + z, acc, True)
-    acc = _qk8(e4m3_view(raw, 4 * st + 3), qn, 3 + z, acc, True)
+def _qk_plain8(raw, rope, st, qn, qr, z, inv_c, ROPE: gl.constexpr):
+    """FP8_QK, plain fp8: S^T = K q^T on fp8 MMAs from shared memory, one accumulator per 128-dim group and
+    one for the e4m3 rope, added in fp32 (the e4m3 MMAs' own accumulation is kept to 128 dims)."""
+    g0, g1, g2, g3 = _qk_groups8(raw, st, qn, z)
     if ROPE:
-        acc = _qk8(e4m3_view(rope, st), qr, z, acc, True)
-    return _fold(warpgroup_mma_wait(0, deps=(acc, )))
+        gr = _qk8(e4m3_view(rope, st), qr, z, gl.zeros([64, 32], gl.float32, S8_L), False)
+        g0, g1, g2, g3, gr = warpgroup_mma_wait(0, deps=(g0, g1, g2, g3, gr))
+        x = _fold(gr, inv_c[4]) + _fold(g0, inv_c[0])
+    else:
+        g0, g1, g2, g3 = warpgroup_mma_wait(0, deps=(g0, g1, g2, g3))
+        x = _fold(g0, inv_c[0])
+    return x + _fold(g1, inv_c[1]) + _fold(g2, inv_c[2]) + _fold(g3, inv_c[3])
 
 
 @gluon.jit
@@ -228,14 +232,15 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROP
 
 @gluon.jit
 def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr):
-    """FP8_QK's q: q * c_h as two e4m3 terms, hi = e4m3(q c_h) and lo = e4m3(q c_h - hi),
-    [4 groups, 32, 128] (rows 0-15 hi, 16-31 lo: one MMA takes both as N = 32; natural order: the QK MMAs read
-    the rows' e4m3 bytes straight from shared memory, so nothing is permuted); c_h is a power of two per head
-    with amax_h * c_h in [128, 256) (e4m3's largest value is 448).  bf16 q has 8 significant bits, each term 4:
-    hi + lo is exact but for elements below ~2^-9 of the head's largest (lo under e4m3's subnormals: error
-    <= 2^-17 of it).  One term alone keeps 4 significant bits of 8, a relative error up to 2^-4 per
-    element.  The rope part the same way for plain fp8 rows ([1, 32, 64]), bf16 x c_h for fp8_ds_mla.
-    Returns 1 / c_h ([16], HEAD)."""
+    """FP8_QK's q: each 128-dim group G of each head as two e4m3 terms of y = q c_hG, hi = e4m3(y) and
+    lo = e4m3((y - hi) LO_SHIFT), [4 groups, 32, 128] (rows 0-15 hi, 16-31 lo: one MMA takes both as N = 32,
+    each in its own accumulator columns; natural order: the QK MMAs read the rows' e4m3 bytes straight from
+    shared memory, so nothing is permuted); c_hG is a power of two per head and group with amax_hG c_hG in
+    [128, 256) (e4m3's largest value is 448).  bf16 q has 8 significant bits, each term 4: hi + lo is exact
+    but for elements below ~2^-14 of their group's largest (lo under e4m3's subnormals).  One scale per head
+    would lose every element below 2^-9 of the head's largest, which a large key value in that dim then
+    multiplies.  The rope part the same way for plain fp8 rows ([1, 32, 64], its own scale), bf16 as it is
+    for fp8_ds_mla (its own bf16 MMA).  Returns the five 1 / c ([16], HEAD each; the rope's 1 for fp8_ds_mla)."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     heads = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
     hm = (heads < H)[:, None]
@@ -244,33 +249,30 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, RO
     x1 = load_q_group(q_row, hm, 128, lay)
     x2 = load_q_group(q_row, hm, 256, lay)
     x3 = load_q_group(q_row, hm, 384, lay)
-    amax = gl.maximum(gl.maximum(gl.max(gl.abs(x0), 1), gl.max(gl.abs(x1), 1)),
-                      gl.maximum(gl.max(gl.abs(x2), 1), gl.max(gl.abs(x3), 1)))
+    i0 = _store_hi_lo(qn, 0, x0)
+    i1 = _store_hi_lo(qn, 1, x1)
+    i2 = _store_hi_lo(qn, 2, x2)
+    i3 = _store_hi_lo(qn, 3, x3)
+    ir = gl.full([16], 1.0, gl.float32, HEAD)
     if ROPE:
         k64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
         xr = gl.load(q_row + 512 + k64[None, :], mask=hm, other=0.0).to(gl.float32)
-        if not DS:
-            amax = gl.maximum(amax, gl.max(gl.abs(xr), 1))
-    c, inv_c = pow2_scale(amax)
-    c = c[:, None]
-    _store_hi_lo(qn, 0, x0 * c)
-    _store_hi_lo(qn, 1, x1 * c)
-    _store_hi_lo(qn, 2, x2 * c)
-    _store_hi_lo(qn, 3, x3 * c)
-    if ROPE:
         if DS:
-            qr.index(0).store((xr * c).to(gl.bfloat16))
+            qr.index(0).store(xr.to(gl.bfloat16))
         else:
-            _store_hi_lo(qr, 0, xr * c)
-    return gl.convert_layout(inv_c, HEAD)
+            ir = _store_hi_lo(qr, 0, xr)
+    return i0, i1, i2, i3, ir
 
 
 @gluon.jit
-def _store_hi_lo(buf, i: gl.constexpr, y):
-    """y [16 heads, n] (fp32) as its two e4m3 terms (store_e4m3_terms): hi into rows 0-15 of buf[i], lo into
-    rows 16-31."""
+def _store_hi_lo(buf, i: gl.constexpr, x):
+    """x [16 heads, n] (fp32) times c_h (pow2_scale of each head's largest) as its two e4m3 terms
+    (store_e4m3_terms, lo times LO_SHIFT): hi into rows 0-15 of buf[i], lo into rows 16-31.  Returns 1 / c_h
+    ([16], HEAD)."""
+    c, inv_c = pow2_scale(gl.max(gl.abs(x), 1))
     b = buf.index(i)
-    store_e4m3_terms(b.slice(0, 16, dim=0), b.slice(16, 16, dim=0), y)
+    store_e4m3_terms(b.slice(0, 16, dim=0), b.slice(16, 16, dim=0), x * c[:, None], LO_SHIFT)
+    return gl.convert_layout(inv_c, HEAD)
 
 
 @gluon.jit
@@ -479,11 +481,15 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, 
 def _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
              ROPE: gl.constexpr, CHUNKS: gl.constexpr, FP8_QK: gl.constexpr):
     """Warpgroup 0 stages q (_stage_q, or _stage_q8 for FP8_QK) and publishes c; warpgroup 1 waits for it.  Returns
-    c: a scalar, or (FP8_QK) 1 / c_h, one power of two per head ([16], HEAD)."""
+    c: a scalar, or (FP8_QK) the five 1 / c of _stage_q8 (one power of two per head each, [16] in HEAD)."""
     if WG == 0:
         if FP8_QK:
             c = _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE)
-            vec.index(0).store(c)
+            vec.index(0).store(c[0])
+            vec.index(1).store(c[1])
+            vec.index(2).store(c[2])
+            vec.index(3).store(c[3])
+            vec.index(4).store(c[4])
         else:
             c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE, CHUNKS)
             vec.index(0).store(gl.full([16], 1.0, gl.float32, HEAD) * c)  # c for warpgroup 1
@@ -494,7 +500,8 @@ def _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.co
         mbarrier.wait(q_bar, 0)
         fence_async_shared()
         if FP8_QK:
-            c = vec.index(0).load(HEAD)
+            c = (vec.index(0).load(HEAD), vec.index(1).load(HEAD), vec.index(2).load(HEAD), vec.index(3).load(HEAD),
+                 vec.index(4).load(HEAD))
         else:
             c = gl.max(vec.index(0).load(HEAD), 0)
     return c
@@ -543,7 +550,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     c = _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE, False, FP8_QK)
     if FP8_QK:
-        score_scale = (sm_scale_log2 * c)[None, :]  # c = 1 / c_h, one power of two per head
+        score_scale = sm_scale_log2  # the scores are in true units (_fold divides by c)
     else:
         score_scale = sm_scale_log2 / c
     s_zero = gl.zeros([64, 16], gl.float32, S_L)
@@ -582,18 +589,18 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
                 g0, g1, g2, g3, tr = warpgroup_mma_wait(0, deps=(g0, g1, g2, g3, tr))
             else:
                 g0, g1, g2, g3 = warpgroup_mma_wait(0, deps=(g0, g1, g2, g3))
-            if FP8_QK:  # q's two terms added
-                g0 = _fold(g0)
-                g1 = _fold(g1)
-                g2 = _fold(g2)
-                g3 = _fold(g3)
+            if FP8_QK:  # q's two terms added, in true units
+                g0 = _fold(g0, c[0])
+                g1 = _fold(g1, c[1])
+                g2 = _fold(g2, c[2])
+                g3 = _fold(g3, c[3])
             if ROPE:
                 x = tr + g0 * c0[:, None]
             else:
                 x = g0 * c0[:, None]
             x = x + g1 * c1[:, None] + g2 * c2[:, None] + g3 * c3[:, None]
         elif FP8_QK:
-            x = _qk_chain8(raw, rope, st, qn, qr, z, ROPE) * k_scale
+            x = _qk_plain8(raw, rope, st, qn, qr, z, c, ROPE) * k_scale
         else:
             x, a2 = _qk_chain(rs, qn, z, s_zero)
             if ROPE:  # e4m3 rope, in the same chain
@@ -724,7 +731,10 @@ def few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
         rope = gl.allocate_shared_memory(gl.uint8, [NS, 64, 64], gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
         qr = gl.allocate_shared_memory(gl.float16, [1, 16, 64], gl.NVMMASharedLayout.get_default_for([16, 64], gl.float16))
         pb = (p0, p0, p0, p0)  # fp8: one P for the four groups
-    vec = gl.allocate_shared_memory(gl.float32, [2, 16], plain)
+    if FP8_QK:  # the five 1 / c of q's parts, later the merge's max and sum
+        vec = gl.allocate_shared_memory(gl.float32, [5, 16], plain)
+    else:
+        vec = gl.allocate_shared_memory(gl.float32, [2, 16], plain)
     bl: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
     n_st: gl.constexpr = raw.shape[0] // (4 if FP8_QK else 1)

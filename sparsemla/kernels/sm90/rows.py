@@ -281,15 +281,25 @@ def pow2_scale(amax):
 
 
 @gluon.jit
-def store_e4m3_terms(dst_hi, dst_lo, y):
+def store_e4m3_terms(dst_hi, dst_lo, y, LO: gl.constexpr):
     """y = q c (fp32, exact in fp16: bf16 q times a power of two within fp16's range) -> its two e4m3 terms,
-    hi = e4m3(y) into ``dst_hi`` and lo = e4m3(y - hi) into ``dst_lo``, the remainder formed in fp16, where it
-    is exact (at most 4 significant bits): half the conversions of going through fp32.  hi is stored before
-    lo is formed, so that the two are never live together."""
+    hi = e4m3(y) into ``dst_hi`` and lo = e4m3((y - hi) LO) into ``dst_lo``, the remainder formed in fp16, where
+    it is exact (at most 4 significant bits): half the conversions of going through fp32.  ``LO``: a power of
+    two, 1 where both terms go into one accumulator; ``LO_SHIFT`` where the caller folds the lo products
+    itself (the remainder then stays above e4m3's subnormals for 5 more binades).  hi is stored before lo is
+    formed, so that the two are never live together."""
     yh = y.to(gl.float16)
     hi = yh.to(gl.float8e4nv)
     dst_hi.store(hi)
-    dst_lo.store((yh - hi.to(gl.float16)).to(gl.float8e4nv))
+    if LO == 1.0:
+        dst_lo.store((yh - hi.to(gl.float16)).to(gl.float8e4nv))
+    else:
+        dst_lo.store(((yh - hi.to(gl.float16)) * LO).to(gl.float8e4nv))
+
+
+# The lo term's factor where it has its own accumulator: with amax c in [128, 256), |y - hi| <= 8 (half of
+# e4m3's spacing in [128, 256)), so (y - hi) 32 <= 256 fits e4m3 (448)
+LO_SHIFT = gl.constexpr(32.0)
 
 
 @gluon.jit

@@ -331,8 +331,8 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, q_amax, q_bar, WG: gl
 @gluon.jit
 def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, q_amax, q_bar, WG: gl.constexpr, DS: gl.constexpr,
               ROPE: gl.constexpr):
-    """FP8_QK: q x c_h as two e4m3 terms (as the few-heads kernel's ``_stage_q8``: hi + lo hold bf16 q exactly but for elements below
-    ~2^-9 of the head's largest), c_h a power of two per head with amax_h x c_h in [128, 256).  Half by each
+    """FP8_QK: q x c_h as two e4m3 terms, both into one accumulator (hi + lo hold bf16 q exactly but for elements
+    below ~2^-9 of the head's largest), c_h a power of two per head with amax_h x c_h in [128, 256).  Half by each
     warpgroup as in _stage_q (WG w: groups 2w, 2w + 1, as qn[2 G] = hi and qn[2 G + 1] = lo, [64 heads, 128],
     natural order: the A operands are the rows' bytes in shared memory); warpgroup 1 also the rope (bf16 x c_h
     for fp8_ds_mla, two e4m3 terms in qr[0], qr[1] for fp8).  The per-head maxima of the two halves meet
@@ -356,12 +356,12 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, q_amax, q_bar, WG: g
     c, inv_c = pow2_scale(gl.maximum(amax, q_amax.index(1 - WG).load(hl)))
     for G in gl.static_range(2):  # loaded again (from L1 / L2): q is not held across the wait
         x = load_q_group(q_row, hm, 256 * WG + 128 * G, lay) * c[:, None]
-        store_e4m3_terms(qn.index(2 * (2 * WG + G)), qn.index(2 * (2 * WG + G) + 1), x)
+        store_e4m3_terms(qn.index(2 * (2 * WG + G)), qn.index(2 * (2 * WG + G) + 1), x, 1.0)
     if ROPE and WG == 1:
         if DS:
             qr.index(0).store((xr * c[:, None]).to(gl.bfloat16))
         else:
-            store_e4m3_terms(qr.index(0), qr.index(1), xr * c[:, None])
+            store_e4m3_terms(qr.index(0), qr.index(1), xr * c[:, None], 1.0)
     fence_async_shared()  # generic stores -> the wgmma (async proxy) reads of q
     compat.barrier()
     mbarrier.arrive(q_bar.index(2 + WG), count=1)
@@ -501,7 +501,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
     m_i = run_max.index(WG).load(HEAD)
     # IEEE 1 / l and libdevice log2, written out here rather than common.normalizer's approximate forms
     # (inline asm), with which ptxas allocates the loop's registers differently and the loop runs slower
-    has = l_i > 0
+    has = l_i != 0  # NaN (a selected row held a NaN) passes through, see common.normalizer
     inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
     lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     if not DS:
