@@ -248,10 +248,13 @@ def run_parallel(seeds: Sequence[int], num_cases: int, device="cuda", profile: r
     one process leaves the GPU mostly idle, bound by its host work), ``ceil(num_cases / len(seeds))`` cases
     each; returns :func:`merge_summaries` of their summaries."""
     import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
     per = math.ceil(num_cases / len(seeds))
     jobs = [(s, per, str(device), profile.name, precompile_workers, max_seconds) for s in seeds]
-    with mp.get_context("spawn").Pool(len(seeds)) as pool:
-        return merge_summaries(pool.map(_run_one, jobs))
+    # an executor's workers are not daemonic (a multiprocessing.Pool's are), so each can start its own
+    # precompile workers
+    with ProcessPoolExecutor(len(seeds), mp_context=mp.get_context("spawn")) as ex:
+        return merge_summaries(list(ex.map(_run_one, jobs)))
 
 
 def merge_summaries(runs: Sequence[Dict]) -> Dict:
