@@ -5,11 +5,11 @@
 - ``triton-portable``: the portable Triton kernels only (any CUDA GPU, the CPU interpreter); a cross-check of the
   Hopper kernels and the fallback a user can name.
 - ``triton-fp8qk``: the FP8-QK mode, opt-in (never chosen by ``auto``): on Hopper, fp8 / fp8_ds_mla rows, q split
-  into two e4m3 terms (a power of two per head; together exact for bf16 q but for its smallest elements) and QK on
-  e4m3 tensor cores straight from the gathered bytes.  Its error is that of e4m3 tensor-core accumulation (about
-  14 significant bits) and grows with the scores: lse within ~1e-3 of |lse|; outputs as close to float64 as the
-  default path's on most inputs, up to a few times that where heavy-tailed rows make scores of hundreds
-  (docs/reliability.md).
+  into two e4m3 terms (a power of two per head, and per 128-dim group at few heads; together exact for bf16 q but
+  for its smallest elements) and QK on e4m3 tensor cores straight from the gathered bytes.  Its error is that of
+  e4m3 tensor-core accumulation (about 14 significant bits) and grows with the scores: lse within ~1e-3 of |lse|;
+  outputs within the default path's bounds where max|lse| <= 1,000, beyond that not guaranteed (a near tie
+  between rows can swap; docs/reliability.md).
 
 In a runner the split-KV partials live in one preallocated buffer (:class:`SplitBuffers`), so a call launches
 kernels only and can be captured in a CUDA graph.
