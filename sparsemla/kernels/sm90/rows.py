@@ -291,10 +291,7 @@ def store_e4m3_terms(dst_hi, dst_lo, y, LO: gl.constexpr):
     yh = y.to(gl.float16)
     hi = yh.to(gl.float8e4nv)
     dst_hi.store(hi)
-    if LO == 1.0:
-        dst_lo.store((yh - hi.to(gl.float16)).to(gl.float8e4nv))
-    else:
-        dst_lo.store(((yh - hi.to(gl.float16)) * LO).to(gl.float8e4nv))
+    dst_lo.store(((yh - hi.to(gl.float16)) * LO).to(gl.float8e4nv))  # LO = 1: the multiply folds away
 
 
 # The lo term's factor where it has its own accumulator: with amax c in [128, 256), |y - hi| <= 8 (half of
