@@ -13,9 +13,10 @@ kernel             rows                                        takes a call when
 ``sm90-few``       fp8, fp8_ds_mla, nvfp4_ds_mla (rope, NoPE)  sm_90, H <= 32, or a batch small enough that
                                                                tokens x ceil(H / 16) programs fit in
                                                                ``FEW_WAVES[kind]`` waves of one per SM
+``sm90-conv``      fp8_ds_mla, nvfp4_ds_mla (rope, NoPE); fp8  sm_90, H > 32 otherwise (64 heads a program, a
+                   only when asked for (``kernel=``)           converting producer warpgroup, 16-byte aligned q;
+                                                               not in the FP8-QK mode)
 ``sm90-wide``      fp8, fp8_ds_mla                             sm_90, H > 32 otherwise (64 heads a program)
-``sm90-conv``      nvfp4_ds_mla (rope, NoPE); fp8, fp8_ds_mla  sm_90, H > 32 otherwise (64 heads a program, a
-                   only when asked for (``kernel=``)           converting producer warpgroup, 16-byte aligned q)
 ``sm90-bf16``      bf16 (cache or prefill workspace)           sm_90, H > 32 (64 heads a program)
 ``portable-wide``  every kind                                  H >= ``WIDE_MIN_HEADS[kind]`` (33; nvfp4 17)
 ``portable-fp8``   fp8, staged fp8, fp8_ds_mla                 fewer heads (16-32 heads a program)
@@ -43,14 +44,15 @@ from typing import FrozenSet, Optional, Tuple
 
 from .formats import KVFormat, get_format
 
-KERNELS = ("sm90-few", "sm90-wide", "sm90-conv", "sm90-bf16", "portable-wide", "portable-fp8", "portable-nvfp4",
+KERNELS = ("sm90-few", "sm90-conv", "sm90-wide", "sm90-bf16", "portable-wide", "portable-fp8", "portable-nvfp4",
            "portable-bf16")
-SM90_KERNELS = ("sm90-few", "sm90-wide", "sm90-conv", "sm90-bf16")
+SM90_KERNELS = ("sm90-few", "sm90-conv", "sm90-wide", "sm90-bf16")
 CONV_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")  # sm90-conv: rows it converts to bf16 tiles
-# Kinds the plan gives sm90-conv by itself; it serves the others only when asked for (``kernel="sm90-conv"``).
-# H200, b 128, 64 / 128 heads (BENCHMARKS.md): nvfp4_ds_mla 143 / 271 us against 256 / 461 on the kernels before
-# it; e4m3 rows 8-45 % slower than on sm90-wide, which converts each row once in registers.
-CONV_AUTO_KINDS = ("nvfp4_ds_mla",)
+# Kinds the plan gives sm90-conv by itself (ahead of sm90-wide, but not in the FP8-QK mode, which it does not
+# have); it serves plain fp8 only when asked for (``kernel="sm90-conv"``).  H200, b 128, 64 / 128 heads, one
+# process: nvfp4_ds_mla 119 / 224 us, fp8_ds_mla 138 / 255 against sm90-wide's 148 / 274; plain fp8 114 / 216
+# against sm90-wide's 118 / 211.
+CONV_AUTO_KINDS = ("fp8_ds_mla", "nvfp4_ds_mla")
 
 # Row kinds: a format's name, or "staged" (FP8 rows gathered per query, [T, K, D]).
 ROW_KINDS = ("bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "staged")
@@ -61,7 +63,9 @@ FEW_MAX_HEADS = 32  # the few-heads kernel always takes up to this many heads
 # Above FEW_MAX_HEADS the few-heads kernel runs ceil(H / 16) programs per token, each reading the token's rows
 # (from L2 after the first); it keeps a call while those programs fit in this many waves of one program per SM.
 # Beyond that the 64-head kernels (sm90-wide, sm90-conv) read each row once per 64 heads.
-FEW_WAVES = {"fp8": 1, "fp8_ds_mla": 1, "nvfp4_ds_mla": 1}
+# fp8_ds_mla and nvfp4 rows: half a wave (H200, 128 heads, graph replay: b 4 on sm90-few 29-30 us against
+# 30-32 on sm90-conv; b 16 on sm90-few 66-69 us against 50-53 on sm90-conv).
+FEW_WAVES = {"fp8": 1, "fp8_ds_mla": 0.5, "nvfp4_ds_mla": 0.5}
 WIDE_KINDS = ("fp8", "fp8_ds_mla")
 FP8_QK_KINDS = ("fp8", "fp8_ds_mla")  # e4m3 rows: the QK MMAs take their bytes as they are
 
@@ -154,6 +158,8 @@ def _sm90_why_not(kernel: str, kind: str, num_tokens: int, num_heads: int, num_s
     if kernel == "sm90-conv":
         if kind not in CONV_KINDS:
             return f"it reads {', '.join(CONV_KINDS)} rows, not {kind}"
+        if num_heads <= FEW_MAX_HEADS:
+            return f"it serves more than {FEW_MAX_HEADS} heads"
         if not q_aligned:
             return "it needs 16-byte aligned q rows"
         return None
@@ -192,9 +198,10 @@ def _why_not(kernel, kind, num_tokens, num_heads, num_sms, capability, interpret
     return _portable_why_not(kernel, kind, num_heads)
 
 
-def _auto(kernel: str, kind: str) -> bool:
-    """Whether the plan may choose ``kernel`` for ``kind`` rows by itself (sm90-conv: only :data:`CONV_AUTO_KINDS`)."""
-    return kernel != "sm90-conv" or kind in CONV_AUTO_KINDS
+def _auto(kernel: str, kind: str, fp8_qk: bool = False) -> bool:
+    """Whether the plan may choose ``kernel`` for ``kind`` rows by itself (sm90-conv: only :data:`CONV_AUTO_KINDS`,
+    and not in the FP8-QK mode)."""
+    return kernel != "sm90-conv" or (kind in CONV_AUTO_KINDS and not fp8_qk)
 
 
 def _splits(kernel: str, num_tokens: int, num_heads: int, topk: int, hpp: int, block_n: int, num_sms: int) -> int:
@@ -221,7 +228,7 @@ def _plan(kind, num_tokens, num_heads, topk, capability, num_sms, fp8_qk, portab
     else:
         chosen = why = None
         for name in KERNELS:
-            if _auto(name, kind) and _why_not(name, *args) is None:
+            if _auto(name, kind, fp8_qk) and _why_not(name, *args) is None:
                 chosen = name
                 break
         why = _WHY[chosen]
@@ -266,8 +273,8 @@ _WHY = {
     "portable-fp8": "few heads: e4m3 rows converted on the operand registers (mma.sync)",
     "portable-nvfp4": "few heads: e2m1 rows converted on the operand registers (mma.sync)",
     "portable-bf16": "few heads: bf16 rows straight from memory (mma.sync)",
-    "sm90-conv": ("e2m1 rows on Hopper above 32 heads: a producer warpgroup converts each row once to a bf16 tile, "
-                  "the MMA warpgroups run on it (64 heads a program)"),
+    "sm90-conv": ("fp8_ds_mla / e2m1 rows on Hopper above 32 heads: a producer warpgroup converts each row once to "
+                  "a 16-bit tile, the MMA warpgroups run on it (64 heads a program)"),
 }
 
 
@@ -318,8 +325,9 @@ def explain(fmt, num_tokens: int, num_heads: int, topk: int, *, mode: str = "dec
             continue
         reason = _why_not(name, kind, num_tokens, num_heads, o["num_sms"], tuple(o["capability"]), o["interpret"],
                           o["portable"], o["q_aligned"], o["kv_aligned"], frozenset(o["unavailable"]))
-        if reason is None and not _auto(name, kind):
-            reason = f"it serves {kind} rows only when asked for (kernel={name!r})"
+        if reason is None and not _auto(name, kind, plan.fp8_qk):
+            reason = ("it has no FP8-QK variant" if plan.fp8_qk and _auto(name, kind) else
+                      f"it serves {kind} rows only when asked for (kernel={name!r})")
         lines.append(f"  not {name}: {reason or 'a kernel earlier in the order takes it'}")
     return "\n".join(lines)
 

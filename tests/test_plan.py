@@ -10,19 +10,20 @@ ADA = dict(capability=(8, 9), num_sms=128)
 
 # (kind, tokens, heads) -> kernel on an H200, every kind of rows and the head counts that switch kernels
 @pytest.mark.parametrize("kind, tokens, heads, kernel", [
-    ("fp8_ds_mla", 128, 16, "sm90-few"), ("fp8_ds_mla", 128, 32, "sm90-few"), ("fp8_ds_mla", 128, 33, "sm90-wide"),
-    ("fp8_ds_mla", 128, 128, "sm90-wide"), ("fp8_ds_mla", 1, 128, "sm90-few"), ("fp8_ds_mla", 16, 128, "sm90-few"),
-    ("fp8_ds_mla", 17, 128, "sm90-wide"),  # 17 x 8 = 136 programs > one wave of 132
+    ("fp8_ds_mla", 128, 16, "sm90-few"), ("fp8_ds_mla", 128, 32, "sm90-few"), ("fp8_ds_mla", 128, 33, "sm90-conv"),
+    ("fp8_ds_mla", 128, 128, "sm90-conv"), ("fp8_ds_mla", 1, 128, "sm90-few"), ("fp8_ds_mla", 8, 128, "sm90-few"),
+    ("fp8_ds_mla", 9, 128, "sm90-conv"),  # 9 x 8 = 72 programs > half a wave of 132
     ("fp8", 128, 16, "sm90-few"), ("fp8", 128, 64, "sm90-wide"), ("fp8", 33, 64, "sm90-few"),
     ("fp8", 34, 64, "sm90-wide"),
     ("nvfp4_ds_mla", 128, 16, "sm90-few"), ("nvfp4_ds_mla", 128, 32, "sm90-few"),
-    ("nvfp4_ds_mla", 33, 64, "sm90-few"), ("nvfp4_ds_mla", 16, 128, "sm90-few"),  # one wave of 16-head programs
-    ("nvfp4_ds_mla", 34, 64, "sm90-conv"), ("nvfp4_ds_mla", 128, 64, "sm90-conv"),
+    ("nvfp4_ds_mla", 16, 64, "sm90-few"), ("nvfp4_ds_mla", 8, 128, "sm90-few"),  # half a wave of 16-head programs
+    ("nvfp4_ds_mla", 17, 64, "sm90-conv"), ("nvfp4_ds_mla", 128, 64, "sm90-conv"),
     ("nvfp4_ds_mla", 128, 128, "sm90-conv"), ("nvfp4_ds_mla-nope", 128, 96, "sm90-conv"),
     ("bf16", 128, 16, "portable-bf16"), ("bf16", 128, 32, "portable-bf16"), ("bf16", 128, 33, "sm90-bf16"),
     ("bf16", 4096, 128, "sm90-bf16"),
     ("fp8_ds_mla-nope", 128, 16, "sm90-few"), ("nvfp4_ds_mla-nope", 128, 16, "sm90-few"),
     ("bf16-nope", 128, 64, "sm90-bf16"), ("fp8-nope", 128, 128, "sm90-wide"),
+    ("fp8_ds_mla-nope", 128, 64, "sm90-conv"),
 ])
 def test_hopper_table(kind, tokens, heads, kernel):
     assert plan_attention(kind, tokens, heads, 2048, **H200).kernel == kernel
@@ -115,18 +116,18 @@ def test_plans_are_cached_and_explained():
     assert plan_attention("fp8_ds_mla", 128, 128, 2048, **H200) is a
     text = explain("nvfp4_ds_mla", 128, 128, 2048, **H200)
     assert "sm90-conv" in text.splitlines()[0]
-    assert "not sm90-few: 128 heads x 128 tokens need more than 1 wave(s)" in text
+    assert "not sm90-few: 128 heads x 128 tokens need more than 0.5 wave(s)" in text
     assert "not sm90-wide: it reads fp8, fp8_ds_mla rows, not nvfp4_ds_mla" in text
     assert "did not build" in explain("bf16", 1, 64, 2048, unavailable=frozenset({"sm90-bf16"}), **H200)
 
 
 def test_conv_kernel_plans():
-    """sm90-conv (quantized rows, 64 heads a program) takes nvfp4 rows above 32 heads past one wave of the few-heads
-    kernel by itself and e4m3 rows only when asked for; a forced call gets sm90-wide's head groups and splits, and
-    it refuses what it cannot read."""
+    """sm90-conv (quantized rows, 64 heads a program) takes fp8_ds_mla and nvfp4 rows above 32 heads past half a
+    wave of the few-heads kernel by itself (not in the FP8-QK mode) and plain e4m3 rows only when asked for; a
+    forced call gets sm90-wide's head groups and splits, and it refuses what it cannot read."""
     for kind in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "fp8-nope", "fp8_ds_mla-nope", "nvfp4_ds_mla-nope"):
         for tokens, heads in ((1, 33), (4, 64), (128, 96), (128, 128)):
-            auto = kind.startswith("nvfp4") and tokens == 128
+            auto = kind.split("-")[0] in ("fp8_ds_mla", "nvfp4_ds_mla") and tokens == 128
             assert (plan_attention(kind, tokens, heads, 2048, **H200).kernel == "sm90-conv") == auto
             p = plan_attention(kind, tokens, heads, 2048, kernel="sm90-conv", **H200)
             assert (p.kernel, p.heads_per_program, p.num_groups) == ("sm90-conv", 64, -(-heads // 64))
@@ -141,3 +142,5 @@ def test_conv_kernel_plans():
     with pytest.raises(ValueError, match="fp8_qk"):
         plan_attention("fp8", 4, 64, 2048, kernel="sm90-conv", fp8_qk=True, **H200)
     assert "not sm90-conv: it serves fp8 rows only when asked for" in explain("fp8", 128, 128, 2048, **H200)
+    assert plan_attention("fp8_ds_mla", 128, 64, 2048, fp8_qk=True, **H200).kernel == "sm90-wide"
+    assert "not sm90-conv: it has no FP8-QK variant" in explain("fp8_ds_mla", 128, 64, 2048, fp8_qk=True, **H200)

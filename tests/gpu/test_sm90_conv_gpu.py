@@ -1,6 +1,6 @@
 """The sm_90 converting-producer kernel for quantized rows (sparsemla/kernels/sm90/conv.py, plan kernel
-``sm90-conv``, 64 heads per program; planned for nvfp4_ds_mla above 32 heads) on the H200, forced here: every format it reads, NoPE rows
-with and without a (zero) rope slot, against the float64 reference and the portable Triton kernels; k_scale,
+``sm90-conv``, 64 heads per program; planned for fp8_ds_mla and nvfp4_ds_mla above 32 heads) on the H200,
+forced here: every format it reads, NoPE rows with and without a (zero) rope slot, against the float64 reference and the portable Triton kernels; k_scale,
 -1 padding, valid counts with garbage past them, no valid counts, empty rows, head counts that are not a
 multiple of 64, odd block counts, forced splits, strided q, poisoned outputs.  Run with `pytest -m gpu`."""
 import os
@@ -139,9 +139,9 @@ def test_conv_one_token_many_splits_and_poisoned_split_buffers():
 
 
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "nvfp4_ds_mla"])
-def test_conv_planned_for_nvfp4_only(fmt):
-    """The plan gives sm90-conv nvfp4 rows above 32 heads (past one wave of 16-head programs); e4m3 rows only
-    when forced."""
+def test_conv_planned_for_ds_and_nvfp4_rows(fmt):
+    """The plan gives sm90-conv fp8_ds_mla and nvfp4 rows above 32 heads (past half a wave of 16-head programs);
+    plain e4m3 rows only when forced."""
     skip_unless_sm90()
     kernel = plan_attention(get_format(fmt), 128, 128, 2048, capability=(9, 0), num_sms=132).kernel
-    assert (kernel == KERNEL) == (fmt == "nvfp4_ds_mla")
+    assert (kernel == KERNEL) == (fmt in ("fp8_ds_mla", "nvfp4_ds_mla"))

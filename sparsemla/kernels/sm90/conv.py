@@ -68,13 +68,23 @@ WG1_REGS = gl.constexpr(160)
 PRODUCER_REGS = gl.constexpr(152)
 
 # Producer register layouts (4 warps): the raw rows are loaded as 32-bit words, 16 contiguous bytes a thread
-# per row (as bytes, the values carried from one block to the next would take a register each).
-# e4m3 piece [64 rows, 32 words = 128 dims] (4 rows a thread); bf16 rope [64, 32 words] alike
+# per row (as bytes, the values carried from one block to the next would take a register each).  For
+# fp8_ds_mla and nvfp4 rows the lanes run along the rows first (order [0, 1]: L_W8R, L_W2): the 8 lanes of a
+# quarter-warp hold the same columns of 8 consecutive rows, which the tiles' 128-byte swizzle puts on 8
+# different 16-byte bank groups, so each 16-byte store of a converted piece is conflict-free (lanes along a row
+# put two lanes of a quarter-warp on the same banks).  Measured on the H200, 64 / 128 heads, one process:
+# nvfp4 128 / 242 -> 119 / 224 us, fp8_ds_mla 142 / 266 -> 138 / 256.  Plain fp8 rows were slower that way
+# (114 / 215 -> 128 / 245 us, from the layout of their separately read e4m3 rope), so they keep lanes along the
+# row (L_W8, L_W2C).
+# e4m3 piece [64 rows, 32 words = 128 dims]: plain fp8 L_W8 (4 rows a thread), fp8_ds_mla L_W8R (2 rows x 8
+# words a thread, its bf16 rope [64, 32 words] alike)
 L_W8 = gl.constexpr(gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0]))
-# e2m1 piece [64 rows, 16 words = 128 dims] (2 rows a thread), the same words as [64, 8 blocks, 2]; e4m3 rope
-# [64, 16 words] alike
-L_W2 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
-L_W2B = gl.constexpr(gl.BlockedLayout([1, 2, 2], [8, 4, 1], [4, 1, 1], [2, 1, 0]))
+L_W8R = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [0, 1]))
+# e2m1 piece [64 rows, 16 words = 128 dims] (2 rows a thread), the same words as [64, 8 blocks, 2]; its e4m3
+# rope [64, 16 words] alike; plain fp8's e4m3 rope in L_W2C
+L_W2 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [0, 1]))
+L_W2B = gl.constexpr(gl.BlockedLayout([1, 2, 2], [8, 4, 1], [4, 1, 1], [2, 0, 1]))
+L_W2C = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
 L_W2S = gl.constexpr(gl.SliceLayout(2, L_W2B.value))  # the e4m3 block scales [64 rows, 8 blocks]
 # bf16 q rows [64, 64k elements] (8 elements a thread)
 L_B16 = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
@@ -97,9 +107,9 @@ def _words(base, valid, off: gl.constexpr, N: gl.constexpr, lay: gl.constexpr):
 
 @gluon.jit
 def _load_piece(base, valid, P: gl.constexpr, SCALE_OFF: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr):
-    """Raw words of 128-dim piece P of 64 rows and their scales, zeros for invalid rows: e4m3 [64, 32] (L_W8)
-    and, fp8_ds_mla, the group scale [64] fp32; nvfp4 [64, 16] (L_W2) and the 8 block scales [64, 8] u8
-    (L_W2S).  Plain fp8: the scale is 0 (unused)."""
+    """Raw words of 128-dim piece P of 64 rows and their scales, zeros for invalid rows: e4m3 [64, 32] (L_W8R
+    for fp8_ds_mla, L_W8 for plain fp8) and, fp8_ds_mla, the group scale [64] fp32; nvfp4 [64, 16] (L_W2) and
+    the 8 block scales [64, 8] u8 (L_W2S).  Plain fp8: the scale is 0 (unused)."""
     if FP4:
         raw = _words(base, valid, 64 * P, 16, L_W2)
         # block 8 P + j of a row: its scale byte is at 8 (j % 4) + 2 P + j // 4 (kv-formats.md)
@@ -109,10 +119,11 @@ def _load_piece(base, valid, P: gl.constexpr, SCALE_OFF: gl.constexpr, DS: gl.co
         sbase = gl.convert_layout(base, sl)  # the same rows in each thread
         sc = gl.load(sbase[:, None] + so[None, :], mask=gl.convert_layout(valid, sl)[:, None], other=0)
     else:
-        raw = _words(base, valid, 128 * P, 32, L_W8)
         if DS:
+            raw = _words(base, valid, 128 * P, 32, L_W8R)
             sc = gl.load((base + (SCALE_OFF + 4 * P)).to(gl.pointer_type(gl.float32)), mask=valid, other=0.0)
         else:
+            raw = _words(base, valid, 128 * P, 32, L_W8)
             sc = 0.0
     return raw, sc
 
@@ -131,14 +142,16 @@ def _store_piece(raw, sc, dst, DS: gl.constexpr, FP4: gl.constexpr):
 
 
 @gluon.jit
-def _load_rope(base, valid, ROPE_OFF: gl.constexpr, DS: gl.constexpr):
-    """The rope part of 64 rows as words: bf16 [64, 32] (fp8_ds_mla, L_W8) or e4m3 [64, 16] (L_W2); zeros for
-    invalid rows.  ``base`` in the layout of the value pieces (the same for fp8_ds_mla and nvfp4) or of L_W2
-    (fp8)."""
+def _load_rope(base, valid, ROPE_OFF: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr):
+    """The rope part of 64 rows as words: bf16 [64, 32] (fp8_ds_mla, L_W8R) or e4m3 [64, 16] (nvfp4 L_W2, fp8
+    L_W2C); zeros for invalid rows.  ``base`` in the layout of the value pieces (fp8_ds_mla and nvfp4) or of
+    L_W2C (fp8)."""
     if DS:
-        return _words(base, valid, ROPE_OFF, 32, L_W8)
-    else:
+        return _words(base, valid, ROPE_OFF, 32, L_W8R)
+    elif FP4:
         return _words(base, valid, ROPE_OFF, 16, L_W2)
+    else:
+        return _words(base, valid, ROPE_OFF, 16, L_W2C)
 
 
 @gluon.jit
@@ -199,7 +212,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     up at the start of a block."""
     (q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem,
      bars) = args
-    qL, qR, qE, kLw, kRw, kEw, sQ = smem
+    qL, qR, qE, kLw, kRw, kEw, sQ, sV = smem
     q_bar, ready, free = bars
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     # q [64 heads, 576] (rows of heads >= H zero-filled)
@@ -225,9 +238,11 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     # nvfp4's rope is read with the pieces' pointers)
     if FP4:
         rl: gl.constexpr = gl.SliceLayout(1, L_W2)
+    elif DS:
+        rl: gl.constexpr = gl.SliceLayout(1, L_W8R)
     else:
         rl: gl.constexpr = gl.SliceLayout(1, L_W8)
-    el: gl.constexpr = gl.SliceLayout(1, L_W2)
+    el: gl.constexpr = gl.SliceLayout(1, L_W2C)
     SEP: gl.constexpr = ROPE and not DS and not FP4  # a rope in its own layout
     base, valid = _ptrs(block_indices(idx_row, k_begin, k_end, rl), kv_ptr, BPT)
     raw, sc = _load_piece(base, valid, 0, SCALE_OFF, DS, FP4)
@@ -240,13 +255,16 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
             rbase, rvalid = base, valid
         raw1, sc1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4)
         mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
+        # which rows are valid (1.0 / 0.0), for warpgroup 0's mask: from shared memory, not a global load in
+        # its serial chain of QK, softmax and PV
+        sV.index(b).store(valid.to(gl.float32))
         _store_piece(raw, sc, _piece_dst(kLw, kRw, b, 0), DS, FP4)
         raw2, sc2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4)
         _store_piece(raw1, sc1, _piece_dst(kLw, kRw, b, 1), DS, FP4)
         raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4)
         _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
         if ROPE:
-            rope = _load_rope(rbase, rvalid, ROPE_OFF, DS)
+            rope = _load_rope(rbase, rvalid, ROPE_OFF, DS, FP4)
             _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
             raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4)
             _store_rope(rope, kEw.index(b), DS)
@@ -286,11 +304,10 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
     """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
-    qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ = smem
+    qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV = smem
     q_bar, ready, free, p_ready, p_free, l_bar = bars
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
-    idx_row = idx_ptr + t.to(gl.int64) * stride_it
     ss = sm_scale_log2
     if not DS and not FP4:
         ss = ss * k_scale  # plain fp8 rows hold value / k_scale
@@ -313,8 +330,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in the
         # loop instead of their wgmma descriptors being hoisted out of it (and spilled)
         z = i // (n_blocks + 1)
-        offs = k_begin + i * 64 + gl.arange(0, 64, layout=SCOL)
-        ok = gl.load(idx_row + offs, mask=offs < k_end, other=-1) >= 0
+        ok = sV.index(b + z).load(SCOL) != 0.0  # tile b's valid rows (the producer's, behind ready[b])
         if DS:
             sc = sc * ss
         else:
@@ -371,7 +387,7 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
     """Warpgroup 1: PV for output columns 256-511 with warpgroup 0's P and alpha."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
-    qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ = smem
+    qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV = smem
     q_bar, ready, free, p_ready, p_free, l_bar = bars
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
@@ -422,6 +438,8 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
     sA = gl.allocate_shared_memory(gl.float32, [64], vec)
     sL = gl.allocate_shared_memory(gl.float32, [64], vec)
     sQ = gl.allocate_shared_memory(gl.float32, [64], vec)  # fp16 q: 1 / each head's scale
+    # tile b's valid rows (1.0 / 0.0), written by the producer with the tile
+    sV = gl.allocate_shared_memory(gl.float32, [2, 64], vec)
     bl: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
@@ -442,14 +460,14 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
     # (constexprs reach a partition as constexprs only when written into warp_specialize's argument tuples)
     ca = (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls,
           stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-          (qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ), (q_bar, ready, free, p_ready, p_free, l_bar))
+          (qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV), (q_bar, ready, free, p_ready, p_free, l_bar))
     # the producer stores bf16 pairs as 32-bit words: the same bytes under the same 128-byte swizzle
     words: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     kLw = compat.reinterpret(kL, gl.int32, [2, 64, 128], words)
     kRw = compat.reinterpret(kR, gl.int32, [2, 64, 128], words)
     kEw = compat.reinterpret(kE, gl.int32, [2, 64, 32], words)
     pa = (q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits,
-          (qL, qR, qE, kLw, kRw, kEw, sQ), (q_bar, ready, free))
+          (qL, qR, qE, kLw, kRw, kEw, sQ, sV), (q_bar, ready, free))
     gl.warp_specialize([(_wg0, (ca, ROPE, DS, FP4, NG, HAS_VC)), (_wg1, (ca, DS, FP4, NG, HAS_VC)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC))],
                        [4, 4], [WG1_REGS, PRODUCER_REGS])
