@@ -5,9 +5,10 @@
     python3 benchmarks/render.py --results other.jsonl --benchmarks /tmp/B.md --readme /tmp/R.md
 
 Both documents come from the same rows (``sparsemla.bench.results``), so they cannot drift from the data.
-The tables show the rows of one commit, that of the newest full decode run (``current``), and within it the
-newest row of every measured key (``results.latest``); rows of partial runs measured after it follow in their
-own table.  Tables show one Triton release (``--triton``,
+Each table shows the rows of one commit, that of the newest complete run of its driver (``current``: decode,
+small batches, prefill, data movement, host overhead), and within it the newest row of every measured key
+(``results.latest``); decode rows of partial runs measured after the decode table's commit follow in their own
+table.  Tables show one Triton release (``--triton``,
 default: the release with the most rows); when the file holds decode or prefill rows of several releases, a
 table per release follows.  The README block lies between the two ``RESULTS`` marker comments.
 """
@@ -92,35 +93,59 @@ def select(rows: Sequence[dict], gpu: Optional[str], triton: Optional[str]) -> L
     return [r for r in rows if (gpu is None or r["gpu"] == gpu) and (triton is None or r["triton"] == triton)]
 
 
+# The tables' sections: which rows belong to each (all impls, peers included) and the keys (config, format) of
+# sparsemla rows that a complete run of its driver measures (None: the newest run that has any).
+_DECODE_CFGS = tuple(f"D-h{h}" for h in (16, 64, 128))
+SECTIONS = {
+    "decode": (lambda r: r["kind"] == "decode" and r["config"] in _DECODE_CFGS,
+               {(c, f) for c in _DECODE_CFGS for f in FORMATS}),
+    "small": (lambda r: r["kind"] == "decode" and r["config"].startswith("D-small"),
+              {(f"D-small-b{b}-h{h}", f) for b in (1, 4, 16) for h in (16, 128) for f in FORMATS[:4]}),
+    "prefill": (lambda r: r["kind"] == "prefill", None),
+    "movement": (lambda r: r["kind"] == "movement", None),
+    "host": (lambda r: r["kind"] == "host", None),
+}
+
+
 def current(rows: Sequence[dict]) -> List[dict]:
-    """The rows of one commit: that of the newest full decode run (sparsemla rows at 16, 64 and 128 heads for every
-    format of :data:`FORMATS`; a full run measures every driver at one commit), so that no table mixes runs.
-    Without a full run, the newest decode run's.  Rows of other commits stay in the file: older ones as history,
-    newer partial runs in :func:`later_section`."""
-    commit = table_commit(rows)
-    return list(rows) if commit is None else [r for r in rows if r["commit"] == commit]
+    """The rows the tables show: per section of :data:`SECTIONS`, those of one commit, the newest complete run of
+    its driver (without one, its newest run), so that no table mixes runs; each table names its commit.  Rows of
+    other commits stay in the file: older ones as history, newer partial decode runs in :func:`later_section`."""
+    out = []
+    for name, (match, _) in SECTIONS.items():
+        commit = section_commit(rows, name)
+        out += [r for r in rows if match(r) and r["commit"] == commit]
+    return out
 
 
-def table_commit(rows: Sequence[dict]) -> Optional[str]:
-    need = {(f"D-h{h}", f) for h in (16, 64, 128) for f in FORMATS}
+def section_commit(rows: Sequence[dict], name: str) -> Optional[str]:
+    match, need = SECTIONS[name]
     have: Dict[str, set] = collections.defaultdict(set)
     last = None
     for r in rows:
-        if r["kind"] == "decode" and r["impl"] == "sparsemla":
+        if match(r) and r["impl"] == "sparsemla":
             have[r["commit"]].add((r["config"], r["format"]))
             last = r["commit"]
-    full = [c for c in have if need <= have[c]]  # dicts keep first-seen order: the newest full run is last
+    full = [c for c in have if need is not None and need <= have[c]]  # first-seen order: the newest is last
     return full[-1] if full else last
 
 
+def table_commit(rows: Sequence[dict]) -> Optional[str]:
+    """The commit of the decode table."""
+    return section_commit(rows, "decode")
+
+
 def later_rows(rows: Sequence[dict]) -> List[dict]:
-    """Decode and host rows of commits measured after the tables' commit (partial runs: a kernel or a host path
-    changed since the full run), newest row per key."""
-    commit = table_commit(rows)
-    if commit is None:
-        return []
-    after = max(i for i, r in enumerate(rows) if r["commit"] == commit)
-    later = [r for r in rows[after + 1:] if r["commit"] != commit and r["kind"] in ("decode", "host")]
+    """Decode rows (b 128 and small batches) of commits measured after their table's commit (partial runs: a
+    kernel changed since the full run), newest row per key."""
+    later = []
+    for name in ("decode", "small"):
+        commit = section_commit(rows, name)
+        if commit is None:
+            continue
+        match = SECTIONS[name][0]
+        after = max(i for i, r in enumerate(rows) if r["commit"] == commit and match(r))
+        later += [r for r in rows[after + 1:] if r["commit"] != commit and match(r)]
     return R.latest(later)
 
 
@@ -321,10 +346,9 @@ def later_section(rows: Sequence[dict]) -> List[dict]:
     if not later:
         return []
     out = ["## Later partial runs", "",
-           "Rows measured after the full run of the tables above, by drivers run for the formats or calls that "
-           "changed (peers in the same process as the rows beside them). Decode: b 128, top-k 2048, 32K-token "
-           "contexts, CUDA-graph replay; `sparsemla-conv` is the `sm90-conv` kernel forced. Host: as in the host "
-           "table.", ""]
+           "Decode rows measured after the full runs of the decode and small-batch tables, by runs for the formats "
+           "that changed (peers in the same process as the rows beside them): top-k 2048, 32K-token contexts, "
+           "CUDA-graph replay; `sparsemla-conv` is the `sm90-conv` kernel forced.", ""]
     body = []
     order = {f: i for i, f in enumerate(FORMATS)}
     key = (lambda r: (r["kind"], r["commit"], r["heads"] if r["kind"] == "decode" else 0, r["config"],
@@ -352,7 +376,9 @@ def releases_section(rows: Sequence[dict]) -> List[str]:
     tables = {v: Table(R.latest(select(rows, None, v))) for v in rel}
     out = ["## Per Triton release", "",
            "The same configurations on each supported Triton release (sparsemla, graph replay; prefill TFLOP/s "
-           "through the bf16 workspace for quantized formats, native for bf16).", ""]
+           "through the bf16 workspace for quantized formats, native for bf16), each the newest row of its release "
+           "with the commit it was measured at: a kernel changed after a release's row was measured shows there "
+           "as an older commit.", ""]
     body = []
     for cfg in ("D-h16", "D-h64", "D-h128", "P-32k"):
         for fmt in FORMATS:
@@ -361,9 +387,11 @@ def releases_section(rows: Sequence[dict]) -> List[str]:
                 t = tables[v]
                 if cfg.startswith("P"):
                     r = t.get(cfg, fmt, "sparsemla", variant="bf16 workspace" if fmt != "bf16" else "native reads")
-                    cells.append(f"{r['tflops']:.0f} TFLOP/s" if r and r.get("tflops") else "--")
+                    cell = f"{r['tflops']:.0f} TFLOP/s" if r and r.get("tflops") else "--"
                 else:
-                    cells.append(us(t.get(cfg, fmt, "sparsemla"), False))
+                    r = t.get(cfg, fmt, "sparsemla")
+                    cell = us(r, False)
+                cells.append(f"{cell} (`{r['commit'][:7]}`)" if cell != "--" else cell)
             if any(c != "--" for c in cells):
                 body.append([cfg, f"`{fmt}`"] + cells)
     out += md_table(["config", "format"] + [f"Triton {v}" for v in rel], body)
@@ -391,8 +419,12 @@ CAUSE_WIDE_FP8 = ("The wide fp8 kernel is latency-bound: about 2,000 instruction
                   "consumer warpgroup at 7-10 cycles each, at the 232-register limit with local-memory spills "
                   "(O^T alone takes 128 registers), plus a fixed cost per program, most of it code and first data "
                   "fetched from a cold L2.")
-CAUSE_NVFP4_WIDE = ("No wide kernel reads NVFP4 rows: above 32 heads each 16-head group converts the rows again "
-                    "(Hopper has no e2m1 convert instruction; the conversion is ~4 instructions per pair of values).")
+CAUSE_CONV = ("These rows run sm90-conv above 32 heads: a producer warpgroup converts each 64-row block into a 16-bit "
+              "tile, two MMA warpgroups run QK, the softmax and PV on it, 64 heads a program.  The first MMA "
+              "warpgroup's chain (QK, softmax, the P hand-off, PV) leaves the tensor cores idle during each "
+              "softmax: ~3.7 us a block at 64 heads where the MMAs need ~1.2; q and two tiles fill the shared "
+              "memory (231 KB), so the producer converts at most one block ahead; at 128 heads the two programs "
+              "of a token each convert its rows.")
 CAUSE_FEW = ("The few-heads kernel is bound by its consumer warpgroups' instruction count (~7 cycles per "
              "instruction per warp), not by bytes: fp8_ds_mla's per-group scales add about a quarter to plain "
              "fp8's instructions per block.")
@@ -407,9 +439,9 @@ def shortfalls(t: Table) -> List[str]:
         return r and other and other["value"] / r["value"] < limit
 
     # decode against the fastest peer at 64 / 128 heads
-    for fmts, cause, label in ((["fp8", "fp8_ds_mla"], CAUSE_WIDE_FP8, "Quantized decode"),
-                               (["bf16"], CAUSE_WIDE_BF16, "bf16 decode"),
-                               (["nvfp4_ds_mla"], CAUSE_NVFP4_WIDE, "NVFP4 decode")):
+    for fmts, cause, label in ((["fp8"], CAUSE_WIDE_FP8, "Plain fp8 decode"),
+                               (["fp8_ds_mla", "nvfp4_ds_mla"], CAUSE_CONV, "Decode over fp8_ds_mla and NVFP4 rows"),
+                               (["bf16"], CAUSE_WIDE_BF16, "bf16 decode")):
         parts = []
         for h in (64, 128):
             best = t.best_peer(f"D-h{h}")
@@ -430,8 +462,8 @@ def shortfalls(t: Table) -> List[str]:
                 parts.append(f"{f} at {h} heads {r['value']:.0f} us vs bf16 {b['value']:.0f} us")
     if parts:
         items.append(f"- **Some quantized formats are slower than bf16 above 32 heads** ({'; '.join(parts)}), "
-                     "although they read 30-57 % of the bytes: the rows' conversion adds to the work of the bf16 "
-                     "kernel's schedule.")
+                     "although they read 30-57 % of the bytes: converting the rows adds to the attention's work, "
+                     "at 128 heads once per 64-head program.")
     # 16 heads: fp8_ds_mla below 75 % SOL, NVFP4 not 1.6x faster than fp8_ds_mla
     ds = t.get("D-h16", "fp8_ds_mla", "sparsemla")
     nv = t.get("D-h16", "nvfp4_ds_mla", "sparsemla")

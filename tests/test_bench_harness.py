@@ -410,7 +410,8 @@ def test_render_per_release_table(tmp_path):
     rows = [_row(), dict(_row(value=71.0), triton="3.8.0"), dict(_row(value=72.0), triton="3.9.0")]
     bench = render.render_benchmarks(rows, "r.jsonl", triton="3.6.0")
     assert "## Per Triton release" in bench
-    assert "| D-h16 | `fp8_ds_mla` | 70.0 us | 71.0 us | 72.0 us |" in bench
+    c = "(`0000000`)"  # each cell names the commit of its row
+    assert f"| D-h16 | `fp8_ds_mla` | 70.0 us {c} | 71.0 us {c} | 72.0 us {c} |" in bench
 
 
 def test_the_documents_match_the_results_file():
@@ -451,3 +452,17 @@ def test_drivers_dry_run_write_valid_rows(tmp_path, driver, args):
     assert r.returncode == 0, r.stdout + r.stderr
     rows = R.load(str(out))
     assert rows and all(row["gpu"] == "cpu" and "dry run" in row["variant"] for row in rows)
+
+
+def test_render_each_table_from_the_newest_run_of_its_driver():
+    """A decode run at a newer commit leaves the prefill and host tables on the commit that measured them."""
+    render = _load_script("benchmarks/render.py")
+    old, new = "a" * 40, "b" * 40
+    rows = [dict(_row(config="P-32k", kind="prefill", heads=128, batch=1, s_q=4096, variant="native reads",
+                      fmt="bf16", value=4580.0, tflops=511.0), commit=old),
+            dict(_row(config="H-run", kind="host", timing="host", value=39.3), commit=old),
+            dict(_row(value=70.0), commit=new)]
+    bench = render.render_benchmarks(rows, "r.jsonl")
+    assert "No prefill rows" not in bench and "4.58 ms, 511 TFLOP/s" in bench
+    assert "Measured at commit `aaaaaaa`" in bench and "Measured at commit `bbbbbbb`" in bench
+    assert "| `SparseMLA.run`, one layer, b 128 | `fp8_ds_mla` | 128 | 16 | 39.3 us |" in bench
