@@ -8,12 +8,14 @@ conversion has its own warpgroup and the MMA warpgroups run the bf16 kernel's ki
 - producer (worker partition, 4 warps): stages q; per 64-row block, gathers the raw rows as 32-bit words (16
   bytes a thread and row) in 128-dim pieces, one piece ahead of the one it converts (measured faster than a
   whole block ahead, docs/design/kernels.md), dequantizes each piece and stores it into the block's tile (kL:
-  dims 0-255, kR: 256-511, kE: the rope), two tiles double-buffered.  Rows of -1 / past
-  the valid count are never read and their tile rows are zeros (so that P = 0 times them stays 0);
+  dims 0-255, kR: 256-511, kE: the rope), two tiles double-buffered, and the block's row validity into sV[b].
+  Rows of -1 / past the valid count are never read and their tile rows are zeros (so that P = 0 times them
+  stays 0);
 - warpgroup 0 (default partition): S = q K^T over all 576 (512) dims for 64 heads x 64 rows (wgmma m64n64,
-  q and the tile from shared memory), the online softmax (base 2), publishes P (in the tiles' 16-bit type) and the rescale factor
-  alpha for warpgroup 1, and PV for output columns 0-255 with P from shared memory too (P in registers needs 208
-  registers, which leave the others too few; V = kL read as the MMA's B
+  q and the tile from shared memory), masked with sV[b] (from shared memory: a global load of the indices in
+  this serial chain, and its registers, cost 15-25 %), the online softmax (base 2), publishes P (in the tiles'
+  16-bit type) and the rescale factor alpha for warpgroup 1, and PV for output columns 0-255 with P from shared
+  memory too (P in registers needs 208 registers, which leave the others too few; V = kL read as the MMA's B
   operand, MN-major: no transpose).  The next block's QK is issued behind this block's PV;
 - warpgroup 1 (worker partition): PV for output columns 256-511 (A = P from shared memory, B = kR), its
   accumulator rescaled by warpgroup 0's alpha.
@@ -27,15 +29,16 @@ writers produce; other scales round once, like a bf16 cache; fp16 could overflow
 copied.  Converting to fp16 saves a third of the producer's instructions against bf16 (no detour through
 fp32), measured in SASS: about 800 against 1230 a thread and block for nvfp4.
 
-mbarriers: ``q_bar`` (q staged: one cp.async arrival per producer thread; fp16 q: one arrival), ``ready[b]`` (tile b converted;
-the producer fences its generic-proxy stores for the async proxy first), ``free[b]`` (count 2: both
+mbarriers: ``q_bar`` (q staged: one cp.async arrival per producer thread; fp16 q: one arrival), ``ready[b]``
+(tile b and sV[b]; the producer fences its generic-proxy stores for the async proxy first), ``free[b]`` (count 2: both
 warpgroups done reading tile b; warpgroup 0 arrives when its PV of the block is done, before the next
 block's QK is), ``p_ready`` / ``p_free`` (P and alpha handed from warpgroup 0 to
 warpgroup 1), ``l_bar`` (warpgroup 0's final row sums, so that both halves of the output are normalized by
 the same l).
 
-Shared memory: q 72 KB + 2 tiles x 72 KB + P 8 KB (NoPE the same: the rope buffers stay allocated).  Registers:
-168 at launch for 12 warps; warpgroup 0 gets 192 (O 128 + S 32 + the next QK), warpgroup 1 160, the producer 152.
+Shared memory: q 72 KB + 2 tiles x 72 KB + P 8 KB + small vectors, 231,120 bytes of the 232,448 an SM gives a
+block (NoPE 206,512: no rope buffers).  Registers: 168 at launch for 12 warps; warpgroup 0 gets 192 (O 128 +
+S 32 + the next QK), warpgroup 1 160, the producer 152.
 
 Gluon kernels do not run under the Triton interpreter: ``tests/test_sm90_compile.py`` compiles every variant
 for sm_90 on the CPU; ``tests/gpu/test_sm90_conv_gpu.py`` checks the numbers against the float64 reference.
