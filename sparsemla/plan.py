@@ -47,7 +47,7 @@ from .formats import KVFormat, get_format
 KERNELS = ("sm90-few", "sm90-conv", "sm90-wide", "sm90-bf16", "portable-wide", "portable-fp8", "portable-nvfp4",
            "portable-bf16")
 SM90_KERNELS = ("sm90-few", "sm90-conv", "sm90-wide", "sm90-bf16")
-CONV_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")  # sm90-conv: rows it converts to bf16 tiles
+CONV_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")  # sm90-conv: rows it converts to 16-bit tiles
 # Kinds the plan gives sm90-conv by itself (ahead of sm90-wide, but not in the FP8-QK mode, which it does not
 # have); it serves plain fp8 only when asked for (``kernel="sm90-conv"``).  H200, b 128, 64 / 128 heads, one
 # process: nvfp4_ds_mla 119 / 224 us, fp8_ds_mla 138 / 255 against sm90-wide's 148 / 274; plain fp8 114 / 216
