@@ -130,11 +130,6 @@ def section_commit(rows: Sequence[dict], name: str) -> Optional[str]:
     return full[-1] if full else last
 
 
-def table_commit(rows: Sequence[dict]) -> Optional[str]:
-    """The commit of the decode table."""
-    return section_commit(rows, "decode")
-
-
 def later_rows(rows: Sequence[dict]) -> List[dict]:
     """Decode rows (b 128 and small batches) of commits measured after their table's commit (partial runs: a
     kernel changed since the full run), newest row per key."""
