@@ -196,6 +196,30 @@ def test_padded_tokens_have_no_entries_and_outputs_are_owned_buffers():
     assert o3 is mine and torch.equal(mine, o)
 
 
+def test_metadata_buffers_are_16_byte_aligned():
+    """Every device buffer a run hands to a kernel starts on a 16-byte boundary, also for odd request and token
+    counts: the launchers' fast path (a specialization key from the integers alone) needs aligned pointers."""
+    cache = make_cache("fp8_ds_mla", 40)
+    for max_tokens, max_requests in ((7, 5), (6, 3), (9, 1)):
+        runner = SparseMLA(max_tokens, max_requests, 8, 4, 576, 16, "fp8_ds_mla", block_size=BS,
+                           block_stride_rows=STRIDE, sm_scale=0.1, device="cpu")
+        bufs = {"seq_lens": runner._seq_lens, "req_id": runner._req_id, "valid_counts": runner._valid_counts,
+                "block_table": runner._block_table, "rows": runner._rows}
+        for name, buf in bufs.items():
+            assert buf.data_ptr() % 16 == 0, (name, max_tokens, max_requests)
+        assert runner._seq_lens.numel() == max_requests and runner._req_id.numel() == max_tokens
+        assert runner._valid_counts.numel() == max_tokens
+        md, topk_local, counts = random_batch([1] * min(3, max_requests), 60, 40, 16, 16, 1, seed=3)
+        if md.num_tokens > max_tokens:
+            continue
+        runner.plan(md)
+        assert runner.valid_counts[: md.num_tokens].tolist() == counts.tolist()
+        q = torch.randn(md.num_tokens, 4, 576).bfloat16()
+        o, l = runner.run(q, cache, topk_local)
+        ro, rl = expected(md, cache, q, topk_local, counts, 0.1)
+        assert torch.equal(o, ro) and torch.equal(l, rl)
+
+
 def test_runner_construction_errors():
     base = dict(max_tokens=8, max_requests=4, max_blocks_per_request=8, num_heads=4, head_dim=576, topk=32,
                 fmt="fp8_ds_mla", sm_scale=0.1, device="cpu")

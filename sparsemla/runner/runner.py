@@ -61,6 +61,11 @@ SM_SCALE_HELP = ("sm_scale: the model's softmax scale is required (there is no s
                  "squared if any.")
 
 
+def _align4(n: int) -> int:
+    """n rounded up to a multiple of 4 (int32 elements: 16 bytes)."""
+    return (n + 3) & ~3
+
+
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -145,17 +150,19 @@ class SparseMLA:
         # --- device buffers, and their pinned host mirror --------------------------------------------
         # One int32 buffer holds the step's metadata, block table last, so that a host-known batch is one copy of
         # a prefix: [query_start_loc (R+1) | seq_lens (R) | req_id (T) | valid_counts (T) | block_table (R x B)].
+        # Each part starts 16 bytes into the buffer times an integer: the kernels' launchers take the fast path
+        # (a specialization key from the integers alone) only when every pointer is 16-byte aligned.
         r, t, b = max_requests, max_tokens, max_blocks_per_request
-        self._o_seq = r + 1
-        self._o_req = self._o_seq + r
-        self._o_vc = self._o_req + t
-        self._o_bt = self._o_vc + t
+        self._o_seq = _align4(r + 1)
+        self._o_req = _align4(self._o_seq + r)
+        self._o_vc = _align4(self._o_req + t)
+        self._o_bt = _align4(self._o_vc + t)
         n = self._o_bt + r * b
         self._meta = torch.zeros(n, dtype=_I32, device=self.device)
         self._query_start_loc = self._meta[: r + 1]
-        self._seq_lens = self._meta[self._o_seq: self._o_req]
-        self._req_id = self._meta[self._o_req: self._o_vc]
-        self._valid_counts = self._meta[self._o_vc: self._o_bt]
+        self._seq_lens = self._meta[self._o_seq: self._o_seq + r]
+        self._req_id = self._meta[self._o_req: self._o_req + t]
+        self._valid_counts = self._meta[self._o_vc: self._o_vc + t]
         self._block_table = self._meta[self._o_bt:].view(r, b)
         self._block_table.fill_(-1)
         pinned = self.device.type == "cuda"
@@ -283,11 +290,11 @@ class SparseMLA:
         h[: r + 1].copy_(md.query_start_loc)
         h[self._o_seq: self._o_seq + r].copy_(md.seq_lens)
         # every token slot past the real ones: request 0, no valid entry (a padded or larger run reads nothing)
-        req = h[self._o_req: self._o_vc]
+        req = h[self._o_req: self._o_req + self.max_tokens]
         req[:t].copy_(md.req_id_per_token)
         req[t:].zero_()
         counts = self._device_counts(md.query_start_loc, md.seq_lens, md.req_id_per_token, t)
-        vc = h[self._o_vc: self._o_bt]
+        vc = h[self._o_vc: self._o_vc + self.max_tokens]
         vc[:t].copy_(counts)
         vc[t:].zero_()
         bt = h[self._o_bt: self._o_bt + r * b].view(r, b)
