@@ -12,7 +12,8 @@
 - ``runner``: ``SparseMLA`` plan / run, decode and a prefill through its bf16 workspace.
 - ``write``: cache writes of every format into the last rows of an exactly sized cache (bf16, fp32 and
   row-strided input; a skipped token; a token count no multiple of the tokens per program).
-- ``indices``: ``convert_indices`` (plain, compact with valid counts, workspace starts).
+- ``indices``: ``convert_indices`` (plain, compact with valid counts, workspace starts) and the vLLM contract's
+  query assembly (``query_concat``).
 - ``staging``: the top-k FP8 gather and the context upconvert of every format, into exactly sized outputs.
 - ``indexer``: the index-key cache write, the index scores and the top-k (plain and pooled).
 
@@ -160,6 +161,13 @@ def indices(tiny: bool, fmts):
         ws = torch.tensor([-1, 0, 256], dtype=torch.int32, device=DEV)
         sparsemla.convert_indices(topk, req, bt, 64, 72, workspace_start=ws)
     step("convert_indices", call)
+
+    def concat():  # the vLLM contract's query assembly, into an exactly sized buffer, 20 heads (a partial program)
+        from sparsemla.kernels.query_concat import query_concat
+        proj = torch.randn(3, 20, 192, device=DEV).to(torch.bfloat16)
+        query_concat(torch.randn(20, 3, 512, device=DEV).to(torch.bfloat16).transpose(0, 1), proj[..., 128:],
+                     torch.empty(3, 20, 576, dtype=torch.bfloat16, device=DEV))
+    step("query_concat", concat)
 
 
 def staging(tiny: bool, fmts):

@@ -90,6 +90,17 @@ def _launch(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, l
 _attention_fwd = None
 
 
+def _query_concat(q_nope, q_pe, out):
+    """``out = [q_nope, q_pe]`` along the last dim (one kernel launch; see ``kernels.query_concat``)."""
+    global _concat
+    if _concat is None:
+        from ...kernels.query_concat import query_concat as _concat
+    return _concat(q_nope, q_pe, out)
+
+
+_concat = None
+
+
 def _wrap_cache(fmt: KVFormat, kv_cache: torch.Tensor):
     """A :class:`~sparsemla.cache.PagedKVCache` over one layer's tensor (no copy); ``.rows`` is the flat view."""
     from ...cache import PagedKVCache
@@ -363,7 +374,10 @@ def assemble_query(q: Query, fmt: KVFormat, ws: Workspace, num_tokens: int) -> t
             return q_nope
         _check_q("q[1] (q_pe)", q_pe, num_tokens, ws.num_heads, rope, contiguous=False)
         # one copy kernel into the buffer (kernels that took the pair's two tensors would need none)
-        return torch.cat((q_nope, q_pe), dim=-1, out=ws.q[:num_tokens])
+        buf = ws.q[:num_tokens]
+        if q_pe.stride(2) == 1 and (q_pe.device.type == "cuda" or ws.facts[2]):  # a Triton kernel can run
+            return _query_concat(q_nope, q_pe, buf)
+        return torch.cat((q_nope, q_pe), dim=-1, out=buf)
     _check_q("q", q, num_tokens, ws.num_heads, fmt.head_dim, contiguous=False)
     if q.stride(2) == 1:
         return q
