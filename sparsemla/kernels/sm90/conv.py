@@ -91,6 +91,8 @@ L_W2C = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
 L_W2S = gl.constexpr(gl.SliceLayout(2, L_W2B.value))  # the e4m3 block scales [64 rows, 8 blocks]
 # bf16 q rows [64, 64k elements] (8 elements a thread)
 L_B16 = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
+# fp8_ds_mla's bf16 rope [64 rows, 64] (8 elements a thread, the rows of L_W8R): copied by cp.async
+L_B16R = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [0, 1]))
 
 
 @gluon.jit
@@ -155,6 +157,16 @@ def _load_rope(base, valid, ROPE_OFF: gl.constexpr, DS: gl.constexpr, FP4: gl.co
         return _words(base, valid, ROPE_OFF, 16, L_W2)
     else:
         return _words(base, valid, ROPE_OFF, 16, L_W2C)
+
+
+@gluon.jit
+def _copy_rope_bf16(dst, base, valid, ROPE_OFF: gl.constexpr):
+    """cp.async of fp8_ds_mla's bf16 rope of the rows ``base`` into ``dst`` [64, 64] bf16 (zeros for invalid
+    rows): the values need no conversion, so they need not pass through registers."""
+    sl: gl.constexpr = gl.SliceLayout(1, L_B16R)
+    rows = gl.multiple_of(gl.convert_layout(base, sl) + ROPE_OFF, 16).to(gl.pointer_type(gl.bfloat16))
+    copy_rows(dst, rows, 0, 64, gl.convert_layout(valid, sl), L_B16R)
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -258,6 +270,8 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
             rbase, rvalid = base, valid
         raw1, sc1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4)
         mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
+        if ROPE and DS:
+            _copy_rope_bf16(kEw.index(b), base, valid, ROPE_OFF)  # kEw: the bf16 tile for fp8_ds_mla
         # which rows are valid (1.0 / 0.0), for warpgroup 0's mask: from shared memory, not a global load in
         # its serial chain of QK, softmax and PV
         sV.index(b).store(valid.to(gl.float32))
@@ -266,7 +280,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
         _store_piece(raw1, sc1, _piece_dst(kLw, kRw, b, 1), DS, FP4)
         raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4)
         _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
-        if ROPE:
+        if ROPE and not DS:
             rope = _load_rope(rbase, rvalid, ROPE_OFF, DS, FP4)
             _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
             raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4)
@@ -276,6 +290,8 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
             _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
         base = nbase
         valid = nvalid
+        if ROPE and DS:
+            async_copy.wait_group(0)  # this thread's rope copies have landed
         fence_async_shared()  # this thread's tile stores -> the consumers' wgmma (async proxy) reads
         compat.barrier()      # every producer thread has stored and fenced
         mbarrier.arrive(ready.index(b), count=1)
@@ -468,7 +484,10 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
     words: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     kLw = compat.reinterpret(kL, gl.int32, [2, 64, 128], words)
     kRw = compat.reinterpret(kR, gl.int32, [2, 64, 128], words)
-    kEw = compat.reinterpret(kE, gl.int32, [2, 64, 32], words)
+    if DS:
+        kEw = kE  # fp8_ds_mla's bf16 rope is copied as it is (cp.async)
+    else:
+        kEw = compat.reinterpret(kE, gl.int32, [2, 64, 32], words)
     pa = (q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits,
           (qL, qR, qE, kLw, kRw, kEw, sQ, sV), (q_bar, ready, free))
     gl.warp_specialize([(_wg0, (ca, ROPE, DS, FP4, NG, HAS_VC)), (_wg1, (ca, DS, FP4, NG, HAS_VC)),
