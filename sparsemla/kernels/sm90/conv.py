@@ -6,8 +6,8 @@ once per head group and operand; at 64-128 heads their tensor cores then idle mo
 conversion has its own warpgroup and the MMA warpgroups run the bf16 kernel's kind of loop on converted tiles:
 
 - producer (worker partition, 4 warps): stages q; per 64-row block, gathers the raw rows as 32-bit words (16
-  bytes a thread and row) in 128-dim pieces, one piece ahead of the one it converts (measured faster than a
-  whole block ahead, docs/design/kernels.md), dequantizes each piece and stores it into the block's tile (kL:
+  bytes a thread and row) in 128-dim pieces, two pieces ahead of the one it converts (docs/design/kernels.md),
+  dequantizes each piece and stores it into the block's tile (kL:
   dims 0-255, kR: 256-511, kE: the rope), two tiles double-buffered, and the block's row validity into sV[b].
   Rows of -1 / past the valid count are never read and their tile rows are zeros (so that P = 0 times them
   stays 0);
@@ -221,10 +221,11 @@ def _q_part(q_row, hm, col0: gl.constexpr, N: gl.constexpr, AGAIN: gl.constexpr 
 @gluon.jit
 def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
               DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
-    """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run one
-    piece ahead of the conversion: the next piece (after the last value piece: the rope, after the rope: the
-    next block's first piece) is loaded before the current one is converted; the next block's rows are looked
-    up at the start of a block."""
+    """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run two
+    pieces ahead of the conversion: piece P + 2 (after the last value piece: the rope, then the next block's
+    first two pieces) is loaded before piece P is converted; the next block's rows are looked up at the start
+    of a block.  fp8_ds_mla's bf16 rope needs no conversion: it is copied into the tile by cp.async as soon as
+    the tile is free, and waited for before the tile is published."""
     (q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem,
      bars) = args
     qL, qR, qE, kLw, kRw, kEw, sQ, sV = smem
@@ -261,14 +262,11 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     SEP: gl.constexpr = ROPE and not DS and not FP4  # a rope in its own layout
     base, valid = _ptrs(block_indices(idx_row, k_begin, k_end, rl), kv_ptr, BPT)
     raw, sc = _load_piece(base, valid, 0, SCALE_OFF, DS, FP4)
+    raw1, sc1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4)
     for i in range(n_blocks):
         b = i % 2
         nbase, nvalid = _ptrs(block_indices(idx_row, k_begin + (i + 1) * 64, k_end, rl), kv_ptr, BPT)
-        if SEP:
-            rbase, rvalid = _ptrs(block_indices(idx_row, k_begin + i * 64, k_end, el), kv_ptr, BPT)
-        else:
-            rbase, rvalid = base, valid
-        raw1, sc1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4)
+        raw2, sc2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4)
         mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
         if ROPE and DS:
             _copy_rope_bf16(kEw.index(b), base, valid, ROPE_OFF)  # kEw: the bf16 tile for fp8_ds_mla
@@ -276,17 +274,23 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
         # its serial chain of QK, softmax and PV
         sV.index(b).store(valid.to(gl.float32))
         _store_piece(raw, sc, _piece_dst(kLw, kRw, b, 0), DS, FP4)
-        raw2, sc2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4)
-        _store_piece(raw1, sc1, _piece_dst(kLw, kRw, b, 1), DS, FP4)
         raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4)
-        _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
+        _store_piece(raw1, sc1, _piece_dst(kLw, kRw, b, 1), DS, FP4)
         if ROPE and not DS:
+            if SEP:
+                rbase, rvalid = _ptrs(block_indices(idx_row, k_begin + i * 64, k_end, el), kv_ptr, BPT)
+            else:
+                rbase, rvalid = base, valid
             rope = _load_rope(rbase, rvalid, ROPE_OFF, DS, FP4)
-            _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
+            _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
             raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4)
+            _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
+            raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4)
             _store_rope(rope, kEw.index(b), DS)
         else:
             raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4)
+            _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
+            raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4)
             _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
         base = nbase
         valid = nvalid
