@@ -147,13 +147,10 @@ def _store_piece(raw, sc, dst, DS: gl.constexpr, FP4: gl.constexpr):
 
 
 @gluon.jit
-def _load_rope(base, valid, ROPE_OFF: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr):
-    """The rope part of 64 rows as words: bf16 [64, 32] (fp8_ds_mla, L_W8R) or e4m3 [64, 16] (nvfp4 L_W2, fp8
-    L_W2C); zeros for invalid rows.  ``base`` in the layout of the value pieces (fp8_ds_mla and nvfp4) or of
-    L_W2C (fp8)."""
-    if DS:
-        return _words(base, valid, ROPE_OFF, 32, L_W8R)
-    elif FP4:
+def _load_rope(base, valid, ROPE_OFF: gl.constexpr, FP4: gl.constexpr):
+    """The e4m3 rope of 64 rows as words [64, 16] (nvfp4 L_W2, fp8 L_W2C), zeros for invalid rows.  ``base`` in
+    the layout of the value pieces (nvfp4) or of L_W2C (fp8).  fp8_ds_mla's bf16 rope: ``_copy_rope_bf16``."""
+    if FP4:
         return _words(base, valid, ROPE_OFF, 16, L_W2)
     else:
         return _words(base, valid, ROPE_OFF, 16, L_W2C)
@@ -170,12 +167,9 @@ def _copy_rope_bf16(dst, base, valid, ROPE_OFF: gl.constexpr):
 
 
 @gluon.jit
-def _store_rope(r, dst, DS: gl.constexpr):
-    """Rope words (``_load_rope``) into ``dst`` [64, 32] int32 (pairs of the tile's 16-bit type)."""
-    if DS:
-        dst.store(r)
-    else:
-        dst.store(e4m3_words_f16(r))
+def _store_rope(r, dst):
+    """e4m3 rope words (``_load_rope``) into ``dst`` [64, 32] int32 (pairs of fp16 values)."""
+    dst.store(e4m3_words_f16(r))
 
 
 @gluon.jit
@@ -281,12 +275,12 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
                 rbase, rvalid = _ptrs(block_indices(idx_row, k_begin + i * 64, k_end, el), kv_ptr, BPT)
             else:
                 rbase, rvalid = base, valid
-            rope = _load_rope(rbase, rvalid, ROPE_OFF, DS, FP4)
+            rope = _load_rope(rbase, rvalid, ROPE_OFF, FP4)
             _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
             raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4)
             _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
             raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4)
-            _store_rope(rope, kEw.index(b), DS)
+            _store_rope(rope, kEw.index(b))
         else:
             raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4)
             _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
