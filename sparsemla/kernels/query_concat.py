@@ -55,8 +55,8 @@ def query_concat(q_nope: torch.Tensor, q_pe: torch.Tensor, out: torch.Tensor) ->
     ns, ps, ds = q_nope.stride(), q_pe.stride(), out.stride()
     ints = (ns[0], ns[1], ps[0], ps[1], ds[0], ds[1], h)
     pn, pp, pd = q_nope.data_ptr(), q_pe.data_ptr(), out.data_ptr()
-    # every pointer 16-byte aligned and one dtype: the integers alone decide Triton's specialization
-    spec = (q_nope.dtype, ints) if not (pn | pp | pd) & 15 and q_pe.dtype == q_nope.dtype == out.dtype else None
+    # every pointer 16-byte aligned (and the one dtype): the integers decide Triton's specialization
+    spec = None if (pn | pp | pd) & 15 else (q_nope.dtype, ints)
     launch((t, triton.cdiv(h, HEADS_PER_PROGRAM)),
            (q_nope, ns[0], ns[1], q_pe, ps[0], ps[1], out, ds[0], ds[1], h), spec,
            (pn, ns[0], ns[1], pp, ps[0], ps[1], pd, ds[0], ds[1], h))

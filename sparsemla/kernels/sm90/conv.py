@@ -80,7 +80,7 @@ PRODUCER_REGS = gl.constexpr(152)
 # (114 / 215 -> 128 / 245 us, from the layout of their separately read e4m3 rope), so they keep lanes along the
 # row (L_W8, L_W2C).
 # e4m3 piece [64 rows, 32 words = 128 dims]: plain fp8 L_W8 (4 rows a thread), fp8_ds_mla L_W8R (2 rows x 8
-# words a thread, its bf16 rope [64, 32 words] alike)
+# words a thread)
 L_W8 = gl.constexpr(gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0]))
 L_W8R = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [0, 1]))
 # e2m1 piece [64 rows, 16 words = 128 dims] (2 rows a thread), the same words as [64, 8 blocks, 2]; its e4m3
@@ -272,10 +272,10 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
         _store_piece(raw1, sc1, _piece_dst(kLw, kRw, b, 1), DS, FP4)
         if ROPE and not DS:
             if SEP:
-                rbase, rvalid = _ptrs(block_indices(idx_row, k_begin + i * 64, k_end, el), kv_ptr, BPT)
+                rope = _load_rope(*_ptrs(block_indices(idx_row, k_begin + i * 64, k_end, el), kv_ptr, BPT),
+                                  ROPE_OFF, FP4)
             else:
-                rbase, rvalid = base, valid
-            rope = _load_rope(rbase, rvalid, ROPE_OFF, FP4)
+                rope = _load_rope(base, valid, ROPE_OFF, FP4)
             _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
             raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4)
             _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
