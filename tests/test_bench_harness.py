@@ -412,6 +412,11 @@ def test_render_per_release_table(tmp_path):
     assert "## Per Triton release" in bench
     c = "(`0000000`)"  # each cell names the commit of its row
     assert f"| D-h16 | `fp8_ds_mla` | 70.0 us {c} | 71.0 us {c} | 72.0 us {c} |" in bench
+    assert "slower on some Triton releases" not in bench  # 72 / 70 is within the 1.1x the shortfall allows
+    rows.append(dict(_row(value=80.0), triton="3.9.0", date="2026-12-31T00:00:00Z"))
+    bench = render.render_benchmarks(rows, "r.jsonl", triton="3.6.0")
+    assert "Decode is slower on some Triton releases than on 3.6.0" in bench
+    assert "fp8_ds_mla D-h16 on 3.9.0 1.14x" in bench and "D-h16 on 3.8.0" not in bench
 
 
 def test_the_documents_match_the_results_file():
