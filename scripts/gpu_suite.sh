@@ -77,7 +77,7 @@ run_group() {  # one group's pytest run, in the background; its pid appended to 
             # PYTEST_N_<group> overrides it for one group
             nvar="PYTEST_N_$g"
             n=${!nvar:-${PYTEST_N:-}}
-            timeout "${GROUP_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs ${n:+-n $n} $files > "$log" 2>&1
+            timeout "${GROUP_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs --durations=15 ${n:+-n $n} $files > "$log" 2>&1
         fi
         rc=$?
         note "t_$g" $rc $(( $(date +%s) - t0 )) "$log"

@@ -95,19 +95,25 @@ for tool in "${TOOLS[@]}"; do
                     ( run memcheck "sk_${shard%%,*}" "$PY" tests/gpu/sanitize_kernels.py --formats "$shard" \
                         > "$OUT_DIR/row-sk_${shard%%,*}" ) &
                 done
+                # reliab_sanitize.py beside them (it takes about as long as the longest shard)
+                # shellcheck disable=SC2086
+                ( run memcheck reliab_sanitize "$PY" tests/helpers/reliab_sanitize.py $EXTRA \
+                    > "$OUT_DIR/row-reliab_sanitize" ) &
                 wait
-                for f in "$OUT_DIR"/row-sk_*; do
+                for f in "$OUT_DIR"/row-sk_* "$OUT_DIR"/row-reliab_sanitize; do
                     row=$(tail -1 "$f"); echo "$row"; ROWS+=("$row")
                     set -- $row
                     [ "$3" = "?" ] || TOTAL=$((TOTAL + $3))
                     [ "${!#}" = ok ] || STATUS=1
                 done
                 set --
-            elif [ -f tests/gpu/sanitize_kernels.py ]; then
-                run memcheck sanitize_kernels "$PY" tests/gpu/sanitize_kernels.py
+            else
+                if [ -f tests/gpu/sanitize_kernels.py ]; then
+                    run memcheck sanitize_kernels "$PY" tests/gpu/sanitize_kernels.py
+                fi
+                # shellcheck disable=SC2086
+                run memcheck reliab_sanitize "$PY" tests/helpers/reliab_sanitize.py $EXTRA
             fi
-            # shellcheck disable=SC2086
-            run memcheck reliab_sanitize "$PY" tests/helpers/reliab_sanitize.py $EXTRA
             ;;
         racecheck|synccheck|initcheck)
             # shellcheck disable=SC2086
