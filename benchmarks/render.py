@@ -430,7 +430,7 @@ CAUSE_PREFILL = ("Prefill over a quantized cache runs the bf16 kernel on an upco
 CAUSE_RELEASE = ("Compiled on the CPU with each release (`tests/helpers/sm90_sass.py`), the kernels of these rows "
                  "spill more on the newer releases: `sm90-conv`'s first MMA warpgroup makes 30-33 local stores "
                  "and as many loads at its 192 registers against 3-4 on Triton 3.6.  On 3.8 that warpgroup has about "
-                 "180 more register moves (MOV, IMAD.MOV, UMOV); 3.9 also builds all shared-memory descriptors of a "
+                 "175 more register moves (MOV, IMAD, UMOV); 3.9 also builds all shared-memory descriptors of a "
                  "wgmma op in vector registers before the op's first instruction (about 110 more R2UR moves into "
                  "uniform registers).  The wide fp8 kernel's stack grows from 88 to 136 bytes on 3.9.")
 

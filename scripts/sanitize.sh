@@ -15,7 +15,8 @@
 #
 # Environment: COMPUTE_SANITIZER (the binary; default: on PATH, else the newest /usr/local/cuda*/bin),
 # PYTHON (default python3), SANITIZE_TIMEOUT (seconds per run, default 900), SANITIZE_SHARDS (> 1: memcheck's
-# sanitize_kernels.py as four processes side by side, one per group of formats), SANITIZE_FULL, SANITIZE_ARGS
+# sanitize_kernels.py as four processes side by side, one per group of formats, and reliab_sanitize.py beside them),
+# SANITIZE_FULL, SANITIZE_ARGS
 # (extra driver arguments, e.g. "--formats fp8_ds_mla,bf16 --sections attention").
 set -uo pipefail
 cd "$(dirname "$0")/.."
