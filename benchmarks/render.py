@@ -364,11 +364,17 @@ def _host_cell(t: Table, cfg: str) -> str:
     return f"{r['value']:.1f} us (`{r['commit'][:7]}`)" if r else "--"
 
 
-def releases_section(rows: Sequence[dict]) -> List[str]:
+def release_tables(rows: Sequence[dict]) -> Dict[str, Table]:
+    """{Triton release: its newest rows} over the releases with decode or prefill rows."""
     rel = sorted({r["triton"] for r in rows if r["kind"] in ("decode", "prefill")})
+    return {v: Table(R.latest(select(rows, None, v))) for v in rel}
+
+
+def releases_section(rows: Sequence[dict]) -> List[str]:
+    tables = release_tables(rows)
+    rel = list(tables)
     if len(rel) < 2:
         return []
-    tables = {v: Table(R.latest(select(rows, None, v))) for v in rel}
     out = ["## Per Triton release", "",
            "The same configurations on each supported Triton release (sparsemla, graph replay; prefill TFLOP/s "
            "through the bf16 workspace for quantized formats, native for bf16), each the newest row of its release "
@@ -437,12 +443,11 @@ CAUSE_RELEASE = ("Compiled on the CPU with each release (`tests/helpers/sm90_sas
 
 def release_gaps(rows: Sequence[dict], base: str = "3.6.0", limit: float = 1.1) -> List[str]:
     """Decode rows at least ``limit`` x slower on another Triton release than on ``base`` (newest row of each)."""
-    rel = sorted({r["triton"] for r in rows if r["kind"] == "decode"})
-    if base not in rel or len(rel) < 2:
+    tables = release_tables(rows)
+    if base not in tables:
         return []
-    tables = {v: Table(R.latest(select(rows, None, v))) for v in rel}
     parts = []
-    for v in rel:
+    for v in tables:
         if v == base:
             continue
         for cfg in ("D-h16", "D-h64", "D-h128"):
