@@ -37,8 +37,8 @@ warpgroup 1), ``l_bar`` (warpgroup 0's final row sums, so that both halves of th
 the same l).
 
 Shared memory: q 72 KB + 2 tiles x 72 KB + P 8 KB + small vectors, 231,120 bytes of the 232,448 an SM gives a
-block (NoPE 206,512: no rope buffers).  Registers: 168 at launch for 12 warps; warpgroup 0 gets 192 (O 128 +
-S 32 + the next QK), warpgroup 1 160, the producer 152.
+block (NoPE 206,512: no rope buffers).  Registers: 168 at launch for 12 warps; warpgroup 0 gets 208 (O 128 +
+S 32 + the next QK), warpgroup 1 160, the producer 136.
 
 Gluon kernels do not run under the Triton interpreter: ``tests/test_sm90_compile.py`` compiles every variant
 for sm_90 on the CPU; ``tests/gpu/test_sm90_conv_gpu.py`` checks the numbers against the float64 reference.
@@ -63,12 +63,15 @@ SROW = gl.constexpr(gl.SliceLayout(1, S_LAYOUT.value))  # one value per head (of
 SCOL = gl.constexpr(gl.SliceLayout(0, S_LAYOUT.value))  # one value per cache row of the block
 OROW = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))  # one value per head (of O)
 
-# setmaxnreg of warpgroup 1 and the producer; warpgroup 0 gets the rest of 12 warps x 168, 192.  Below 160
+# setmaxnreg of warpgroup 1 and the producer; warpgroup 0 gets the rest of 12 warps x 168, 208.  Below 160
 # warpgroup 1 and below 192 warpgroup 0 make ptxas serialize the wgmma pipeline (C7512); a producer below 136
-# spills its pieces.  Measured on Triton 3.6: 16 bytes of stack (48 for fp8_ds_mla NoPE rows, whose two pieces
-# in flight spill in the producer).
+# spills its pieces.  The producer at 136 (not 152) leaves warpgroup 0 the registers it needs on every Triton
+# release: with 192, Triton 3.8 and 3.9 spilled in its main loop (30-33 local stores), and decode ran 1.06-1.40x
+# slower than on 3.6.  H200, b 128, 64 / 128 heads, one process, 152 -> 136 (with the last block peeled off
+# warpgroup 0's loop, below): fp8_ds_mla on 3.6 122.4 / 221.9 -> 118.2 / 218.2 us, on 3.8 140.5 / 258.2 ->
+# 125.7 / 232.3, on 3.9 171.7 / 304.4 -> 122.3 / 233.9; nvfp4 on 3.9 154.9 / 293.2 -> 123.8 / 229.1.
 WG1_REGS = gl.constexpr(160)
-PRODUCER_REGS = gl.constexpr(152)
+PRODUCER_REGS = gl.constexpr(136)
 
 # Producer register layouts (4 warps): the raw rows are loaded as 32-bit words, 16 contiguous bytes a thread
 # per row (as bytes, the values carried from one block to the next would take a register each).  For
@@ -317,6 +320,30 @@ def _out_store(acc, inv_l, col0: gl.constexpr, o_ptr, stride_ot, stride_os, stri
 
 
 @gluon.jit
+def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS: gl.constexpr):
+    """Block i's online softmax on its scores sc (tile b's invalid rows masked), O rescaled; P and alpha handed to
+    warpgroup 1 (through sP / sA once it is done with block i - 1's).  Returns (m, l, O)."""
+    ok = sV.index(b).load(SCOL) != 0.0  # tile b's valid rows (the producer's, behind ready[b])
+    if DS:
+        sc = sc * ss
+    else:
+        sc = sc * ss[:, None]
+    sc = gl.where(ok[None, :], sc, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, 1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(sc - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = acc * gl.convert_layout(alpha, OROW)[:, None]
+    mbarrier.wait(p_free, (i & 1) ^ 1)
+    sP.store(p.to(sP.dtype))
+    sA.store(alpha)
+    fence_async_shared()  # P is read by warpgroup 1's wgmma (async proxy)
+    compat.barrier()
+    mbarrier.arrive(p_ready, count=1)
+    return m_new, l_i, acc
+
+
+@gluon.jit
 def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
     """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
@@ -342,51 +369,34 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         sc = warpgroup_mma_wait(0, deps=(sc, ))
     else:
         sc = s_zero
-    for i in range(n_blocks):
+    # every block but the last: its softmax and P hand-off, its PV, the next block's QK behind it (the last block,
+    # which has no next QK, is peeled off below: no branch on it inside the loop)
+    for i in range(n_blocks - 1):
         b = i % 2
         # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in the
         # loop instead of their wgmma descriptors being hoisted out of it (and spilled)
         z = i // (n_blocks + 1)
-        ok = sV.index(b + z).load(SCOL) != 0.0  # tile b's valid rows (the producer's, behind ready[b])
-        if DS:
-            sc = sc * ss
-        else:
-            sc = sc * ss[:, None]
-        sc = gl.where(ok[None, :], sc, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, 1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, OROW)[:, None]
-        pb = p.to(sP.dtype)
-        # hand P and alpha to warpgroup 1 once it is done with the previous ones
-        mbarrier.wait(p_free, (i & 1) ^ 1)
-        sP.store(pb)
-        sA.store(alpha)
-        fence_async_shared()  # P is read by warpgroup 1's wgmma (async proxy)
-        compat.barrier()
-        mbarrier.arrive(p_ready, count=1)
+        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS)
         # P for this warpgroup's PV from shared memory as well: as a register operand its 16 registers would be
         # live beside O and the next S, past the 192 that ptxas needs to keep the wgmma pipeline unserialized
-        pa = sP
-        if i + 1 < n_blocks:
-            acc = warpgroup_mma(pa, kL.index(b + z), acc, is_async=True)
-            # the next block's QK behind this block's PV
-            nb = 1 - b
-            mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
-            fence_async_shared()
-            sc = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)
-            # tile b is released as soon as this PV is done (wgmma groups retire in order), not after the next
-            # QK: the producer then converts the block after next while that QK runs
-            acc = warpgroup_mma_wait(1, deps=(acc, ))
-            compat.barrier()  # every warp's reads of tile b are done
-            mbarrier.arrive(free.index(b), count=1)
-            sc = warpgroup_mma_wait(0, deps=(sc, ))
-        else:
-            acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(pa, kL.index(b + z), acc, is_async=True), ))
-            compat.barrier()  # every warp's reads of tile b are done
-            mbarrier.arrive(free.index(b), count=1)
+        acc = warpgroup_mma(sP, kL.index(b + z), acc, is_async=True)
+        nb = 1 - b
+        mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
+        fence_async_shared()
+        sc = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)
+        # tile b is released as soon as this PV is done (wgmma groups retire in order), not after the next QK:
+        # the producer then converts the block after next while that QK runs
+        acc = warpgroup_mma_wait(1, deps=(acc, ))
+        compat.barrier()  # every warp's reads of tile b are done
+        mbarrier.arrive(free.index(b), count=1)
+        sc = warpgroup_mma_wait(0, deps=(sc, ))
+    if n_blocks > 0:
+        i = n_blocks - 1
+        b = i % 2
+        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS)
+        acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(sP, kL.index(b), acc, is_async=True), ))
+        compat.barrier()  # every warp's reads of tile b are done
+        mbarrier.arrive(free.index(b), count=1)
     # both warpgroups normalize with these row sums
     sL.store(l_i)
     compat.barrier()
@@ -501,7 +511,7 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")  # the row formats this kernel rea
 # ``grid``: ``(tokens x splits x num_groups,)`` (program p: head group p % num_groups, 64 heads, of split
 # (p // num_groups) % splits of token p // (num_groups x splits)); ``args``: the positional arguments of the
 # few-heads kernel (few.py; k_scale included); q rows 16-byte aligned (cp.async).  12 warps, 168 registers
-# each at launch (warpgroup 0: 192 after setmaxnreg, warpgroup 1: 160, the producer: 152).
+# each at launch (warpgroup 0: 208 after setmaxnreg, warpgroup 1: 160, the producer: 136).
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
          has_valid_counts: bool) -> dict:
