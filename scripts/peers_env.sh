@@ -22,7 +22,8 @@ else
 fi
 export PYTHONPATH="$SITE:$PYTHONPATH"
 if [ -n "${TRITON_BUNDLE:-}" ]; then
-    mkdir -p /tmp/tv && tar xJf "$TRITON_BUNDLE" -C /tmp/tv && export PYTHONPATH="/tmp/tv:$PYTHONPATH"
+    # a fresh directory: a machine kept warm between calls may hold another release's files there
+    rm -rf /tmp/tv && mkdir -p /tmp/tv && tar xJf "$TRITON_BUNDLE" -C /tmp/tv && export PYTHONPATH="/tmp/tv:$PYTHONPATH"
     # the bundle leaves out the AMD backend that its entry points name: discover the in-tree backends only
     export TRITON_BACKENDS_IN_TREE=1
     # ... and the Blackwell ptxas, which Triton 3.9 looks up even for sm_90: point it at the bundle's ptxas
