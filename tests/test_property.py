@@ -14,6 +14,7 @@ poisoned with NaN before the call.
 CI runs a bounded, reproducible number of examples (``derandomize``; ``RELIAB_EXAMPLES`` to change it); the
 H200 suite runs the same space with at least 10,000 cases (``tests/gpu/test_property_gpu.py``).
 """
+import json
 import os
 import sys
 
@@ -90,3 +91,12 @@ def test_parallel_runs_merge_into_one_summary():
     assert m["kernels_planned"] == {"sm90-few": 6, "portable-bf16": 6, "sm90-conv": 5}
     assert m["kernels_never_planned"] == ["sm90-wide"]
     assert m["stopped_by_time"] and m["seconds"] == 3.0 and len(m["runs"]) == 2
+    # the merged summaries of two calls (files written by the H200 runs) merge again into one
+    c = dict(base, seed=5, cases_run=4, failures=0, failed_cases=[], refused_configs={0: "refused"},
+             worst={"out_err/tol": 0.9, "token_err/tol": 0.0, "lse_err/tol": 0.0, "exact_violations": 0.0},
+             kernels_planned={"sm90-wide": 1}, kernels_never_planned=["portable-bf16"])
+    both = rp.merge_summaries([json.loads(json.dumps(m, default=str)), rp.merge_summaries([c])])
+    assert both["seeds"] == [1, 2, 5] and both["cases_run"] == 21 and both["failures"] == 1
+    assert both["refused_configs"] == {"2:4": "cannot serve", "5:0": "refused"}
+    assert both["worst"]["out_err/tol"] == 0.9 and both["kernels_never_planned"] == []
+    assert [r["seed"] for r in both["runs"]] == [1, 2, 5]

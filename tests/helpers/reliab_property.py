@@ -258,9 +258,10 @@ def run_parallel(seeds: Sequence[int], num_cases: int, device="cuda", profile: r
 
 
 def merge_summaries(runs: Sequence[Dict]) -> Dict:
-    """One summary of several :func:`run_many` runs (different seeds): counts and kernels summed, worst metrics
-    the largest (NaN wins), failures and refusals kept with their seeds, a kernel never planned only if no run
-    planned it; each run's own figures under ``runs``."""
+    """One summary of several runs (different seeds): each a :func:`run_many` summary or an earlier merge (the
+    runs of several calls of a machine that limits one command's time).  Counts and kernels summed, worst
+    metrics the largest (NaN wins), failures and refusals kept with their seeds, a kernel never planned only if
+    no run planned it; each run's own figures under ``runs``."""
     planned: Dict[str, int] = {}
     for r in runs:
         for k, n in r["kernels_planned"].items():
@@ -272,17 +273,21 @@ def merge_summaries(runs: Sequence[Dict]) -> Dict:
     for r in runs[1:]:
         never &= set(r["kernels_never_planned"])
     return {
-        "seeds": [r["seed"] for r in runs], "device": runs[0]["device"] if runs else None,
+        "seeds": [s for r in runs for s in r.get("seeds", [r.get("seed")])],
+        "device": runs[0]["device"] if runs else None,
         "torch": runs[0].get("torch") if runs else None, "triton": runs[0].get("triton") if runs else None,
         "cases_run": sum(r["cases_run"] for r in runs),
         "stopped_by_time": any(r.get("stopped_by_time") for r in runs),
         "failures": sum(r["failures"] for r in runs),
         "failed_cases": [f for r in runs for f in r["failed_cases"]],
-        "refused_configs": {f"{r['seed']}:{i}": why for r in runs for i, why in r["refused_configs"].items()},
+        # an earlier merge keys its refusals "seed:config" already
+        "refused_configs": {(k if "seeds" in r else f"{r['seed']}:{k}"): why
+                            for r in runs for k, why in r["refused_configs"].items()},
         "worst": worst, "seconds": max((r["seconds"] for r in runs), default=0.0),
         "kernels_planned": planned, "kernels_never_planned": sorted(never),
-        "runs": [{k: r.get(k) for k in ("seed", "cases_run", "failures", "seconds", "precompile", "worst",
-                                         "stopped_by_time", "configs")} for r in runs],
+        "runs": [x for r in runs for x in (r["runs"] if "runs" in r else [
+            {k: r.get(k) for k in ("seed", "cases_run", "failures", "seconds", "precompile", "worst",
+                                   "stopped_by_time", "configs")}])],
     }
 
 
@@ -297,3 +302,29 @@ def write_summary(summary: Dict, name: str) -> Optional[str]:
     with open(path, "w") as f:
         json.dump(summary, f, indent=1, default=str)
     return path
+
+
+def main(argv=None) -> int:
+    """``python tests/helpers/reliab_property.py merge OUT.json IN.json ...``: the summaries of several runs
+    (for instance ``property_gpu.json`` of two calls with different seeds) as one, printed as one line."""
+    import argparse
+    ap = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    ap.add_argument("command", choices=["merge"])
+    ap.add_argument("out")
+    ap.add_argument("inputs", nargs="+")
+    a = ap.parse_args(argv)
+    runs = []
+    for path in a.inputs:
+        with open(path) as f:
+            runs.append(json.load(f))
+    m = merge_summaries(runs)
+    with open(a.out, "w") as f:
+        json.dump(m, f, indent=1, default=str)
+    print(f"{len(m['seeds'])} seeds {m['seeds']}: {m['cases_run']} cases, {m['failures']} failures, "
+          f"{len(m['refused_configs'])} refused configurations -> {a.out}")
+    return 1 if m["failures"] else 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main())
