@@ -65,11 +65,9 @@ OROW = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))  # one value per head (of
 
 # setmaxnreg of warpgroup 1 and the producer; warpgroup 0 gets the rest of 12 warps x 168, 208.  Below 160
 # warpgroup 1 and below 192 warpgroup 0 make ptxas serialize the wgmma pipeline (C7512); a producer below 136
-# spills its pieces.  The producer at 136 (not 152) leaves warpgroup 0 the registers it needs on every Triton
-# release: with 192, Triton 3.8 and 3.9 spilled in its main loop (30-33 local stores), and decode ran 1.06-1.40x
-# slower than on 3.6.  H200, b 128, 64 / 128 heads, one process, 152 -> 136 (with the last block peeled off
-# warpgroup 0's loop, below): fp8_ds_mla on 3.6 122.4 / 221.9 -> 118.2 / 218.2 us, on 3.8 140.5 / 258.2 ->
-# 125.7 / 232.3, on 3.9 171.7 / 304.4 -> 122.3 / 233.9; nvfp4 on 3.9 154.9 / 293.2 -> 123.8 / 229.1.
+# spills its pieces.  The producer at 136 leaves warpgroup 0 the 208 registers it needs on every Triton release:
+# at 192, Triton 3.8 and 3.9 spill in its main loop (30-33 local stores) and decode runs 1.06-1.40x slower than on
+# 3.6 (docs/design/kernels.md has the A/B per release).
 WG1_REGS = gl.constexpr(160)
 PRODUCER_REGS = gl.constexpr(136)
 
