@@ -86,6 +86,12 @@ run() {
     echo "${ROWS[-1]}"
 }
 
+# reliab TOOL: tests/helpers/reliab_sanitize.py under TOOL (every tool runs it)
+reliab() {
+    # shellcheck disable=SC2086
+    run "$1" reliab_sanitize "$PY" tests/helpers/reliab_sanitize.py $EXTRA
+}
+
 for tool in "${TOOLS[@]}"; do
     case "$tool" in
         memcheck)
@@ -97,9 +103,7 @@ for tool in "${TOOLS[@]}"; do
                         > "$OUT_DIR/row-sk_${shard%%,*}" ) &
                 done
                 # reliab_sanitize.py beside them (it takes about as long as the longest shard)
-                # shellcheck disable=SC2086
-                ( run memcheck reliab_sanitize "$PY" tests/helpers/reliab_sanitize.py $EXTRA \
-                    > "$OUT_DIR/row-reliab_sanitize" ) &
+                ( reliab memcheck > "$OUT_DIR/row-reliab_sanitize" ) &
                 wait
                 for f in "$OUT_DIR"/row-sk_* "$OUT_DIR"/row-reliab_sanitize; do
                     row=$(tail -1 "$f"); echo "$row"; ROWS+=("$row")
@@ -112,13 +116,11 @@ for tool in "${TOOLS[@]}"; do
                 if [ -f tests/gpu/sanitize_kernels.py ]; then
                     run memcheck sanitize_kernels "$PY" tests/gpu/sanitize_kernels.py
                 fi
-                # shellcheck disable=SC2086
-                run memcheck reliab_sanitize "$PY" tests/helpers/reliab_sanitize.py $EXTRA
+                reliab memcheck
             fi
             ;;
         racecheck|synccheck|initcheck)
-            # shellcheck disable=SC2086
-            run "$tool" reliab_sanitize "$PY" tests/helpers/reliab_sanitize.py $EXTRA
+            reliab "$tool"
             ;;
         *)
             echo "sanitize.sh: unknown tool $tool" >&2
