@@ -13,10 +13,11 @@ kernel             rows                                        takes a call when
 ``sm90-few``       fp8, fp8_ds_mla, nvfp4_ds_mla (rope, NoPE)  sm_90, H <= 32, or a batch small enough that
                                                                tokens x ceil(H / 16) programs fit in
                                                                ``FEW_WAVES[kind]`` waves of one per SM
-``sm90-conv``      fp8_ds_mla, nvfp4_ds_mla (rope, NoPE); fp8  sm_90, H > 32 otherwise (64 heads a program, a
-                   only when asked for (``kernel=``)           converting producer warpgroup, 16-byte aligned q;
+``sm90-conv``      fp8, fp8_ds_mla, nvfp4_ds_mla (rope, NoPE)  sm_90, H > 32 otherwise (64 heads a program, a
+                                                               converting producer warpgroup, 16-byte aligned q;
                                                                not in the FP8-QK mode)
-``sm90-wide``      fp8, fp8_ds_mla                             sm_90, H > 32 otherwise (64 heads a program)
+``sm90-wide``      fp8, fp8_ds_mla                             sm_90, H > 32 in the FP8-QK mode or with q rows
+                                                               not 16-byte aligned (64 heads a program)
 ``sm90-bf16``      bf16 (cache or prefill workspace)           sm_90, H > 32 (64 heads a program)
 ``portable-wide``  every kind                                  H >= ``WIDE_MIN_HEADS[kind]`` (33; nvfp4 17)
 ``portable-fp8``   fp8, staged fp8, fp8_ds_mla                 fewer heads (16-32 heads a program)
@@ -49,10 +50,10 @@ KERNELS = ("sm90-few", "sm90-conv", "sm90-wide", "sm90-bf16", "portable-wide", "
 SM90_KERNELS = ("sm90-few", "sm90-conv", "sm90-wide", "sm90-bf16")
 CONV_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")  # sm90-conv: rows it converts to 16-bit tiles
 # Kinds the plan gives sm90-conv by itself (ahead of sm90-wide, but not in the FP8-QK mode, which it does not
-# have); it serves plain fp8 only when asked for (``kernel="sm90-conv"``).  H200, b 128, 64 / 128 heads, one
-# process: nvfp4_ds_mla 119 / 224 us, fp8_ds_mla 138 / 255 against sm90-wide's 148 / 274; plain fp8 114 / 216
-# against sm90-wide's 118 / 211.
-CONV_AUTO_KINDS = ("fp8_ds_mla", "nvfp4_ds_mla")
+# have).  H200, b 128, 64 / 128 heads, forced sm90-conv against the plan's earlier sm90-wide (other processes):
+# plain fp8 107.0 / 201.1 us against 118.8 / 212.4 on Triton 3.6, 108.5 / 204.7 against 119.2 / 220.4 on 3.8,
+# 111.9 / 207.2 against 128.1 / 232.1 on 3.9.
+CONV_AUTO_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")
 
 # Row kinds: a format's name, or "staged" (FP8 rows gathered per query, [T, K, D]).
 ROW_KINDS = ("bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "staged")
@@ -273,8 +274,8 @@ _WHY = {
     "portable-fp8": "few heads: e4m3 rows converted on the operand registers (mma.sync)",
     "portable-nvfp4": "few heads: e2m1 rows converted on the operand registers (mma.sync)",
     "portable-bf16": "few heads: bf16 rows straight from memory (mma.sync)",
-    "sm90-conv": ("fp8_ds_mla / e2m1 rows on Hopper above 32 heads: a producer warpgroup converts each row once to "
-                  "a 16-bit tile, the MMA warpgroups run on it (64 heads a program)"),
+    "sm90-conv": ("e4m3 / fp8_ds_mla / e2m1 rows on Hopper above 32 heads: a producer warpgroup converts each row "
+                  "once to a 16-bit tile, the MMA warpgroups run on it (64 heads a program)"),
 }
 
 

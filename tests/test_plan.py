@@ -13,8 +13,8 @@ ADA = dict(capability=(8, 9), num_sms=128)
     ("fp8_ds_mla", 128, 16, "sm90-few"), ("fp8_ds_mla", 128, 32, "sm90-few"), ("fp8_ds_mla", 128, 33, "sm90-conv"),
     ("fp8_ds_mla", 128, 128, "sm90-conv"), ("fp8_ds_mla", 1, 128, "sm90-few"), ("fp8_ds_mla", 8, 128, "sm90-few"),
     ("fp8_ds_mla", 9, 128, "sm90-conv"),  # 9 x 8 = 72 programs > half a wave of 132
-    ("fp8", 128, 16, "sm90-few"), ("fp8", 128, 64, "sm90-wide"), ("fp8", 33, 64, "sm90-few"),
-    ("fp8", 34, 64, "sm90-wide"),
+    ("fp8", 128, 16, "sm90-few"), ("fp8", 128, 64, "sm90-conv"), ("fp8", 33, 64, "sm90-few"),
+    ("fp8", 34, 64, "sm90-conv"),
     ("nvfp4_ds_mla", 128, 16, "sm90-few"), ("nvfp4_ds_mla", 128, 32, "sm90-few"),
     ("nvfp4_ds_mla", 16, 64, "sm90-few"), ("nvfp4_ds_mla", 8, 128, "sm90-few"),  # half a wave of 16-head programs
     ("nvfp4_ds_mla", 17, 64, "sm90-conv"), ("nvfp4_ds_mla", 128, 64, "sm90-conv"),
@@ -22,7 +22,7 @@ ADA = dict(capability=(8, 9), num_sms=128)
     ("bf16", 128, 16, "portable-bf16"), ("bf16", 128, 32, "portable-bf16"), ("bf16", 128, 33, "sm90-bf16"),
     ("bf16", 4096, 128, "sm90-bf16"),
     ("fp8_ds_mla-nope", 128, 16, "sm90-few"), ("nvfp4_ds_mla-nope", 128, 16, "sm90-few"),
-    ("bf16-nope", 128, 64, "sm90-bf16"), ("fp8-nope", 128, 128, "sm90-wide"),
+    ("bf16-nope", 128, 64, "sm90-bf16"), ("fp8-nope", 128, 128, "sm90-conv"),
     ("fp8_ds_mla-nope", 128, 64, "sm90-conv"),
 ])
 def test_hopper_table(kind, tokens, heads, kernel):
@@ -44,13 +44,18 @@ def test_portable_table(kind, heads, kernel, hpp):
 
 def test_bf16_needs_aligned_q_on_hopper():
     assert plan_attention("bf16", 128, 64, 2048, q_aligned=False, **H200).kernel == "portable-wide"
+    # sm90-conv stages q by cp.async; sm90-wide reads any q
     assert plan_attention("fp8", 128, 64, 2048, q_aligned=False, **H200).kernel == "sm90-wide"
 
 
 def test_unavailable_kernels_fall_back():
-    for kernel, kind, heads in [("sm90-few", "fp8_ds_mla", 16), ("sm90-wide", "fp8", 64), ("sm90-bf16", "bf16", 64)]:
+    for kernel, kind, heads in [("sm90-few", "fp8_ds_mla", 16), ("sm90-bf16", "bf16", 64)]:
         p = plan_attention(kind, 128, heads, 2048, unavailable=frozenset({kernel}), **H200)
         assert p.kernel.startswith("portable-"), (kernel, p)
+    # fp8 rows above 32 heads: sm90-conv, then sm90-wide, then the portable kernels
+    assert plan_attention("fp8", 128, 64, 2048, unavailable=frozenset({"sm90-conv"}), **H200).kernel == "sm90-wide"
+    p = plan_attention("fp8", 128, 64, 2048, unavailable=frozenset({"sm90-conv", "sm90-wide"}), **H200)
+    assert p.kernel.startswith("portable-"), p
 
 
 @pytest.mark.parametrize("tokens, heads, kind, splits", [
@@ -122,12 +127,12 @@ def test_plans_are_cached_and_explained():
 
 
 def test_conv_kernel_plans():
-    """sm90-conv (quantized rows, 64 heads a program) takes fp8_ds_mla and nvfp4 rows above 32 heads past half a
-    wave of the few-heads kernel by itself (not in the FP8-QK mode) and plain e4m3 rows only when asked for; a
+    """sm90-conv (quantized rows, 64 heads a program) takes fp8, fp8_ds_mla and nvfp4 rows above 32 heads past the
+    few-heads kernel's waves by itself (not in the FP8-QK mode); a
     forced call gets sm90-wide's head groups and splits, and it refuses what it cannot read."""
     for kind in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "fp8-nope", "fp8_ds_mla-nope", "nvfp4_ds_mla-nope"):
         for tokens, heads in ((1, 33), (4, 64), (128, 96), (128, 128)):
-            auto = kind.split("-")[0] in ("fp8_ds_mla", "nvfp4_ds_mla") and tokens == 128
+            auto = tokens == 128
             assert (plan_attention(kind, tokens, heads, 2048, **H200).kernel == "sm90-conv") == auto
             p = plan_attention(kind, tokens, heads, 2048, kernel="sm90-conv", **H200)
             assert (p.kernel, p.heads_per_program, p.num_groups) == ("sm90-conv", 64, -(-heads // 64))
@@ -141,6 +146,5 @@ def test_conv_kernel_plans():
             plan_attention(kind, 4, 64, 2048, kernel="sm90-conv", **opts)
     with pytest.raises(ValueError, match="fp8_qk"):
         plan_attention("fp8", 4, 64, 2048, kernel="sm90-conv", fp8_qk=True, **H200)
-    assert "not sm90-conv: it serves fp8 rows only when asked for" in explain("fp8", 128, 128, 2048, **H200)
     assert plan_attention("fp8_ds_mla", 128, 64, 2048, fp8_qk=True, **H200).kernel == "sm90-wide"
     assert "not sm90-conv: it has no FP8-QK variant" in explain("fp8_ds_mla", 128, 64, 2048, fp8_qk=True, **H200)
