@@ -14,7 +14,7 @@ kernel             rows                                        takes a call when
                                                                tokens x ceil(H / 16) programs fit in
                                                                ``FEW_WAVES[kind]`` waves of one per SM
 ``sm90-conv``      fp8_ds_mla, nvfp4_ds_mla (rope, NoPE); fp8  sm_90, H > 32 otherwise (64 heads a program, a
-                   only when asked for (``kernel=``)           converting producer warpgroup, 16-byte aligned q;
+                   and bf16 only when asked for (``kernel=``)  converting producer warpgroup, 16-byte aligned q;
                                                                not in the FP8-QK mode)
 ``sm90-wide``      fp8, fp8_ds_mla                             sm_90, H > 32 otherwise (64 heads a program)
 ``sm90-bf16``      bf16 (cache or prefill workspace)           sm_90, H > 32 (64 heads a program)
@@ -47,9 +47,9 @@ from .formats import KVFormat, get_format
 KERNELS = ("sm90-few", "sm90-conv", "sm90-wide", "sm90-bf16", "portable-wide", "portable-fp8", "portable-nvfp4",
            "portable-bf16")
 SM90_KERNELS = ("sm90-few", "sm90-conv", "sm90-wide", "sm90-bf16")
-CONV_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")  # sm90-conv: rows it converts to 16-bit tiles
+CONV_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # sm90-conv: rows it stages as 16-bit tiles
 # Kinds the plan gives sm90-conv by itself (ahead of sm90-wide, but not in the FP8-QK mode, which it does not
-# have); it serves plain fp8 only when asked for (``kernel="sm90-conv"``).  H200, b 128, 64 / 128 heads, one
+# have); it serves plain fp8 and bf16 rows only when asked for (``kernel="sm90-conv"``).  H200, b 128, 64 / 128 heads, one
 # process: nvfp4_ds_mla 119 / 224 us, fp8_ds_mla 138 / 255 against sm90-wide's 148 / 274; plain fp8 114 / 216
 # against sm90-wide's 118 / 211.
 CONV_AUTO_KINDS = ("fp8_ds_mla", "nvfp4_ds_mla")
