@@ -14,7 +14,7 @@ kernel             rows                                        takes a call when
                                                                tokens x ceil(H / 16) programs fit in
                                                                ``FEW_WAVES[kind]`` waves of one per SM
 ``sm90-conv``      fp8, fp8_ds_mla, nvfp4_ds_mla (rope, NoPE)  sm_90, H > 32 otherwise (64 heads a program, a
-                                                               converting producer warpgroup, 16-byte aligned q;
+                   and bf16 when asked for (``kernel=``)       converting producer warpgroup, 16-byte aligned q;
                                                                not in the FP8-QK mode)
 ``sm90-wide``      fp8, fp8_ds_mla                             sm_90, H > 32 in the FP8-QK mode or with q rows
                                                                not 16-byte aligned (64 heads a program)
@@ -48,7 +48,7 @@ from .formats import KVFormat, get_format
 KERNELS = ("sm90-few", "sm90-conv", "sm90-wide", "sm90-bf16", "portable-wide", "portable-fp8", "portable-nvfp4",
            "portable-bf16")
 SM90_KERNELS = ("sm90-few", "sm90-conv", "sm90-wide", "sm90-bf16")
-CONV_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")  # sm90-conv: rows it converts to 16-bit tiles
+CONV_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # sm90-conv: rows it stages as 16-bit tiles
 # Kinds the plan gives sm90-conv by itself (ahead of sm90-wide, but not in the FP8-QK mode, which it does not
 # have).  H200, b 128, 64 / 128 heads, forced sm90-conv against the plan's earlier sm90-wide (other processes):
 # plain fp8 107.0 / 201.1 us against 118.8 / 212.4 on Triton 3.6, 108.5 / 204.7 against 119.2 / 220.4 on 3.8,

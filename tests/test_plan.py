@@ -139,12 +139,16 @@ def test_conv_kernel_plans():
             wide_splits = max(1, min(132 // (tokens * p.num_groups), 2048 // 128, 64))
             assert p.num_splits == wide_splits and p.rows_per_split % 64 == 0
     assert plan_attention("fp8", 1, 64, 2048, kernel="sm90-conv", num_splits=3, **H200).num_splits == 3
-    for kind, opts, msg in (("bf16", H200, "reads fp8, fp8_ds_mla, nvfp4_ds_mla rows, not bf16"),
+    for kind, opts, msg in (("staged", H200, "reads fp8, fp8_ds_mla, nvfp4_ds_mla, bf16 rows, not staged"),
                             ("fp8", ADA, "built for sm_90"), ("fp8", dict(H200, q_aligned=False), "aligned q rows"),
                             ("fp8", dict(H200, interpret=True), "interpreter")):
         with pytest.raises(ValueError, match=f"kernel: sm90-conv cannot serve .*{msg}"):
             plan_attention(kind, 4, 64, 2048, kernel="sm90-conv", **opts)
     with pytest.raises(ValueError, match="fp8_qk"):
         plan_attention("fp8", 4, 64, 2048, kernel="sm90-conv", fp8_qk=True, **H200)
+    # bf16 rows: only when asked for, with sm90-bf16's head groups
+    assert plan_attention("bf16", 128, 128, 2048, **H200).kernel == "sm90-bf16"
+    p = plan_attention("bf16", 128, 128, 2048, kernel="sm90-conv", **H200)
+    assert (p.kernel, p.heads_per_program, p.num_groups) == ("sm90-conv", 64, 2)
     assert plan_attention("fp8_ds_mla", 128, 64, 2048, fp8_qk=True, **H200).kernel == "sm90-wide"
     assert "not sm90-conv: it has no FP8-QK variant" in explain("fp8_ds_mla", 128, 64, 2048, fp8_qk=True, **H200)

@@ -45,7 +45,7 @@ def _stack_limit(name):
 def _cp_async_fed(name):
     """Whether a variant's shared memory is filled by cp.async with mbarrier arrivals: all but the conv
     kernel's variants with fp16 tiles (nvfp4, fp8), whose q is converted by the producer."""
-    return not (name.startswith("conv-") and not name.startswith("conv-fp8_ds_mla"))
+    return not (name.startswith("conv-") and not name.startswith(("conv-fp8_ds_mla", "conv-bf16")))
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_every_format_layout_has_variants():
     for fid in sm90_sass.LAYOUTS:
         kind = fid.split("-")[0]
         if kind == "bf16":
-            assert f"bf16-{fid}" in names
+            assert {f"bf16-{fid}", f"conv-{fid}"} <= names
             continue
         assert f"few-{fid}" in names
         assert f"conv-{fid}" in names
@@ -110,8 +110,11 @@ def test_meta_takes_offsets_from_the_layout_and_rejects_what_a_kernel_cannot_rea
     m = conv.meta(kind="fp8", bytes_per_row=576, rope_dim=64, rope_offset=512, scale_offset=-1, num_groups=1,
                   has_valid_counts=False)
     assert (m["SCALE_OFF"], m["ROPE_OFF"], m["FP4"], m["DS"], m["maxnreg"]) == (0, 512, False, False, 168)
+    m = conv.meta(kind="bf16", bytes_per_row=1152, rope_dim=64, rope_offset=1024, scale_offset=-1, num_groups=1,
+                  has_valid_counts=False)
+    assert (m["SCALE_OFF"], m["ROPE_OFF"], m["FP4"], m["DS"], m["B16"]) == (0, 1024, False, False, True)
     with pytest.raises(ValueError, match="kind"):
-        conv.meta(kind="bf16", bytes_per_row=1152, rope_dim=64, rope_offset=1024, scale_offset=-1, num_groups=1,
+        conv.meta(kind="staged", bytes_per_row=576, rope_dim=64, rope_offset=512, scale_offset=-1, num_groups=1,
                   has_valid_counts=False)
 
 

@@ -32,7 +32,7 @@ def _conv_built():
 
 KERNEL = "sm90-conv"
 FORMATS = ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8_ds_mla-nope-compact", "fp8", "fp8-nope",
-           "nvfp4_ds_mla", "nvfp4_ds_mla-nope", "nvfp4_ds_mla-nope-compact"]
+           "nvfp4_ds_mla", "nvfp4_ds_mla-nope", "nvfp4_ds_mla-nope-compact", "bf16", "bf16-nope"]
 
 
 def _k_scale(fmt):

@@ -59,6 +59,9 @@ def _variants():
         if kind == "bf16":
             v[f"bf16-{fid}"] = ("bf16", "bf16_kernel", SIG, bf16.meta(
                 bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, num_groups=2, has_valid_counts=True))
+            v[f"conv-{fid}"] = ("conv", "conv_kernel", SIG_K, conv.meta(
+                kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
+                num_groups=2, has_valid_counts=True))
             continue
         for mod, name in ((few, "few"), (wide, "wide")):
             for fp8_qk in (False, True):

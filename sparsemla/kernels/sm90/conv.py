@@ -1,5 +1,6 @@
 """sm_90 sparse MLA decode for quantized rows (``fp8``, ``fp8_ds_mla``, ``nvfp4_ds_mla``; RoPE or NoPE) at 64
-heads per program, with a converting producer (Gluon, warp-specialized).
+heads per program, with a converting producer (Gluon, warp-specialized); bf16 rows the same way, the producer
+copying them into the tiles by cp.async (no conversion: ``B16``).
 
 The other quantized kernels (``few.py``, ``wide.py``) convert the raw bytes in the MMA warpgroups' registers,
 once per head group and operand; at 64-128 heads their tensor cores then idle most of the time.  Here the
@@ -70,6 +71,9 @@ OROW = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))  # one value per head (of
 # 3.6 (docs/design/kernels.md has the A/B per release).
 WG1_REGS = gl.constexpr(160)
 PRODUCER_REGS = gl.constexpr(136)
+# bf16 rows: the producer only copies (cp.async, as sm90-bf16's producer), so it needs few registers and
+# warpgroup 0 gets 256
+B16_PRODUCER_REGS = gl.constexpr(40)
 
 # Producer register layouts (4 warps): the raw rows are loaded as 32-bit words, 16 contiguous bytes a thread
 # per row (as bytes, the values carried from one block to the next would take a register each).  For
@@ -215,7 +219,7 @@ def _q_part(q_row, hm, col0: gl.constexpr, N: gl.constexpr, AGAIN: gl.constexpr 
 
 @gluon.jit
 def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
-              DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
+              DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, B16: gl.constexpr):
     """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run two
     pieces ahead of the conversion: piece P + 2 (after the last value piece: the rope, then the next block's
     first two pieces) is loaded before piece P is converted; the next block's rows are looked up at the start
@@ -230,7 +234,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     heads = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, L_B16))
     hm = heads < H
     q_row = gl.multiple_of(q_ptr + t.to(gl.int64) * stride_qt + gl.where(hm, heads, 0).to(gl.int64) * stride_qh, 16)
-    if DS:
+    if DS or B16:
         # bf16, as it is, by cp.async
         copy_rows(qL.index(0), q_row, 0, 256, hm, L_B16)
         copy_rows(qR.index(0), q_row, 256, 256, hm, L_B16)
@@ -245,54 +249,83 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
 
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    # the rows in the layout of the pieces (rl) and, for plain fp8, of its 64-byte rope (el; fp8_ds_mla's and
-    # nvfp4's rope is read with the pieces' pointers)
-    if FP4:
-        rl: gl.constexpr = gl.SliceLayout(1, L_W2)
-    elif DS:
-        rl: gl.constexpr = gl.SliceLayout(1, L_W8R)
+    if B16:
+        _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE, ROPE_OFF)
     else:
-        rl: gl.constexpr = gl.SliceLayout(1, L_W8)
-    el: gl.constexpr = gl.SliceLayout(1, L_W2C)
-    SEP: gl.constexpr = ROPE and not DS and not FP4  # a rope in its own layout
+        # the rows in the layout of the pieces (rl) and, for plain fp8, of its 64-byte rope (el; fp8_ds_mla's and
+        # nvfp4's rope is read with the pieces' pointers)
+        if FP4:
+            rl: gl.constexpr = gl.SliceLayout(1, L_W2)
+        elif DS:
+            rl: gl.constexpr = gl.SliceLayout(1, L_W8R)
+        else:
+            rl: gl.constexpr = gl.SliceLayout(1, L_W8)
+        el: gl.constexpr = gl.SliceLayout(1, L_W2C)
+        SEP: gl.constexpr = ROPE and not DS and not FP4  # a rope in its own layout
+        base, valid = _ptrs(block_indices(idx_row, k_begin, k_end, rl), kv_ptr, BPT)
+        raw, sc = _load_piece(base, valid, 0, SCALE_OFF, DS, FP4)
+        raw1, sc1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4)
+        for i in range(n_blocks):
+            b = i % 2
+            nbase, nvalid = _ptrs(block_indices(idx_row, k_begin + (i + 1) * 64, k_end, rl), kv_ptr, BPT)
+            raw2, sc2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4)
+            mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
+            if ROPE and DS:
+                _copy_rope_bf16(kEw.index(b), base, valid, ROPE_OFF)  # kEw: the bf16 tile for fp8_ds_mla
+            # which rows are valid (1.0 / 0.0), for warpgroup 0's mask: from shared memory, not a global load in
+            # its serial chain of QK, softmax and PV
+            sV.index(b).store(valid.to(gl.float32))
+            _store_piece(raw, sc, _piece_dst(kLw, kRw, b, 0), DS, FP4)
+            raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4)
+            _store_piece(raw1, sc1, _piece_dst(kLw, kRw, b, 1), DS, FP4)
+            if ROPE and not DS:
+                if SEP:
+                    rope = _load_rope(*_ptrs(block_indices(idx_row, k_begin + i * 64, k_end, el), kv_ptr, BPT),
+                                      ROPE_OFF, FP4)
+                else:
+                    rope = _load_rope(base, valid, ROPE_OFF, FP4)
+                _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
+                raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4)
+                _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
+                raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4)
+                _store_rope(rope, kEw.index(b))
+            else:
+                raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4)
+                _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
+                raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4)
+                _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
+            base = nbase
+            valid = nvalid
+            if ROPE and DS:
+                async_copy.wait_group(0)  # this thread's rope copies have landed
+            fence_async_shared()  # this thread's tile stores -> the consumers' wgmma (async proxy) reads
+            compat.barrier()      # every producer thread has stored and fenced
+            mbarrier.arrive(ready.index(b), count=1)
+
+
+@gluon.jit
+def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, ready, free, BPT: gl.constexpr,
+                 ROPE: gl.constexpr, ROPE_OFF: gl.constexpr):
+    """bf16 rows: each 64-row block copied into tile i % 2 by cp.async as it is (no conversion), the next block's
+    rows looked up while this one's copies fly; the tile is published once this thread's copies have landed."""
+    rl: gl.constexpr = gl.SliceLayout(1, L_B16)
     base, valid = _ptrs(block_indices(idx_row, k_begin, k_end, rl), kv_ptr, BPT)
-    raw, sc = _load_piece(base, valid, 0, SCALE_OFF, DS, FP4)
-    raw1, sc1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4)
     for i in range(n_blocks):
         b = i % 2
         nbase, nvalid = _ptrs(block_indices(idx_row, k_begin + (i + 1) * 64, k_end, rl), kv_ptr, BPT)
-        raw2, sc2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4)
+        rows = base.to(gl.pointer_type(gl.bfloat16))
         mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
-        if ROPE and DS:
-            _copy_rope_bf16(kEw.index(b), base, valid, ROPE_OFF)  # kEw: the bf16 tile for fp8_ds_mla
-        # which rows are valid (1.0 / 0.0), for warpgroup 0's mask: from shared memory, not a global load in
-        # its serial chain of QK, softmax and PV
+        copy_rows(kL.index(b), rows, 0, 256, valid, L_B16)
+        copy_rows(kR.index(b), rows, 256, 256, valid, L_B16)
+        if ROPE:
+            copy_rows(kE.index(b), rows, ROPE_OFF // 2, 64, valid, L_B16)
+        async_copy.commit_group()
         sV.index(b).store(valid.to(gl.float32))
-        _store_piece(raw, sc, _piece_dst(kLw, kRw, b, 0), DS, FP4)
-        raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4)
-        _store_piece(raw1, sc1, _piece_dst(kLw, kRw, b, 1), DS, FP4)
-        if ROPE and not DS:
-            if SEP:
-                rope = _load_rope(*_ptrs(block_indices(idx_row, k_begin + i * 64, k_end, el), kv_ptr, BPT),
-                                  ROPE_OFF, FP4)
-            else:
-                rope = _load_rope(base, valid, ROPE_OFF, FP4)
-            _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
-            raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4)
-            _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
-            raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4)
-            _store_rope(rope, kEw.index(b))
-        else:
-            raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4)
-            _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
-            raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4)
-            _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
         base = nbase
         valid = nvalid
-        if ROPE and DS:
-            async_copy.wait_group(0)  # this thread's rope copies have landed
-        fence_async_shared()  # this thread's tile stores -> the consumers' wgmma (async proxy) reads
-        compat.barrier()      # every producer thread has stored and fenced
+        async_copy.wait_group(0)  # this thread's copies have landed
+        fence_async_shared()  # -> the consumers' wgmma (async proxy) reads
+        compat.barrier()      # every producer thread's copies have landed
         mbarrier.arrive(ready.index(b), count=1)
 
 
@@ -442,11 +475,13 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                 o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                 sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
                 BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
-                NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr):
+                NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr,
+                B16: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``)."""
     # the 16-bit type of q, the tiles and P: fp16 where the values are exact in it (nvfp4, fp8), else bf16
-    if DS:
+    Q16: gl.constexpr = DS or B16  # bf16 q and tiles, q copied as it is, one softmax scale for every head
+    if Q16:
         TD: gl.constexpr = gl.bfloat16
     else:
         TD: gl.constexpr = gl.float16
@@ -472,7 +507,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
     p_ready = gl.allocate_shared_memory(gl.int64, [1], bl)
     p_free = gl.allocate_shared_memory(gl.int64, [1], bl)
     l_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
-    if DS:
+    if Q16:
         mbarrier.init(q_bar, count=128)  # one cp.async arrival per producer thread
     else:
         mbarrier.init(q_bar, count=1)  # the producer, after a warpgroup barrier
@@ -488,20 +523,28 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
           (qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV), (q_bar, ready, free, p_ready, p_free, l_bar))
     # the producer stores bf16 pairs as 32-bit words: the same bytes under the same 128-byte swizzle
     words: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    kLw = compat.reinterpret(kL, gl.int32, [2, 64, 128], words)
-    kRw = compat.reinterpret(kR, gl.int32, [2, 64, 128], words)
-    if DS:
+    if B16:
+        kLw = kL
+        kRw = kR
+    else:
+        kLw = compat.reinterpret(kL, gl.int32, [2, 64, 128], words)
+        kRw = compat.reinterpret(kR, gl.int32, [2, 64, 128], words)
+    if Q16:
         kEw = kE  # fp8_ds_mla's bf16 rope is copied as it is (cp.async)
     else:
         kEw = compat.reinterpret(kE, gl.int32, [2, 64, 32], words)
     pa = (q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits,
           (qL, qR, qE, kLw, kRw, kEw, sQ, sV), (q_bar, ready, free))
-    gl.warp_specialize([(_wg0, (ca, ROPE, DS, FP4, NG, HAS_VC)), (_wg1, (ca, DS, FP4, NG, HAS_VC)),
-                        (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC))],
-                       [4, 4], [WG1_REGS, PRODUCER_REGS])
+    if B16:
+        PR: gl.constexpr = B16_PRODUCER_REGS
+    else:
+        PR: gl.constexpr = PRODUCER_REGS
+    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC)), (_wg1, (ca, Q16, FP4, NG, HAS_VC)),
+                        (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16))],
+                       [4, 4], [WG1_REGS, PR])
 
 
-KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")  # the row formats this kernel reads
+KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this kernel reads
 
 
 # How sparsemla.kernels.attention launches it (one cached launch per plan, compile-time arguments from
@@ -520,4 +563,4 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     ds, fp4 = kind == "fp8_ds_mla", kind == "nvfp4_ds_mla"
     return dict(BPT=bytes_per_row, ROPE=rope_dim, SCALE_OFF=scale_offset if ds or fp4 else 0,
                 ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
-                FP4=fp4, num_warps=4, maxnreg=168, enable_fp_fusion=True)
+                FP4=fp4, B16=kind == "bf16", num_warps=4, maxnreg=168, enable_fp_fusion=True)
