@@ -306,8 +306,12 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
 @gluon.jit
 def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, ready, free, BPT: gl.constexpr,
                  ROPE: gl.constexpr, ROPE_OFF: gl.constexpr):
-    """bf16 rows: each 64-row block copied into tile i % 2 by cp.async as it is (no conversion), the next block's
-    rows looked up while this one's copies fly; the tile is published once this thread's copies have landed."""
+    """bf16 rows: each 64-row block copied into tile i % 2 by cp.async as it is (no conversion).  The producer
+    does not wait for its copies: each thread's cp.async arrival on ready[b] fires when that thread's copies have
+    landed, so the next block's copies are issued as soon as its tile is free and both tiles can be in flight.
+    ready[b] counts those 128 arrivals and one more for sV[b] (the validity, stored by every thread, published
+    after a warpgroup barrier by one thread's ordinary arrival).  The consumers fence for the async proxy after
+    their wait."""
     rl: gl.constexpr = gl.SliceLayout(1, L_B16)
     base, valid = _ptrs(block_indices(idx_row, k_begin, k_end, rl), kv_ptr, BPT)
     for i in range(n_blocks):
@@ -319,13 +323,11 @@ def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, read
         copy_rows(kR.index(b), rows, 256, 256, valid, L_B16)
         if ROPE:
             copy_rows(kE.index(b), rows, ROPE_OFF // 2, 64, valid, L_B16)
-        async_copy.commit_group()
+        async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
         sV.index(b).store(valid.to(gl.float32))
         base = nbase
         valid = nvalid
-        async_copy.wait_group(0)  # this thread's copies have landed
-        fence_async_shared()  # -> the consumers' wgmma (async proxy) reads
-        compat.barrier()      # every producer thread's copies have landed
+        compat.barrier()  # every producer thread stored its part of sV[b]
         mbarrier.arrive(ready.index(b), count=1)
 
 
@@ -512,7 +514,10 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
     else:
         mbarrier.init(q_bar, count=1)  # the producer, after a warpgroup barrier
     for b in gl.static_range(2):
-        mbarrier.init(ready.index(b), count=1)  # the producer, after a warpgroup barrier
+        if B16:
+            mbarrier.init(ready.index(b), count=129)  # each producer thread's cp.async arrival, and sV[b]'s
+        else:
+            mbarrier.init(ready.index(b), count=1)  # the producer, after a warpgroup barrier
         mbarrier.init(free.index(b), count=2)   # both consumer warpgroups
     mbarrier.init(p_ready, count=1)
     mbarrier.init(p_free, count=1)
