@@ -14,11 +14,12 @@ kernel             rows                                        takes a call when
                                                                tokens x ceil(H / 16) programs fit in
                                                                ``FEW_WAVES[kind]`` waves of one per SM
 ``sm90-conv``      fp8, fp8_ds_mla, nvfp4_ds_mla (rope, NoPE)  sm_90, H > 32 otherwise (64 heads a program, a
-                   and bf16 when asked for (``kernel=``)       converting producer warpgroup, 16-byte aligned q;
+                   and bf16 (H <= 64, one wave)                converting producer warpgroup, 16-byte aligned q;
                                                                not in the FP8-QK mode)
 ``sm90-wide``      fp8, fp8_ds_mla                             sm_90, H > 32 in the FP8-QK mode or with q rows
                                                                not 16-byte aligned (64 heads a program)
-``sm90-bf16``      bf16 (cache or prefill workspace)           sm_90, H > 32 (64 heads a program)
+``sm90-bf16``      bf16 (cache or prefill workspace)           sm_90, H > 32 (64 heads a program); sm90-conv
+                                                               takes H <= 64 and T <= the SM count
 ``portable-wide``  every kind                                  H >= ``WIDE_MIN_HEADS[kind]`` (33; nvfp4 17)
 ``portable-fp8``   fp8, staged fp8, fp8_ds_mla                 fewer heads (16-32 heads a program)
 ``portable-nvfp4`` nvfp4_ds_mla                                fewer heads
@@ -54,6 +55,11 @@ CONV_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # sm90-conv: rows it
 # plain fp8 107.0 / 201.1 us against 118.8 / 212.4 on Triton 3.6, 108.5 / 204.7 against 119.2 / 220.4 on 3.8,
 # 111.9 / 207.2 against 128.1 / 232.1 on 3.9.
 CONV_AUTO_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")
+# bf16 rows: sm90-conv (a producer keeping two whole 64-row blocks in flight) where a call is one wave of 64-head
+# programs, each streaming its own rows from memory (decode); sm90-bf16 (both warpgroups on QK, a pair of blocks at a
+# time) beyond.  H200, one process: D-h64 (b 128) 132.5 us against 162.7 (NoPE rows 132.7 against 151.4); D-h128
+# 249.3 against 244.3 (NoPE 241.6 against 217.9); prefill P-h64 (4,096 tokens) 2,719 against 2,308.
+CONV_BF16_MAX_HEADS = 64
 
 # Row kinds: a format's name, or "staged" (FP8 rows gathered per query, [T, K, D]).
 ROW_KINDS = ("bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "staged")
@@ -199,10 +205,23 @@ def _why_not(kernel, kind, num_tokens, num_heads, num_sms, capability, interpret
     return _portable_why_not(kernel, kind, num_heads)
 
 
-def _auto(kernel: str, kind: str, fp8_qk: bool = False) -> bool:
-    """Whether the plan may choose ``kernel`` for ``kind`` rows by itself (sm90-conv: only :data:`CONV_AUTO_KINDS`,
-    and not in the FP8-QK mode)."""
-    return kernel != "sm90-conv" or (kind in CONV_AUTO_KINDS and not fp8_qk)
+def _auto_why_not(kernel: str, kind: str, num_tokens: int, num_heads: int, num_sms: int,
+                  fp8_qk: bool) -> Optional[str]:
+    """Why the plan does not choose ``kernel`` by itself for a call it can serve (None: it may).  sm90-conv:
+    :data:`CONV_AUTO_KINDS`, and bf16 rows within :data:`CONV_BF16_MAX_HEADS` heads and one wave of programs;
+    never in the FP8-QK mode."""
+    if kernel != "sm90-conv":
+        return None
+    if fp8_qk:
+        return "it has no FP8-QK variant"
+    if kind in CONV_AUTO_KINDS:
+        return None
+    if kind == "bf16":
+        if num_heads <= CONV_BF16_MAX_HEADS and num_tokens <= num_sms:
+            return None
+        return (f"it takes bf16 rows by itself only up to {CONV_BF16_MAX_HEADS} heads and {num_sms} tokens "
+                f"(one wave); kernel='sm90-conv' forces it")
+    return f"it serves {kind} rows only when asked for (kernel={kernel!r})"
 
 
 def _splits(kernel: str, num_tokens: int, num_heads: int, topk: int, hpp: int, block_n: int, num_sms: int) -> int:
@@ -229,7 +248,7 @@ def _plan(kind, num_tokens, num_heads, topk, capability, num_sms, fp8_qk, portab
     else:
         chosen = why = None
         for name in KERNELS:
-            if _auto(name, kind, fp8_qk) and _why_not(name, *args) is None:
+            if _auto_why_not(name, kind, num_tokens, num_heads, num_sms, fp8_qk) is None and _why_not(name, *args) is None:
                 chosen = name
                 break
         why = _WHY[chosen]
@@ -274,8 +293,9 @@ _WHY = {
     "portable-fp8": "few heads: e4m3 rows converted on the operand registers (mma.sync)",
     "portable-nvfp4": "few heads: e2m1 rows converted on the operand registers (mma.sync)",
     "portable-bf16": "few heads: bf16 rows straight from memory (mma.sync)",
-    "sm90-conv": ("e4m3 / fp8_ds_mla / e2m1 rows on Hopper above 32 heads: a producer warpgroup converts each row "
-                  "once to a 16-bit tile, the MMA warpgroups run on it (64 heads a program)"),
+    "sm90-conv": ("e4m3 / fp8_ds_mla / e2m1 rows on Hopper above 32 heads (bf16 rows at 33-64 heads, one wave): a "
+                  "producer warpgroup converts (or copies) each row once into a 16-bit tile, the MMA warpgroups run "
+                  "on it (64 heads a program)"),
 }
 
 
@@ -326,9 +346,8 @@ def explain(fmt, num_tokens: int, num_heads: int, topk: int, *, mode: str = "dec
             continue
         reason = _why_not(name, kind, num_tokens, num_heads, o["num_sms"], tuple(o["capability"]), o["interpret"],
                           o["portable"], o["q_aligned"], o["kv_aligned"], frozenset(o["unavailable"]))
-        if reason is None and not _auto(name, kind, plan.fp8_qk):
-            reason = ("it has no FP8-QK variant" if plan.fp8_qk and _auto(name, kind) else
-                      f"it serves {kind} rows only when asked for (kernel={name!r})")
+        if reason is None:
+            reason = _auto_why_not(name, kind, num_tokens, num_heads, o["num_sms"], plan.fp8_qk)
         lines.append(f"  not {name}: {reason or 'a kernel earlier in the order takes it'}")
     return "\n".join(lines)
 

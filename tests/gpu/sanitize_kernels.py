@@ -66,8 +66,10 @@ def main():
             _attention(c, num_splits=splits, portable=True)
             if heads > 32 and name in ("fp8", "fp8_ds_mla"):
                 _attention(c, num_splits=splits, kernel="sm90-wide")  # a small batch would take sm90-few
-            if heads > 32 and name in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla"):
+            if heads > 32 and name in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16"):
                 _attention(c, num_splits=splits, kernel="sm90-conv")  # forced: small cases plan sm90-few
+            if heads > 32 and name == "bf16":
+                _attention(c, num_splits=splits, kernel="sm90-bf16")  # up to 64 heads the plan takes sm90-conv
             st = gather_topk_fp8(c["cache"].rows, c["fmt"], c["indices"], c["valid_counts"], 1.0)
             run_kernel(c["q"], st.view(torch.uint8).view(-1, st.shape[2]), get_format("fp8", c["fmt"].rope_dim),
                        c["indices"], 0.1, c["valid_counts"], num_splits=splits, staged=True)

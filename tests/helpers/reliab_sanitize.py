@@ -67,9 +67,10 @@ def _spec(fmt, backend, mode, heads, tokens, width, out="poisoned", lse="poisone
                    q_layout=q_layout, idx_layout="contiguous", out=out, lse=lse, seed=tokens * 131 + heads)
 
 
-# (heads, tokens): few heads, H = 1, head groups, 64-head programs (34 x 4 > 132 programs of 16 heads)
-SHAPES = [(16, 2), (1, 2), (40, 2), (64, 34)]
-MORE_SHAPES = [(128, 3), (128, 40), (20, 5)]
+# (heads, tokens): few heads, H = 1, head groups, 64-head programs (34 x 4 > 132 programs of 16 heads), two head
+# groups (bf16 rows: sm90-bf16; up to 64 heads they take sm90-conv)
+SHAPES = [(16, 2), (1, 2), (40, 2), (64, 34), (128, 3)]
+MORE_SHAPES = [(128, 40), (20, 5)]
 
 
 def _attention_plan(tiny: bool, backends):
