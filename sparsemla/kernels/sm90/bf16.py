@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import compat
 
-from .common import NEG_BIG, program_coords
+from .common import NEG_BIG, PUBLISH, program_coords, publish
 from .rows import copy_rows
 
 # Each consumer warpgroup (4 warps): S [64 heads, 64 rows] and O [64 heads, 256 columns] on wgmma; its own
@@ -113,15 +113,9 @@ def _masked_scores(sc, idx_row, p0, k_end, sm_scale_log2, cols_l: gl.constexpr):
 
 @gluon.jit
 def _vec_publish(buf, v, bar):
-    """Store this warpgroup's [64] vector for the other warpgroup and arrive on ``bar`` (count 129).  One
-    thread's ordinary arrival after the warpgroup barrier is the release the other warpgroup's wait acquires;
-    besides it every thread arrives by cp.async (none pending: at once), which orders its own store and its
-    earlier loads of the other warpgroup's vectors per thread, the ordering compute-sanitizer's racecheck
-    follows (it does not carry the barrier through the one thread's arrival and reports every such hand-off)."""
+    """Store this warpgroup's [64] vector for the other warpgroup and publish it on ``bar``."""
     buf.store(v)
-    compat.barrier()  # the whole warpgroup wrote before its one thread arrives
-    async_copy.mbarrier_arrive(bar, increment_count=False)
-    mbarrier.arrive(bar, count=1)
+    publish(bar)
 
 
 @gluon.jit
@@ -326,12 +320,12 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
         mbarrier.init(ready_r.index(b), count=128)
         mbarrier.init(free_l.index(b), count=1)  # one arrive per consumer warpgroup
         mbarrier.init(free_r.index(b), count=1)
-    mbarrier.init(m0_bar, count=129)  # vector hand-offs: see _vec_publish
-    mbarrier.init(m1_bar, count=129)
+    mbarrier.init(m0_bar, count=PUBLISH)  # the vectors' hand-offs (publish())
+    mbarrier.init(m1_bar, count=PUBLISH)
     mbarrier.init(p0_bar, count=1)
     mbarrier.init(p1_bar, count=1)
-    mbarrier.init(l0_bar, count=129)
-    mbarrier.init(l1_bar, count=129)
+    mbarrier.init(l0_bar, count=PUBLISH)
+    mbarrier.init(l1_bar, count=PUBLISH)
     smem = (qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1)
     bars = (q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar)
     cargs = (o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
