@@ -28,7 +28,7 @@ HOPPER_SMEM = 232448  # bytes of shared memory one block may use on sm_90 (227 K
 # first MMA warpgroup builds a wgmma op's shared-memory descriptors in registers up front (docs/design/kernels.md),
 # measured.
 STACK = {
-    "3.6": {"bf16": 64, "few": 0, "wide": 104, "wide-fp8qk": 144, "conv": 32},
+    "3.6": {"bf16": 64, "few": 0, "wide": 88, "wide-fp8qk": 128, "conv": 32},
     "3.8": {"bf16": 64, "few": 16, "wide": 96, "wide-fp8qk": 144, "conv": 0},
     "3.9": {"bf16": 96, "few": 0, "wide": 160, "wide-fp8qk": 216, "conv": 144},
 }

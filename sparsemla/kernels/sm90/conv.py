@@ -30,11 +30,12 @@ writers produce; other scales round once, like a bf16 cache; fp16 could overflow
 copied.  Converting to fp16 saves a third of the producer's instructions against bf16 (no detour through
 fp32), measured in SASS: about 800 against 1230 a thread and block for nvfp4.
 
-mbarriers (each hand-off by ``common.publish``, apart from bf16 q's cp.async arrivals): ``q_bar`` (q staged),
-``ready[b]`` (tile b and sV[b]; the producer fences its generic-proxy stores for the async proxy first),
-``free[b]`` (both warpgroups done reading tile b; warpgroup 0 publishes when its PV of the block is done,
-before the next block's QK is), ``p_ready`` / ``p_free`` (P and alpha handed from warpgroup 0 to warpgroup 1),
-``l_bar`` (warpgroup 0's final row sums, so that both halves of the output are normalized by the same l).
+mbarriers: ``q_bar`` (q staged: one cp.async arrival per producer thread; fp16 q: one arrival), ``ready[b]``
+(tile b and sV[b]; the producer fences its generic-proxy stores for the async proxy first), ``free[b]`` (count 2: both
+warpgroups done reading tile b; warpgroup 0 arrives when its PV of the block is done, before the next
+block's QK is), ``p_ready`` / ``p_free`` (P and alpha handed from warpgroup 0 to
+warpgroup 1), ``l_bar`` (warpgroup 0's final row sums, so that both halves of the output are normalized by
+the same l).
 
 Shared memory: q 72 KB + 2 tiles x 72 KB + P 8 KB + small vectors, 231,120 bytes of the 232,448 an SM gives a
 block (NoPE 206,512: no rope buffers).  Registers: 168 at launch for 12 warps; warpgroup 0 gets 208 (O 128 +
@@ -52,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import compat
-from .common import NEG_BIG, PUBLISH, normalizer, program_coords, publish
+from .common import NEG_BIG, normalizer, program_coords
 from .rows import block_indices, copy_rows, e4m3_words_bf16, e4m3_words_f16, fp4_words_f16, pow2_scale
 
 # warpgroup 0's S [64 heads, 64 rows] and each warpgroup's O [64 heads, 256 columns] on wgmma
@@ -243,7 +244,8 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     else:
         _stage_q_f16(q_row, hm, qL, qR, qE, sQ, ROPE)
         fence_async_shared()  # q is read by the consumers' wgmma (async proxy)
-        publish(q_bar)
+        compat.barrier()
+        mbarrier.arrive(q_bar, count=1)
 
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
@@ -297,16 +299,19 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
             if ROPE and DS:
                 async_copy.wait_group(0)  # this thread's rope copies have landed
             fence_async_shared()  # this thread's tile stores -> the consumers' wgmma (async proxy) reads
-            publish(ready.index(b))  # every producer thread has stored and fenced
+            compat.barrier()      # every producer thread has stored and fenced
+            mbarrier.arrive(ready.index(b), count=1)
 
 
 @gluon.jit
 def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, ready, free, BPT: gl.constexpr,
                  ROPE: gl.constexpr, ROPE_OFF: gl.constexpr):
     """bf16 rows: each 64-row block copied into tile i % 2 by cp.async as it is (no conversion).  The producer
-    does not wait for its copies: publish()'s per-thread cp.async arrivals on ready[b] fire when each thread's
-    copies have landed, so the next block's copies are issued as soon as its tile is free and both tiles can be
-    in flight.  The consumers fence for the async proxy after their wait."""
+    does not wait for its copies: each thread's cp.async arrival on ready[b] fires when that thread's copies have
+    landed, so the next block's copies are issued as soon as its tile is free and both tiles can be in flight.
+    ready[b] counts those 128 arrivals and one more for sV[b] (the validity, stored by every thread, published
+    after a warpgroup barrier by one thread's ordinary arrival).  The consumers fence for the async proxy after
+    their wait."""
     rl: gl.constexpr = gl.SliceLayout(1, L_B16)
     base, valid = _ptrs(block_indices(idx_row, k_begin, k_end, rl), kv_ptr, BPT)
     for i in range(n_blocks):
@@ -318,10 +323,12 @@ def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, read
         copy_rows(kR.index(b), rows, 256, 256, valid, L_B16)
         if ROPE:
             copy_rows(kE.index(b), rows, ROPE_OFF // 2, 64, valid, L_B16)
+        async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
         sV.index(b).store(valid.to(gl.float32))
         base = nbase
         valid = nvalid
-        publish(ready.index(b))  # every producer thread stored its part of sV[b]
+        compat.barrier()  # every producer thread stored its part of sV[b]
+        mbarrier.arrive(ready.index(b), count=1)
 
 
 @gluon.jit
@@ -364,7 +371,8 @@ def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, 
     sP.store(p.to(sP.dtype))
     sA.store(alpha)
     fence_async_shared()  # P is read by warpgroup 1's wgmma (async proxy)
-    publish(p_ready)
+    compat.barrier()
+    mbarrier.arrive(p_ready, count=1)
     return m_new, l_i, acc
 
 
@@ -412,17 +420,20 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         # tile b is released as soon as this PV is done (wgmma groups retire in order), not after the next QK:
         # the producer then converts the block after next while that QK runs
         acc = warpgroup_mma_wait(1, deps=(acc, ))
-        publish(free.index(b))  # every warp's reads of tile b are done
+        compat.barrier()  # every warp's reads of tile b are done
+        mbarrier.arrive(free.index(b), count=1)
         sc = warpgroup_mma_wait(0, deps=(sc, ))
     if n_blocks > 0:
         i = n_blocks - 1
         b = i % 2
         m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS)
         acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(sP, kL.index(b), acc, is_async=True), ))
-        publish(free.index(b))  # every warp's reads of tile b are done
+        compat.barrier()  # every warp's reads of tile b are done
+        mbarrier.arrive(free.index(b), count=1)
     # both warpgroups normalize with these row sums
     sL.store(l_i)
-    publish(l_bar)
+    compat.barrier()
+    mbarrier.arrive(l_bar, count=1)
     inv_l, lse = normalizer(m_i, l_i)
     if not DS and not FP4:
         inv_l = inv_l * k_scale
@@ -450,8 +461,9 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
         acc = acc * sA.load(OROW)[:, None]
         acc = warpgroup_mma(sP, kR.index(b + z), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        publish(p_free)  # every warp's MMA has read P, alpha and tile b
-        publish(free.index(b))
+        compat.barrier()  # every warp's MMA has read P, alpha and tile b
+        mbarrier.arrive(p_free, count=1)
+        mbarrier.arrive(free.index(b), count=1)
     mbarrier.wait(l_bar, 0)
     # the same normalizer as warpgroup 0 (m does not enter 1 / l)
     inv_l, lse_unused = normalizer(gl.zeros([64], gl.float32, OROW), sL.load(OROW))
@@ -500,13 +512,16 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
     if Q16:
         mbarrier.init(q_bar, count=128)  # one cp.async arrival per producer thread
     else:
-        mbarrier.init(q_bar, count=PUBLISH)  # the producer's publish()
+        mbarrier.init(q_bar, count=1)  # the producer, after a warpgroup barrier
     for b in gl.static_range(2):
-        mbarrier.init(ready.index(b), count=PUBLISH)  # the producer's publish()
-        mbarrier.init(free.index(b), count=2 * PUBLISH)  # both consumer warpgroups'
-    mbarrier.init(p_ready, count=PUBLISH)
-    mbarrier.init(p_free, count=PUBLISH)
-    mbarrier.init(l_bar, count=PUBLISH)
+        if B16:
+            mbarrier.init(ready.index(b), count=129)  # each producer thread's cp.async arrival, and sV[b]'s
+        else:
+            mbarrier.init(ready.index(b), count=1)  # the producer, after a warpgroup barrier
+        mbarrier.init(free.index(b), count=2)   # both consumer warpgroups
+    mbarrier.init(p_ready, count=1)
+    mbarrier.init(p_free, count=1)
+    mbarrier.init(l_bar, count=1)
     # (constexprs reach a partition as constexprs only when written into warp_specialize's argument tuples)
     ca = (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls,
           stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,

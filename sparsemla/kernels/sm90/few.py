@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import compat
-from .common import NEG_BIG, PUBLISH, absmax, normalizer, program_coords, publish, rcp
+from .common import NEG_BIG, absmax, normalizer, program_coords, rcp
 from .rows import (L_QK64, L_V, LO_SHIFT, SC_L, acc_dim, block_indices, e4m3_view, fp4_values, load_q_group,
                    pow2_scale, producer, pv_rows, pv_values, relabel64, store_e4m3_terms)
 
@@ -418,7 +418,8 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, 
         if ROPE:
             ra = _rope_operand(rope.index(st))  # e4m3 rope: a register operand
         fence_async_shared()  # the tile's stores -> the wgmma (async proxy) reads
-        publish(free.index(st))   # every warp's part of the tile is written; the raw stage is read
+        compat.barrier()   # every warp's part of the tile is written; the raw stage is read
+        mbarrier.arrive(free.index(st), count=1)
         x = warpgroup_mma(kt.index(kw), qn.index(0 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         for C in gl.static_range(1, 8):
             x = warpgroup_mma(kt.index(kw + C), qn.index(C + z).permute((1, 0)), x, is_async=True)
@@ -493,7 +494,8 @@ def _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.co
             c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE, CHUNKS)
             vec.index(0).store(gl.full([16], 1.0, gl.float32, HEAD) * c)  # c for warpgroup 1
         fence_async_shared()
-        publish(q_bar)
+        compat.barrier()
+        mbarrier.arrive(q_bar, count=1)
     else:
         mbarrier.wait(q_bar, 0)
         fence_async_shared()
@@ -510,7 +512,8 @@ def _publish(m_i, l_i, vec, done_bar):
     """Warpgroup 1, its accumulators stored for the merge: its running max and sum to warpgroup 0."""
     vec.index(0).store(m_i)
     vec.index(1).store(l_i)
-    publish(done_bar)
+    compat.barrier()
+    mbarrier.arrive(done_bar, count=1)
 
 
 @gluon.jit
@@ -641,7 +644,8 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 2, o0, o1, o2, o3, DS)
         v0, v1, v2, v3 = _pv_ops(raw, rs, st, 3, FP8_QK)
-        publish(free.index(st))  # all of this warpgroup's reads of the stage are done (the MMAs read registers)
+        compat.barrier()  # all of this warpgroup's reads of the stage are done (the MMAs read registers)
+        mbarrier.arrive(free.index(st), count=1)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         o0, o1, o2, o3 = _pv_issue(v0, v1, v2, v3, pb, WG + z, 3, o0, o1, o2, o3, DS)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
@@ -737,11 +741,11 @@ def few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
     ready = gl.allocate_shared_memory(gl.int64, [n_st, 1], bl)
     free = gl.allocate_shared_memory(gl.int64, [n_st, 1], bl)
     done_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
-    mbarrier.init(q_bar, count=PUBLISH)  # publish() by one warpgroup
-    mbarrier.init(done_bar, count=PUBLISH)
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(done_bar, count=1)
     for i in gl.static_range(n_st):
         mbarrier.init(ready.index(i), count=128)  # one cp.async arrival per producer thread
-        mbarrier.init(free.index(i), count=PUBLISH)  # the consuming warpgroup's publish()
+        mbarrier.init(free.index(i), count=1)     # the consuming warpgroup
     # kt: nvfp4's fp16 tiles; fp8 / fp8_ds_mla: warpgroup 1's accumulators for the final merge
     smem = (raw, scl, rope, qn, qr, pb, kt, vec)
     bars = (q_bar, ready, free, done_bar)

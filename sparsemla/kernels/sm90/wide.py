@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import compat
-from .common import NEG_BIG, PUBLISH, absmax, program_coords, publish, rcp
+from .common import NEG_BIG, absmax, program_coords, rcp
 from .rows import (L_QK64, L_V, SC_L, block_indices, e4m3_view, load_q_group, pow2_scale, producer, pv_rows,
                    pv_values, relabel64, store_e4m3_terms)
 
@@ -263,7 +263,8 @@ def _pv_own(raw, pb, rbuf, z, st, free, oa, ob, WG: gl.constexpr, DS: gl.constex
     """PV over this warpgroup's own block of the pair (its P^T is in pb[WG]); then releases the stage."""
     oa, ob = _pv(raw, st, pb.index(WG + z), rbuf, 4 * (WG + z), oa, ob, WG, DS, FP8_QK)
     oa, ob = warpgroup_mma_wait(0, deps=(oa, ob))
-    publish(free.index(st))  # all of this warpgroup's reads of the stage are done
+    compat.barrier()  # all of this warpgroup's reads of the stage are done
+    mbarrier.arrive(free.index(st), count=1)
     return oa, ob
 
 
@@ -277,8 +278,9 @@ def _pv_other(raw, pb, rbuf, z, so, b_oth, ready, free, p_ready, p_free, ph, oa,
     mbarrier.wait(ready.index(so), (b_oth // n_st) & 1)  # passed already: makes the bytes visible here
     oa, ob = _pv(raw, so, pb.index(1 - WG + z), rbuf, 4 * (1 - WG + z), oa, ob, WG, DS, FP8_QK)
     oa, ob = warpgroup_mma_wait(0, deps=(oa, ob))
-    publish(p_free.index(1 - WG))
-    publish(free.index(so))
+    compat.barrier()
+    mbarrier.arrive(p_free.index(1 - WG), count=1)
+    mbarrier.arrive(free.index(so), count=1)
     return oa, ob
 
 
@@ -303,7 +305,8 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, q_amax, q_bar, WG: gl
         if not DS:
             amax = gl.maximum(amax, absmax(xr))
     q_amax.index(WG).store(gl.full([64], 1.0, gl.float32, HEAD) * amax)
-    publish(q_bar.index(WG))
+    compat.barrier()
+    mbarrier.arrive(q_bar.index(WG), count=1)
     mbarrier.wait(q_bar.index(1 - WG), 0)
     amax = gl.maximum(amax, gl.max(q_amax.index(1 - WG).load(HEAD), 0))
     e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
@@ -319,7 +322,8 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, q_amax, q_bar, WG: gl
         else:
             qn.index(8).store(relabel64(xr * c).to(gl.float16))
     fence_async_shared()  # generic stores -> the wgmma (async proxy) reads of q
-    publish(q_bar.index(2 + WG))
+    compat.barrier()
+    mbarrier.arrive(q_bar.index(2 + WG), count=1)
     mbarrier.wait(q_bar.index(3 - WG), 0)
     return c
 
@@ -346,7 +350,8 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, q_amax, q_bar, WG: g
         if not DS:
             amax = gl.maximum(amax, gl.max(gl.abs(xr), 1))
     q_amax.index(WG).store(amax)
-    publish(q_bar.index(WG))
+    compat.barrier()
+    mbarrier.arrive(q_bar.index(WG), count=1)
     mbarrier.wait(q_bar.index(1 - WG), 0)
     c, inv_c = pow2_scale(gl.maximum(amax, q_amax.index(1 - WG).load(hl)))
     for G in gl.static_range(2):  # loaded again (from L1 / L2): q is not held across the wait
@@ -358,7 +363,8 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, q_amax, q_bar, WG: g
         else:
             store_e4m3_terms(qr.index(0), qr.index(1), xr * c[:, None], 1.0)
     fence_async_shared()  # generic stores -> the wgmma (async proxy) reads of q
-    publish(q_bar.index(2 + WG))
+    compat.barrier()
+    mbarrier.arrive(q_bar.index(2 + WG), count=1)
     mbarrier.wait(q_bar.index(3 - WG), 0)
     return gl.convert_layout(inv_c, HEAD)
 
@@ -450,7 +456,8 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
         m_i = run_max.index(WG).load(HEAD)
         m_blk = gl.max(y, 0)
         pair_max.index(WG).store(m_blk)
-        publish(m_bar.index(WG))
+        compat.barrier()
+        mbarrier.arrive(m_bar.index(WG), count=1)
         mbarrier.wait(m_bar.index(1 - WG), ph)
         m_blk = gl.maximum(m_blk, pair_max.index(1 - WG).load(HEAD))
         # lazy rescaling: a head's reference max moves only when its scores pass it by more than 8 (log2
@@ -471,7 +478,8 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
         if own:
             pb.index(WG + z).store(p.to(gl.float16))
             fence_async_shared()
-            publish(p_ready.index(WG))  # every warp's part of P^T (and of the ratios) is in shared memory
+            compat.barrier()  # every warp's part of P^T (and of the ratios) is in shared memory
+            mbarrier.arrive(p_ready.index(WG), count=1)
         # both warpgroups multiply block 2i first, so that its stage is free for block 2i + 3 (which
         # warpgroup 1 needs first thing in the next pair) while block 2i + 1 is multiplied
         if WG == 0:
@@ -486,7 +494,8 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
     # the normaliser: this warpgroup's blocks plus the other's (both use the same running max)
     l_own = gl.convert_layout(gl.sum(gl.sum(l_acc, 1), 0), HEAD)  # lanes first: a small cross-warp scratch
     row_sum.index(WG).store(l_own)
-    publish(l_bar.index(WG))
+    compat.barrier()
+    mbarrier.arrive(l_bar.index(WG), count=1)
     mbarrier.wait(l_bar.index(1 - WG), 0)  # also: the other warpgroup has read every stage for the last time
     l_i = l_own + row_sum.index(1 - WG).load(HEAD)
     m_i = run_max.index(WG).load(HEAD)
@@ -566,14 +575,14 @@ def wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
     l_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=128)  # one cp.async arrival per producer thread
-        mbarrier.init(free.index(i), count=2 * PUBLISH)  # both consumer warpgroups read every block
-    for i in gl.static_range(2):  # each published by one warpgroup (publish())
-        mbarrier.init(q_bar.index(i), count=PUBLISH)
-        mbarrier.init(q_bar.index(2 + i), count=PUBLISH)
-        mbarrier.init(m_bar.index(i), count=PUBLISH)
-        mbarrier.init(p_ready.index(i), count=PUBLISH)
-        mbarrier.init(p_free.index(i), count=PUBLISH)
-        mbarrier.init(l_bar.index(i), count=PUBLISH)
+        mbarrier.init(free.index(i), count=2)     # both consumer warpgroups read every block
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(q_bar.index(2 + i), count=1)
+        mbarrier.init(m_bar.index(i), count=1)
+        mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(p_free.index(i), count=1)
+        mbarrier.init(l_bar.index(i), count=1)
     # (constexprs in warp_specialize's argument tuples written there, not in tuples assigned to names: see few.py)
     ca = (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
           lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
