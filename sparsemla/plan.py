@@ -51,9 +51,9 @@ KERNELS = ("sm90-few", "sm90-conv", "sm90-wide", "sm90-bf16", "portable-wide", "
 SM90_KERNELS = ("sm90-few", "sm90-conv", "sm90-wide", "sm90-bf16")
 CONV_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # sm90-conv: rows it stages as 16-bit tiles
 # Kinds the plan gives sm90-conv by itself (ahead of sm90-wide, but not in the FP8-QK mode, which it does not
-# have).  H200, b 128, 64 / 128 heads, forced sm90-conv against the plan's earlier sm90-wide (other processes):
-# plain fp8 107.0 / 201.1 us against 118.8 / 212.4 on Triton 3.6, 108.5 / 204.7 against 119.2 / 220.4 on 3.8,
-# 111.9 / 207.2 against 128.1 / 232.1 on 3.9.
+# have).  H200, b 128, 64 / 128 heads, one process (decode.py --conv, Triton 3.6): plain fp8 105.9 / 198.9 us against
+# sm90-wide's 117.1 / 209.1, NoPE 92.8 / 178.3 against 109.5 / 195.5; forced, per release (other processes): 108.5 /
+# 204.7 against 119.2 / 220.4 on 3.8, 111.9 / 207.2 against 128.1 / 232.1 on 3.9.
 CONV_AUTO_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")
 # bf16 rows: sm90-conv (a producer keeping two whole 64-row blocks in flight) where a call is one wave of 64-head
 # programs, each streaming its own rows from memory (decode); sm90-bf16 (both warpgroups on QK, a pair of blocks at a
