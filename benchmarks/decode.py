@@ -3,14 +3,15 @@
     python3 benchmarks/decode.py --heads 16,64,128 --results benchmarks/results/h200.jsonl
     python3 benchmarks/decode.py --formats fp8_ds_mla --heads 128 --reps 50          # print only
     python3 benchmarks/decode.py --dry-run --results /tmp/r.jsonl                      # CPU check
-    python3 benchmarks/decode.py --conv --heads 64,128 --formats fp8,fp8_ds_mla,nvfp4_ds_mla   # + sm90-conv
+    python3 benchmarks/decode.py --conv --heads 64,128 --formats bf16,fp8_ds_mla               # + sm90-conv forced
 
 Per format, one cache of b requests x 32,768 tokens (shuffled 64-token blocks, heavy-tailed values written
 through the library's cache write), then per head count the same queries and indices for everyone:
 
 * ``sparsemla``: ``sparse_mla_decode`` with its default backend; ``sparsemla-fp8qk``: backend
   ``triton-fp8qk`` (the FP8-QK mode; fp8 and fp8_ds_mla rows, sm_90); with ``--conv``, ``sparsemla-conv``:
-  the launcher on a plan forced to the opt-in kernel ``sm90-conv`` (quantized rows, sm_90);
+  the launcher on a plan forced to ``sm90-conv`` (sm_90), beside the plan's choice where that is another kernel
+  (bf16 rows above 64 heads, small batches);
 * the peer that reads the same bytes: FlashMLA for fp8_ds_mla (q padded to 64 / 128 heads), FlashInfer for
   bf16 and fp8 (page size 1), prepared once outside the timed call (``sparsemla.bench.peers``).
 
@@ -35,11 +36,11 @@ import torch  # noqa: E402
 
 from sparsemla.bench import drivers as D  # noqa: E402
 from sparsemla.bench.accounting import achieved, attention_work  # noqa: E402
+from sparsemla.plan import CONV_KINDS  # noqa: E402  (the row kinds sm90-conv reads, rope and NoPE)
 
 FP8QK_BACKEND = "triton-fp8qk"
 FP8QK_FORMATS = ("fp8", "fp8_ds_mla", "fp8-nope", "fp8_ds_mla-nope")
 CONV_KERNEL = "sm90-conv"
-CONV_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")  # the row kinds sm90-conv reads (rope and NoPE)
 ALL_FORMATS = "bf16,fp8,fp8_ds_mla,nvfp4_ds_mla,bf16-nope,fp8-nope,fp8_ds_mla-nope,nvfp4_ds_mla-nope"
 CHECK_TOKENS = 4
 REL_TOL = 2e-2  # a wrong kernel is far off; the formats' own error is ~1e-3 against float64 on their rows
@@ -150,8 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default=None, help="comma list of configuration names instead of --heads "
                     "(e.g. D-h128-mtp,D-k-k1024-h128)")
     ap.add_argument("--no-fp8qk", action="store_true", help="leave out the FP8-QK mode")
-    ap.add_argument("--conv", action="store_true", help="add the opt-in sm90-conv kernel (quantized rows, sm_90) "
-                    "as impl sparsemla-conv")
+    ap.add_argument("--conv", action="store_true", help="add the sm90-conv kernel, forced (sm_90), as impl "
+                    "sparsemla-conv")
     a = ap.parse_args(argv)
     names = a.configs.split(",") if a.configs else [f"D-h{h}" for h in D.int_list(a.heads)]
     rec = D.Recorder(a)
