@@ -21,6 +21,7 @@ from sparsemla.cache import PagedKVCache  # noqa: E402
 from sparsemla.formats import get_format  # noqa: E402
 from sparsemla.indices import convert_indices  # noqa: E402
 from sparsemla.kernels.staging import gather_topk_fp8, upconvert_context  # noqa: E402
+from sparsemla.plan import CONV_KINDS  # noqa: E402
 
 FORMATS = ["bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "fp8_ds_mla-nope", "nvfp4_ds_mla-nope", "fp8-nope",
            "bf16-nope"]
@@ -66,7 +67,7 @@ def main():
             _attention(c, num_splits=splits, portable=True)
             if heads > 32 and name in ("fp8", "fp8_ds_mla"):
                 _attention(c, num_splits=splits, kernel="sm90-wide")  # a small batch would take sm90-few
-            if heads > 32 and name in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16"):
+            if heads > 32 and name in CONV_KINDS:
                 _attention(c, num_splits=splits, kernel="sm90-conv")  # forced: small cases plan sm90-few
             if heads > 32 and name == "bf16":
                 _attention(c, num_splits=splits, kernel="sm90-bf16")  # up to 64 heads the plan takes sm90-conv
