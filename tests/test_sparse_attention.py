@@ -194,12 +194,16 @@ def test_a_kernel_that_does_not_build_falls_back_to_the_portable_kernels(monkeyp
     class Broken:
         built = False
 
+        def launch_known(self, gx, gy, gz, key, addrs):
+            return False  # never compiled
+
         def __call__(self, grid, args, key=None, addrs=None):
             raise RuntimeError("error encountered during parsing")
 
     monkeypatch.setattr(attn_mod, "_sm90_launch", lambda plan, fmt, has_vc: Broken())
     monkeypatch.setattr(attn_mod, "_LAUNCHES", {})
     monkeypatch.setattr(attn_mod, "_BY_PLAN", {})
+    monkeypatch.setattr(attn_mod, "_BOUND", {})
     plan_mod.clear_unavailable()
     try:
         out, lse = attn_mod.attention_fwd(c["q"], c["cache"].rows, c["fmt"], c["indices"], 0.07, plan=forced,

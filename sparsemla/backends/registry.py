@@ -419,22 +419,23 @@ def select(config: AttentionConfig, prefer=None) -> Backend:
     return chosen
 
 
-_calls: Dict[tuple, Backend] = {}
+_calls: Dict[tuple, Tuple[KVFormat, Backend]] = {}
 
 
 def select_call(mode: str, fmt: KVFormat, num_heads: int, topk: int, device: torch.device, kv_source: str,
                 capturing: bool, prefer) -> Backend:
     """:func:`select` for a functional call, cached on plain values (no config object on a repeated call)."""
-    key = (mode, fmt, num_heads, topk, device.type, device.index, kv_source, capturing,
-           prefer if isinstance(prefer, str) or prefer is None else id(prefer))
+    # the format by identity (hashing a format is a Python call), checked on a hit; a backend object by identity
+    key = (mode, id(fmt), num_heads, topk, device, kv_source, capturing,
+           prefer if type(prefer) is str or prefer is None else id(prefer))
     hit = _calls.get(key)
-    if hit is None:
+    if hit is None or hit[0] is not fmt:
         dev_type, cap = device_capability(device)
         config = AttentionConfig(mode, fmt, num_heads, topk, dev_type, cap, kv_source, capturing, True)
-        hit = select(config, prefer)
+        hit = (fmt, select(config, prefer))
         with _select_lock:
             _calls[key] = hit
-    return hit
+    return hit[1]
 
 
 def clear_selection_cache() -> None:

@@ -233,66 +233,106 @@ def _partials(buf: torch.Tensor, n_o: int, n_all: int):
     return v
 
 
-def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers) -> None:
-    t, h = lse.shape
-    ns = plan.num_splits
-    os_, ls_ = out.stride(), lse.stride()
-    if ns > 1:
-        n_o = t * ns * h * V_DIM
-        n_all = n_o + t * ns * h
-        if split_buffers is None:
-            o_dst, l_dst = _scratch(q.device, n_o, n_all)
-        elif split_buffers.numel() < n_all:
-            raise ValueError(f"split_buffers: {split_buffers.numel()} fp32 elements, this call needs {n_all}")
+class _Bound:
+    """What a launch of one plan takes that stays fixed while the tensors' shapes and strides do: the kernel, the
+    grid, the integer arguments, the split partials' sizes and the combine's launch (host time: building these on
+    every call costs more than the launch itself)."""
+
+    __slots__ = ("plan", "fmt", "launch", "gx", "o_strides", "l_strides", "tail", "key", "takes_k_scale", "n_o", "n_all",
+                 "combine", "cgrid", "cints")
+
+    def __init__(self, plan, fmt, has_vc: bool, t: int, h: int, k_width: int, qs, is0: int, os_, ls_, device):
+        ns = plan.num_splits
+        self.n_o = self.n_all = 0
+        self.plan, self.fmt = plan, fmt
+        self.launch = _launch_for(plan, fmt, has_vc)
+        self.gx = t * plan.grid
+        if ns > 1:
+            self.n_o = t * ns * h * V_DIM
+            self.n_all = self.n_o + t * ns * h
+            self.o_strides = (ns * h * V_DIM, h * V_DIM, V_DIM)
+            self.l_strides = (ns * h, h, 1)
         else:
-            o_dst, l_dst = _partials(split_buffers, n_o, n_all)
-        o_strides = (ns * h * V_DIM, h * V_DIM, V_DIM)
-        l_strides = (ns * h, h, 1)
+            self.o_strides = (os_[0], 0, os_[1])
+            self.l_strides = (ls_[0], 0, ls_[1])
+        self.tail = (h, k_width, plan.rows_per_split, ns)
+        # Every pointer 16-byte aligned: the integers alone decide Triton's specialization (the pointers' dtypes
+        # are fixed: q bf16, rows uint8, indices / counts int32, out bf16 or fp32 partials as ns says, lse fp32).
+        self.key = (qs[0], qs[1], is0, *self.o_strides, *self.l_strides, *self.tail)
+        self.takes_k_scale = plan.kernel in _TAKES_K_SCALE
+        self.combine = self.cgrid = self.cints = None
+        if ns > 1:
+            # programmatic dependent launch on sm_90+: the combine's launch overlaps the attention kernel's tail
+            pdl = device.type == "cuda" and not interpreting() and _device_facts(device)[0] >= (9, 0)
+            self.combine = _combine_launch(ns, pdl)
+            self.cgrid = (t, h, V_DIM // 128)
+            self.cints = (os_[0], os_[1], ls_[0], ls_[1], h, ns)
+
+
+_BOUND: dict = {}
+_MAX_BOUND = 4096
+
+
+def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers) -> None:
+    qs, os_, ls_ = q.stride(), out.stride(), lse.stride()
+    ishape = indices.shape
+    is0 = indices.stride()[0]
+    has_vc = valid_counts is not None
+    # keyed by the plan's and the format's identity (hashing them hashes their fields), checked on a hit
+    sig = (id(plan), id(fmt), has_vc, ishape, qs, is0, os_, ls_, lse.shape[1])
+    b = _BOUND.get(sig)
+    if b is None or b.plan is not plan or b.fmt is not fmt:
+        if len(_BOUND) >= _MAX_BOUND:
+            _BOUND.clear()
+        b = _BOUND[sig] = _Bound(plan, fmt, has_vc, ishape[0], lse.shape[1], ishape[1], qs, is0, os_, ls_, q.device)
+    vc = valid_counts if has_vc else indices  # a dummy pointer when absent
+    if b.n_all:
+        if split_buffers is None:
+            o_dst, l_dst = _scratch(q.device, b.n_o, b.n_all)
+        elif split_buffers.numel() < b.n_all:
+            raise ValueError(f"split_buffers: {split_buffers.numel()} fp32 elements, this call needs {b.n_all}")
+        else:
+            o_dst, l_dst = _partials(split_buffers, b.n_o, b.n_all)
     else:
         o_dst, l_dst = out, lse
-        o_strides = (os_[0], 0, os_[1])
-        l_strides = (ls_[0], 0, ls_[1])
-    vc = indices if valid_counts is None else valid_counts  # a dummy pointer when absent
-    qs, is0, k_width = q.stride(), indices.stride()[0], indices.shape[1]
-    ints = (qs[0], qs[1], is0, *o_strides, *l_strides, h, k_width, plan.rows_per_split, ns)
-    scale = float(sm_scale) * LOG2E
     # The launcher takes tensors as addresses; read once, they also give the alignment check.
     pq, pr, pi, pv, po, pl = q.data_ptr(), rows.data_ptr(), indices.data_ptr(), vc.data_ptr(), o_dst.data_ptr(), \
         l_dst.data_ptr()
-    if plan.kernel in _TAKES_K_SCALE:
-        tail = (scale, float(k_scale), *ints[-4:])
+    scale = float(sm_scale) * LOG2E
+    o0, o1, o2 = b.o_strides
+    l0, l1, l2 = b.l_strides
+    if b.takes_k_scale:
+        addrs = (pq, qs[0], qs[1], pr, pi, is0, pv, po, o0, o1, o2, pl, l0, l1, l2, scale, float(k_scale), *b.tail)
     else:
-        tail = (scale, *ints[-4:])
-    args = (q, qs[0], qs[1], rows, indices, is0, vc, o_dst, *o_strides, l_dst, *l_strides, *tail)
-    addrs = (pq, qs[0], qs[1], pr, pi, is0, pv, po, *o_strides, pl, *l_strides, *tail)
-    launch = _launch_for(plan, fmt, valid_counts is not None)
-    # Every pointer 16-byte aligned: the integers alone decide Triton's specialization (the pointers' dtypes are
-    # fixed: q bf16, rows uint8, indices / counts int32, out bf16 or fp32 partials as ns says, lse fp32).
-    key = None if (pq | pr | pi | pv | po | pl) & 15 else ints
-    grid = (t * plan.grid,)
-    if launch.built:
-        launch(grid, args, key, addrs)
-    else:
-        try:
-            launch(grid, args, key, addrs)
-        except Exception as exc:  # a first launch that raises did not build: fall back, remember why
-            if plan.kernel not in _plan.SM90_KERNELS:
-                raise
-            _plan.mark_unavailable(plan.kernel, f"{type(exc).__name__}: {_first_line(exc)}")
-            fallback = _plan.plan_attention(fmt, t, h, k_width, capability=capability(q.device),
-                                            num_sms=num_sms(q.device), unavailable=_plan.unavailable_set(),
-                                            staged=plan.kind == "staged")
-            _run(fallback, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers)
-            return
-    if ns > 1:
-        # programmatic dependent launch on sm_90+: the combine's launch overlaps the attention kernel's tail
-        pdl = q.device.type == "cuda" and not interpreting() and _device_facts(q.device)[0] >= (9, 0)
-        cints = (os_[0], os_[1], ls_[0], ls_[1], h, ns)
+        addrs = (pq, qs[0], qs[1], pr, pi, is0, pv, po, o0, o1, o2, pl, l0, l1, l2, scale, *b.tail)
+    aligned = not (pq | pr | pi | pv | po | pl) & 15
+    launch = b.launch
+    if not (aligned and launch.launch_known(b.gx, 1, 1, b.key, addrs)):
+        args = (q, *addrs[1:3], rows, indices, is0, vc, o_dst, *addrs[8:11], l_dst, *addrs[12:])
+        key = b.key if aligned else None
+        if launch.built:
+            launch((b.gx,), args, key, addrs)
+        else:
+            try:
+                launch((b.gx,), args, key, addrs)
+            except Exception as exc:  # a first launch that raises did not build: fall back, remember why
+                if plan.kernel not in _plan.SM90_KERNELS:
+                    raise
+                _plan.mark_unavailable(plan.kernel, f"{type(exc).__name__}: {_first_line(exc)}")
+                fallback = _plan.plan_attention(fmt, ishape[0], lse.shape[1], ishape[1],
+                                                capability=capability(q.device), num_sms=num_sms(q.device),
+                                                unavailable=_plan.unavailable_set(), staged=plan.kind == "staged")
+                _run(fallback, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers)
+                return
+    if b.combine is not None:
         p_out, p_lse = out.data_ptr(), lse.data_ptr()
+        c = b.cints
+        caddrs = (po, pl, p_out, c[0], c[1], p_lse, c[2], c[3], c[4], c[5])
         # the partials' lse part starts n_o (a multiple of 512) elements into the buffer: aligned with it
-        _combine_launch(ns, pdl)((t, h, V_DIM // 128), (o_dst, l_dst, out, os_[0], os_[1], lse, ls_[0], ls_[1], h, ns),
-                                 None if (po | p_out | p_lse) & 15 else cints,
-                                 (po, pl, p_out, os_[0], os_[1], p_lse, ls_[0], ls_[1], h, ns))
+        caligned = not (po | p_out | p_lse) & 15
+        if not (caligned and b.combine.launch_known(*b.cgrid, c, caddrs)):
+            b.combine(b.cgrid, (o_dst, l_dst, out, c[0], c[1], lse, c[2], c[3], c[4], c[5]),
+                      c if caligned else None, caddrs)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -663,7 +663,7 @@ def launch_cache_write(rows, fmt: KVFormat, kv_c, k_pe, slot_mapping, block_size
         ptr, stride = kv_c.data_ptr(), kv_c.stride(0)
         pairs = stride % 2 == 0 and ptr % 4 == 0
         aligned = pairs and stride % 8 == 0 and ptr % 16 == 0
-    _cache_write_kernel[(triton.cdiv(n, tok),)](
+    _cache_write_kernel[(-(-n // tok),)](
         rows, kv_c, kv_c.stride(0), pe, pe.stride(0), slot_mapping,
         n, num_slots, block_stride_rows, ks, inv, BLOCK_SIZE=block_size, KS_MODE=mode,
         EMULATE=use_emulation(emulate), PAIRS=pairs, ALIGNED=aligned, **args)

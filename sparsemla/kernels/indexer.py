@@ -139,7 +139,7 @@ def index_cache_write(cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.
         if lo < -1 or hi >= nb * bs:
             raise ValueError(f"slot_mapping: entries must be -1 or in [0, {nb * bs}), found range [{lo}, {hi}]")
     block_n = 8
-    _index_cache_write_kernel[(triton.cdiv(n, block_n),)](
+    _index_cache_write_kernel[(-(-n // block_n),)](
         k, k.stride(0), slot_mapping, cache, stride0, n, nb * bs,
         D=INDEX_HEAD_DIM, PAGE=bs, BLOCK_N=block_n, num_warps=4)
 
@@ -301,10 +301,10 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor
     if t == 0:
         return out
     block_s = 64
-    n_tiles = triton.cdiv(max_context, block_s)
+    n_tiles = -(-max_context // block_s)
     # Enough programs to fill the GPU (about 4 per SM) while each reuses its query over many tiles.
     # A runtime argument, so a new batch size does not compile a new kernel.
-    split = max(1, min(n_tiles, triton.cdiv(4 * _num_sms(dev), t)))
+    split = max(1, min(n_tiles, -(-4 * _num_sms(dev) // t)))
     block_h = max(16, triton.next_power_of_2(h))
     _index_scores_kernel[(t, split)](
         q_fp8.view(torch.uint8), weights, cache, block_table, req_id, context_lens, out,

@@ -77,6 +77,19 @@ class Launch:
             addrs = [a.data_ptr() if isinstance(a, _Tensor) else a for a in args]
         go(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(dev), addrs)
 
+    def launch_known(self, gx: int, gy: int, gz: int, key, addrs: Sequence[int]) -> bool:
+        """Launch on ``(gx, gy, gz)`` if this specialization (``key``, as in :meth:`__call__`) was compiled and
+        the direct path applies; False when it did nothing (the caller then makes the regular call).  The least
+        host time a launch can take here: one dictionary lookup and Triton's C launch function."""
+        if not self._direct:
+            return False
+        dev = _device()
+        go = self._compiled.get((dev, key))
+        if go is None or _hooks():
+            return False
+        go(gx, gy, gz, _stream(dev), addrs)
+        return True
+
 
 def _direct_launch(k, tail: tuple):
     """``go(gx, gy, gz, stream, addrs)``: one launch of the compiled kernel ``k`` with the runtime arguments
@@ -170,15 +183,15 @@ def _stream(dev: int):
 
 
 def _hooks() -> bool:
+    """Whether a launch hook is installed (a profiler's): then every launch goes through Triton."""
     from triton import knobs
     rt = knobs.runtime
 
-    def installed(h) -> bool:
-        # a HookChain (Triton >= 3.5: never None, empty when nothing is installed) or a plain callable / None
-        return bool(h.calls) if hasattr(h, "calls") else h is not None
-
     def hooks() -> bool:
-        return installed(rt.launch_enter_hook) or installed(rt.launch_exit_hook)
+        # a HookChain (Triton >= 3.5: never None, empty when nothing is installed) or a plain callable / None
+        e, x = rt.launch_enter_hook, rt.launch_exit_hook
+        return bool(e.calls if hasattr(e, "calls") else e is not None) or \
+            bool(x.calls if hasattr(x, "calls") else x is not None)
 
     global _hooks
     _hooks = hooks

@@ -57,7 +57,8 @@ def query_concat(q_nope: torch.Tensor, q_pe: torch.Tensor, out: torch.Tensor) ->
     pn, pp, pd = q_nope.data_ptr(), q_pe.data_ptr(), out.data_ptr()
     # every pointer 16-byte aligned (and the one dtype): the integers decide Triton's specialization
     spec = None if (pn | pp | pd) & 15 else (q_nope.dtype, ints)
-    launch((t, triton.cdiv(h, HEADS_PER_PROGRAM)),
+    # ceil(h / HB) in Python: triton.cdiv is a jit function, ~4 us through its launcher when called from the host
+    launch((t, -(-h // HEADS_PER_PROGRAM)),
            (q_nope, ns[0], ns[1], q_pe, ps[0], ps[1], out, ds[0], ds[1], h), spec,
            (pn, ns[0], ns[1], pp, ps[0], ps[1], pd, ds[0], ds[1], h))
     return out

@@ -308,7 +308,7 @@ def gather_topk_fp8(rows: torch.Tensor, fmt, indices: torch.Tensor, valid_counts
     cfg = {"BK": GATHER_ROWS_PER_PROGRAM, "num_warps": GATHER_NUM_WARPS}
     cfg.update(check_config(_config, ("BK", "num_warps")))
     lay = fmt.layout
-    grid = (triton.cdiv(k, cfg["BK"]) * t,)
+    grid = (-(-k // cfg["BK"]) * t,)
     _gather_topk_fp8_kernel[grid](
         rows, indices, indices.stride(0), indices.stride(1),
         valid_counts if valid_counts is not None else indices, out.view(torch.uint8),
@@ -440,7 +440,7 @@ def upconvert_context(rows: torch.Tensor, fmt, block_table: torch.Tensor, seq_le
     cfg.update(check_config(_config, ("BP", "num_warps")))
     lay = fmt.layout
     num_blocks = (rows.shape[0] - block_size) // block_stride_rows + 1 if rows.shape[0] >= block_size else 0
-    grid = (triton.cdiv(max_blocks * block_size, cfg["BP"]) * n_req,)
+    grid = (-(-(max_blocks * block_size) // cfg["BP"]) * n_req,)
     _upconvert_kernel[grid](
         rows, block_table, block_table.stride(0), block_table.stride(1), seq_lens, workspace_start, out,
         max_blocks, num_blocks, block_stride_rows, out.shape[0], k_scale_mode(k_scale)[1],

@@ -59,11 +59,16 @@ def test_a_kernel_that_does_not_build_falls_back(fmt, monkeypatch):
     class Broken:
         built = False
 
+        def launch_known(self, gx, gy, gz, key, addrs):
+            return False  # never compiled
+
         def __call__(self, grid, args, key=None, addrs=None):
             raise CompilationError("simulated", None, "the installed Triton cannot build this kernel")
 
     monkeypatch.setattr(attn_mod, "_sm90_launch", lambda plan, fmt, has_vc: Broken())
     monkeypatch.setattr(attn_mod, "_LAUNCHES", {})
+    monkeypatch.setattr(attn_mod, "_BY_PLAN", {})
+    monkeypatch.setattr(attn_mod, "_BOUND", {})
     plan_mod.clear_unavailable()
     try:
         out, lse = sparsemla.sparse_mla_decode(c["q"], c["cache"], c["indices"], 0.05, c["valid_counts"])
