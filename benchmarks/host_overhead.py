@@ -18,7 +18,7 @@ fills, so the GPU's speed does not enter.  Measured (aims in parentheses):
 * ``H-launch``: the attention kernel of the b 128 call alone through the launcher (``attention_fwd`` with its plan
   and outputs given): the floor under the calls above;
 * ``H-vllm-bare`` / ``H-vllm-tensor`` / ``H-vllm-pair``: the vLLM plugin's per-layer call against the bare launch of
-  its plan (aim: at most 10 us more; see ``vllm_contract_rows``);
+  its plan (aim: at most 10 us more; see ``vllm_contract_rows``), the three measured in turns;
 * peers: FlashMLA ``flash_mla_with_kvcache`` (fp8_ds_mla, q padded to 64 heads) and FlashInfer's ``run()``
   after one ``plan()`` (bf16), b 1 and b 128.
 """
@@ -64,10 +64,30 @@ def host_us(fn, dev, calls: int, reps: int) -> float:
     return statistics.median(per_call)
 
 
-def record(rec, cfg, fmt, batch, s_q, topk, impl, fn, *, graph=True, variant=None):
+def host_us_interleaved(fns: dict, dev, calls: int, reps: int) -> dict:
+    """:func:`host_us` of several calls measured in turns (one loop of each per round, the order alternating), so
+    that a difference between them is not a drift of the host between their measurements."""
+    names = list(fns)
+    for f in fns.values():
+        f()
+    sync(dev)
+    per_call = {n: [] for n in names}
+    for r in range(reps):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            sync(dev)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fns[n]()
+            per_call[n].append((time.perf_counter() - t0) / calls * 1e6)
+    sync(dev)
+    return {n: statistics.median(v) for n, v in per_call.items()}
+
+
+def record(rec, cfg, fmt, batch, s_q, topk, impl, fn, *, graph=True, variant=None, us=None):
     dev = rec.device
     calls, reps = (1, 1) if rec.dry else (rec.args.calls, rec.args.reps)
-    us = host_us(fn, dev, calls, reps)
+    if us is None:
+        us = host_us(fn, dev, calls, reps)
     common = dict(config=cfg, kind="host", fmt=fmt, heads=HEADS, batch=batch, s_q=s_q, topk=topk, impl=impl,
                   variant=variant)
     row = rec.add(timing="host", value=us, **common)
@@ -175,8 +195,10 @@ def vllm_contract_rows(rec, fname: str) -> None:
                                                   out=out, lse=lse, split_buffers=ws.split),
              "H-vllm-tensor": lambda: layer.forward(q, cache, idx, vc, 1.0),
              "H-vllm-pair": lambda: layer.forward((ql, q_pe), cache, idx, vc, 1.0)}
+    n, reps = (1, 1) if rec.dry else (rec.args.calls, 2 * rec.args.reps + 1)
+    measured = host_us_interleaved(calls, dev, n, reps)  # the differences are the figures: measured in turns
     for cfg, fn in calls.items():
-        record(rec, cfg, fmt.id, 1, 1, width, "sparsemla", fn, graph=False)
+        record(rec, cfg, fmt.id, 1, 1, width, "sparsemla", fn, graph=False, us=measured[cfg])
 
 
 if __name__ == "__main__":

@@ -53,14 +53,14 @@ def query_concat(q_nope: torch.Tensor, q_pe: torch.Tensor, out: torch.Tensor) ->
         launch = _LAUNCHES[key] = Launch(query_concat_kernel, dict(NOPE=n, ROPE=r, HB=HEADS_PER_PROGRAM),
                                          dict(num_warps=4))
     ns, ps, ds = q_nope.stride(), q_pe.stride(), out.stride()
-    ints = (ns[0], ns[1], ps[0], ps[1], ds[0], ds[1], h)
     pn, pp, pd = q_nope.data_ptr(), q_pe.data_ptr(), out.data_ptr()
-    # every pointer 16-byte aligned (and the one dtype): the integers decide Triton's specialization
-    spec = None if (pn | pp | pd) & 15 else (q_nope.dtype, ints)
+    addrs = (pn, ns[0], ns[1], pp, ps[0], ps[1], pd, ds[0], ds[1], h)
     # ceil(h / HB) in Python: triton.cdiv is a jit function, ~4 us through its launcher when called from the host
-    launch((t, -(-h // HEADS_PER_PROGRAM)),
-           (q_nope, ns[0], ns[1], q_pe, ps[0], ps[1], out, ds[0], ds[1], h), spec,
-           (pn, ns[0], ns[1], pp, ps[0], ps[1], pd, ds[0], ds[1], h))
+    gy = -(-h // HEADS_PER_PROGRAM)
+    # every pointer 16-byte aligned (and the one dtype): the integers decide Triton's specialization
+    spec = None if (pn | pp | pd) & 15 else (q_nope.dtype, ns, ps, ds, h)
+    if spec is None or not launch.launch_known(t, gy, 1, spec, addrs):
+        launch((t, gy), (q_nope, ns[0], ns[1], q_pe, ps[0], ps[1], out, ds[0], ds[1], h), spec, addrs)
     return out
 
 

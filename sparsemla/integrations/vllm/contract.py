@@ -200,6 +200,7 @@ class Workspace:
         # per token count: the output views and the plans (host time: slicing two tensors and a plan lookup cost
         # ~4 us a call, a dict lookup ~0.1 us); the plans are dropped when a kernel is marked unavailable
         self._views: dict = {}
+        self._qviews: dict = {}
         self._plans: dict = {}
         self._plans_under = unavailable_set()
 
@@ -228,6 +229,13 @@ class Workspace:
             v = self._views[num_tokens] = (self.out[:num_tokens], self.lse[:num_tokens])
         return v
 
+    def query_view(self, num_tokens: int) -> torch.Tensor:
+        """The first ``num_tokens`` rows of the query buffer (the same view every call; formats with RoPE)."""
+        v = self._qviews.get(num_tokens)
+        if v is None:
+            v = self._qviews[num_tokens] = self.q[:num_tokens]
+        return v
+
     def prepare(self, *token_counts: int) -> None:
         """Plan the calls of a step on the host ahead of the forward (an engine's metadata build, outside graph
         capture); a captured call then finds its plan cached."""
@@ -243,6 +251,9 @@ class Workspace:
 # ------------------------------------------------------------------------------------------------------------
 # one layer
 # ------------------------------------------------------------------------------------------------------------
+_BF16, _I32 = torch.bfloat16, torch.int32
+
+
 def _aligned(t: torch.Tensor) -> bool:
     """16-byte aligned rows: the base address and the token / head strides (bf16 elements)."""
     return (t.data_ptr() & 15) == 0 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0
@@ -331,10 +342,10 @@ class LayerAttention:
         t = indices.shape[0]
         if t > ws.max_tokens:
             raise ValueError(f"indices: {t} query tokens exceed the workspace's max_tokens ({ws.max_tokens})")
-        if indices.dtype != torch.int32 or indices.dim() != 2 or indices.stride(1) != 1 or indices.shape[1] > ws.topk:
+        if indices.dtype is not _I32 or indices.dim() != 2 or indices.stride(1) != 1 or indices.shape[1] > ws.topk:
             raise ValueError(f"indices: expected int32 [T, K <= {ws.topk}] with contiguous rows, got {indices.dtype} "
                              f"{tuple(indices.shape)} strides {tuple(indices.stride())}")
-        if valid_counts is not None and (valid_counts.dtype != torch.int32 or valid_counts.shape != (t,)
+        if valid_counts is not None and (valid_counts.dtype is not _I32 or valid_counts.shape != (t,)
                                          or (t > 1 and valid_counts.stride(0) != 1)):
             raise ValueError(f"valid_counts: expected contiguous int32 [{t}], got {valid_counts.dtype} "
                              f"{tuple(valid_counts.shape)}")
@@ -374,8 +385,8 @@ def assemble_query(q: Query, fmt: KVFormat, ws: Workspace, num_tokens: int) -> t
             return q_nope
         _check_q("q[1] (q_pe)", q_pe, num_tokens, ws.num_heads, rope, contiguous=False)
         # one copy kernel into the buffer (kernels that took the pair's two tensors would need none)
-        buf = ws.q[:num_tokens]
-        if q_pe.stride(2) == 1 and (q_pe.device.type == "cuda" or ws.facts[2]):  # a Triton kernel can run
+        buf = ws.query_view(num_tokens)
+        if q_pe.stride(2) == 1 and (q_pe.is_cuda or ws.facts[2]):  # a Triton kernel can run
             return _query_concat(q_nope, q_pe, buf)
         return torch.cat((q_nope, q_pe), dim=-1, out=buf)
     _check_q("q", q, num_tokens, ws.num_heads, fmt.head_dim, contiguous=False)
@@ -383,12 +394,16 @@ def assemble_query(q: Query, fmt: KVFormat, ws: Workspace, num_tokens: int) -> t
         return q
     if ws.q is None:
         raise ValueError(f"q: the last dim must be contiguous (strides {tuple(q.stride())})")
-    buf = ws.q[:num_tokens]
+    buf = ws.query_view(num_tokens)
     buf.copy_(q)
     return buf
 
 
 def _check_q(name: str, q: torch.Tensor, t: int, h: int, d: int, contiguous: bool = True) -> None:
+    shape = q.shape if isinstance(q, torch.Tensor) else None
+    if (shape is not None and q.dtype is _BF16 and shape == (t, h, d)
+            and not (contiguous and q.stride(2) != 1)):
+        return  # the common case in one test; the checks below name what is wrong
     if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or q.dim() != 3:
         raise ValueError(f"{name}: expected a bf16 [T, H, {d}] tensor, got "
                          f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
