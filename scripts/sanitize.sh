@@ -4,7 +4,9 @@
 #   bash scripts/sanitize.sh [TOOL ...]        TOOL: memcheck racecheck synccheck (default: all three), initcheck
 #
 # Drivers:
-#   memcheck              tests/gpu/sanitize_kernels.py (when present) and tests/helpers/reliab_sanitize.py
+#   memcheck              tests/gpu/sanitize_kernels.py (when present), tests/helpers/reliab_sanitize.py and the vLLM
+#                         contract's short run (tests/gpu/test_vllm_contract_gpu.py -k sanitizer: eager calls against
+#                         CUDA-graph replay, every format at 16 and 128 heads)
 #   racecheck, synccheck  tests/helpers/reliab_sanitize.py
 # reliab_sanitize.py runs its --tiny set (every kernel, the FP8-QK variants and the combine after each, one
 # small call per variant) unless SANITIZE_FULL=1 (more shapes, widths and modes: several times longer).
@@ -86,6 +88,12 @@ run() {
     echo "${ROWS[-1]}"
 }
 
+# vllm_contract TOOL: the vLLM contract's eager-against-graph short run under TOOL
+vllm_contract() {
+    [ -f tests/gpu/test_vllm_contract_gpu.py ] || return 0
+    run "$1" vllm_contract "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_vllm_contract_gpu.py -k sanitizer
+}
+
 # reliab TOOL: tests/helpers/reliab_sanitize.py under TOOL (every tool runs it)
 reliab() {
     # shellcheck disable=SC2086
@@ -102,10 +110,12 @@ for tool in "${TOOLS[@]}"; do
                     ( run memcheck "sk_${shard%%,*}" "$PY" tests/gpu/sanitize_kernels.py --formats "$shard" \
                         > "$OUT_DIR/row-sk_${shard%%,*}" ) &
                 done
-                # reliab_sanitize.py beside them (it takes about as long as the longest shard)
+                # reliab_sanitize.py and the vLLM contract beside them (each about as long as the longest shard)
                 ( reliab memcheck > "$OUT_DIR/row-reliab_sanitize" ) &
+                ( vllm_contract memcheck > "$OUT_DIR/row-vllm_contract" ) &
                 wait
-                for f in "$OUT_DIR"/row-sk_* "$OUT_DIR"/row-reliab_sanitize; do
+                for f in "$OUT_DIR"/row-sk_* "$OUT_DIR"/row-reliab_sanitize "$OUT_DIR"/row-vllm_contract; do
+                    [ -s "$f" ] || continue
                     row=$(tail -1 "$f"); echo "$row"; ROWS+=("$row")
                     set -- $row
                     [ "$3" = "?" ] || TOTAL=$((TOTAL + $3))
@@ -117,6 +127,7 @@ for tool in "${TOOLS[@]}"; do
                     run memcheck sanitize_kernels "$PY" tests/gpu/sanitize_kernels.py
                 fi
                 reliab memcheck
+                vllm_contract memcheck
             fi
             ;;
         racecheck|synccheck|initcheck)
