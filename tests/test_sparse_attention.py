@@ -179,6 +179,53 @@ def test_prefill_through_bf16_workspace_matches_native(fmt, device):
     assert lse_err(l_ws, l_n) < 1e-2
 
 
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-split", "three-splits"])
+def test_the_direct_launch_passes_what_the_regular_launch_does(monkeypatch, device, splits):
+    """A launch first offers the compiled specialization its key and addresses (``Launch.launch_known``, the
+    host-time path); when that declines, the regular launch gets the tensors.  Both must describe the same launch:
+    the same grid, key and arguments (tensors as their addresses), for the attention kernel and for the combine
+    that follows a split call."""
+    from sparsemla.kernels import attention as attn_mod
+
+    c = make_case("fp8_ds_mla", 3, 16, 48, device=device)
+    q, rows, idx, vc = (c["q"].clone(), c["cache"].rows, c["indices"].clone(), c["valid_counts"].clone())
+    plan = attn_mod.plan_for(q, rows, c["fmt"], 48, num_splits=splits)
+    assert plan.num_splits == splits
+    seen = []
+
+    class Recorder:
+        built = True
+
+        def __init__(self, name):
+            self.name = name
+
+        def launch_known(self, gx, gy, gz, key, addrs):
+            seen.append((self.name, "direct", (gx, gy, gz), key, tuple(addrs)))
+            return False  # as if not compiled yet: the regular launch follows
+
+        def __call__(self, grid, args, key=None, addrs=None):
+            grid = tuple(grid) + (1,) * (3 - len(grid))
+            as_addrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+            assert addrs is None or tuple(addrs) == as_addrs, (self.name, addrs, as_addrs)
+            seen.append((self.name, "regular", grid, key, as_addrs))
+
+    monkeypatch.setattr(attn_mod, "_launch_for", lambda p, f, has_vc: Recorder("attention"))
+    monkeypatch.setattr(attn_mod, "_combine_launch", lambda ns, pdl: Recorder("combine"))
+    monkeypatch.setattr(attn_mod, "_BOUND", {})
+    for t in (q, rows, idx, vc):
+        assert t.data_ptr() % 16 == 0  # aligned: the direct path is offered
+    for _ in range(2):  # the second call finds its bound launch
+        seen.clear()
+        attn_mod.attention_fwd(q, rows, c["fmt"], idx, 0.07, plan=plan, valid_counts=vc)
+        names = ["attention"] + (["combine"] if splits > 1 else [])
+        assert [s[0] for s in seen] == [n for n in names for _ in (0, 1)]
+        for n in names:
+            direct, regular = [s[2:] for s in seen if s[0] == n]
+            assert direct == regular, n
+        key = [s for s in seen if s[0] == "attention"][0][3]
+        assert key[:3] == (q.stride(0), q.stride(1), idx.stride(0)) and key[-4:][:2] == (16, 48)
+
+
 def test_a_kernel_that_does_not_build_falls_back_to_the_portable_kernels(monkeypatch, device):
     """A Hopper kernel whose first launch raises (it did not build on the installed Triton) is recorded as
     unavailable and the call runs the portable kernels; later plans skip it.  (The plan is forced here: on this

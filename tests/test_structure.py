@@ -97,3 +97,15 @@ def test_builtin_backends_register_from_an_explicit_list():
                 if isinstance(n, ast.ImportFrom)}
     assert not any(m.startswith("sparsemla.backends.") for m in imported), imported
     assert os.path.exists(ROOT / "backends" / "__init__.py")
+
+
+def test_host_code_does_not_call_triton_cdiv():
+    """``triton.cdiv`` is a jit function: called from the host it goes through Triton's launcher (~4 us a call on
+    the H200's host), which a launch path pays per call.  Host code divides in Python; kernels use ``tl.cdiv``."""
+    hits = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "cdiv"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "triton"):
+                hits.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
+    assert not hits, hits
