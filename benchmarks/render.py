@@ -313,6 +313,15 @@ HOST = [("H-decode-b1", "`sparse_mla_decode`, default arguments, b 1"),
 HOST_TARGET_US = {"H-decode-b1": 25, "H-decode-b128": 25, "H-prefill": 25, "H-run": 25, "H-plan": 100,
                   "H-metadata": 100}
 
+# Measured causes of the host-time shortfalls (H200, Triton 3.6, one process; docs/design/dispatch.md, the launch).
+CAUSE_HOST = ("Before any Python, a call pays Triton's C launch function (4.7 us a launch on a fast host) and two "
+              "output allocations (2.8 us each); a b 1 call makes two launches, the attention kernel's split-KV "
+              "partials and their combine (about 9 us more than b 128): one launch would need the last split of a "
+              "token to combine in the attention kernel.  The host differs from one GPU-machine call to the next "
+              "by about 1.5x.")
+CAUSE_PAIR_Q = ("The pair's addition is mostly the query copy into one tensor (one more kernel launch and its "
+                "arguments); kernels that read ql_nope and q_pe through two pointers would need no copy.")
+
 
 def host_section(t: Table) -> List[str]:
     rows = t.kinds("host")
@@ -541,14 +550,14 @@ def shortfalls(t: Table, rows: Sequence[dict] = ()) -> List[str]:
     extra = [r for r in host if r["config"] in ("H-vllm-tensor", "H-vllm-pair") and r["timing"] == "host"]
     if bare and any(r["value"] - bare["value"] > 10 for r in extra):
         parts = "; ".join(f"{dict(HOST)[r['config']]} +{r['value'] - bare['value']:.1f} us" for r in extra)
-        items.append(f"- **The vLLM plugin's call adds more than 10 us to the bare launch** ({parts}).")
+        items.append(f"- **The vLLM plugin's call adds more than 10 us to the bare launch** ({parts}).  " + CAUSE_PAIR_Q)
     over = [r for r in host if r["impl"].startswith("sparsemla") and r["timing"] == "host"
             and r["value"] > HOST_TARGET_US.get(r["config"], float("inf"))]
     if over:
-        parts = "; ".join(f"{dict(HOST)[r['config']]} {r['value']:.0f} us (aim {HOST_TARGET_US[r['config']]} us)"
+        parts = "; ".join(f"{dict(HOST)[r['config']]} {r['value']:.1f} us (aim {HOST_TARGET_US[r['config']]} us)"
                           for r in over)
         items.append(f"- **Host time above its aim**: {parts}. An engine runs attention eagerly whenever a step "
-                     "is not one full CUDA graph, so this time is paid per layer.")
+                     "is not one full CUDA graph, so this time is paid per layer.  " + CAUSE_HOST)
     items += release_gaps(rows)
     return ["## Shortfalls and their measured causes", ""] + (items or ["None in the current results."]) + [""]
 
