@@ -51,17 +51,7 @@ def sync(dev):
 
 def host_us(fn, dev, calls: int, reps: int) -> float:
     """Median over ``reps`` loops of the host time per call of ``calls`` back-to-back calls, no final sync."""
-    fn()
-    sync(dev)
-    per_call = []
-    for _ in range(reps):
-        sync(dev)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        per_call.append((time.perf_counter() - t0) / calls * 1e6)
-    sync(dev)
-    return statistics.median(per_call)
+    return host_us_interleaved({"call": fn}, dev, calls, reps)["call"]
 
 
 def host_us_interleaved(fns: dict, dev, calls: int, reps: int) -> dict:

@@ -58,24 +58,22 @@ class Launch:
             self.fn[grid](*args, **self.meta)
             self.built = True
             return
-        dev = _device()
-        key = (dev, _spec_key(args)) if key is None else (dev, key)
-        go = self._compiled.get(key)
-        if go is None:
-            k = self.fn[grid](*args, **self.meta)
-            self.built = True
-            if len(args) == self._n_runtime and k is not None and hasattr(k, "packed_metadata"):
-                if len(self._compiled) >= _MAX_KEYS:
-                    self._compiled.clear()  # bounded: a caller whose integers keep changing recompiles nothing
-                self._compiled[key] = _direct_launch(k, self._tail)
-            return
-        n = len(grid)
+        if key is None:
+            key = _spec_key(args)
         # Tensors go to the launcher as their addresses: given a tensor it calls ``data_ptr()`` through Python
         # and asks the driver whether the address is device memory (cuPointerGetAttribute), per pointer and
         # launch; the callers have checked every tensor's device already.
         if addrs is None:
             addrs = [a.data_ptr() if isinstance(a, _Tensor) else a for a in args]
-        go(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(dev), addrs)
+        n = len(grid)
+        if self.launch_known(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, key, addrs):
+            return
+        k = self.fn[grid](*args, **self.meta)  # the first launch of this specialization: through Triton
+        self.built = True
+        if len(args) == self._n_runtime and k is not None and hasattr(k, "packed_metadata"):
+            if len(self._compiled) >= _MAX_KEYS:
+                self._compiled.clear()  # bounded: a caller whose integers keep changing recompiles nothing
+            self._compiled[(_device(), key)] = _direct_launch(k, self._tail)
 
     def launch_known(self, gx: int, gy: int, gz: int, key, addrs: Sequence[int]) -> bool:
         """Launch on ``(gx, gy, gz)`` if this specialization (``key``, as in :meth:`__call__`) was compiled and
