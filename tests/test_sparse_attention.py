@@ -179,6 +179,29 @@ def test_prefill_through_bf16_workspace_matches_native(fmt, device):
     assert lse_err(l_ws, l_n) < 1e-2
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla"])
+@pytest.mark.parametrize("heads", [5, 40])
+def test_query_in_two_tensors_is_read_in_place(fmt, heads, device):
+    """``q_pe=``: the query's RoPE part in a tensor of its own (an engine's ``(q_nope, q_pe)`` pair, q_pe a strided
+    view of a wider projection, q_nope with its own strides) gives bitwise the output of the one concatenated
+    query, few-heads and wide kernels, and matches the reference."""
+    from sparsemla.kernels.attention import attention_fwd
+
+    c = make_case(fmt, 3, heads, 48, device=device)
+    q = c["q"]
+    proj = torch.randn(q.shape[1], q.shape[0], 192, device=device).to(q.dtype).transpose(0, 1)  # [T, H, 192]
+    proj[..., 128:] = q[..., 512:]
+    q_pe = proj[..., 128:]  # token stride 192 H, head stride 192: a view, not a copy
+    q_nope = torch.empty(q.shape[1], q.shape[0], 512, device=device, dtype=q.dtype).transpose(0, 1)
+    q_nope.copy_(q[..., :512])
+    assert q_pe.stride() == (192, 192 * q.shape[0], 1) and not q_nope.is_contiguous()
+    ref = attention_fwd(q, c["cache"].rows, c["fmt"], c["indices"], 0.07, valid_counts=c["valid_counts"])
+    got = attention_fwd(q_nope, c["cache"].rows, c["fmt"], c["indices"], 0.07, valid_counts=c["valid_counts"],
+                        q_pe=q_pe)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    _check(*got, c, 0.07)
+
+
 @pytest.mark.parametrize("splits", [1, 3], ids=["one-split", "three-splits"])
 def test_the_direct_launch_passes_what_the_regular_launch_does(monkeypatch, device, splits):
     """A launch first offers the compiled specialization its key and addresses (``Launch.launch_known``, the
@@ -223,7 +246,10 @@ def test_the_direct_launch_passes_what_the_regular_launch_does(monkeypatch, devi
             direct, regular = [s[2:] for s in seen if s[0] == n]
             assert direct == regular, n
         key = [s for s in seen if s[0] == "attention"][0][3]
-        assert key[:3] == (q.stride(0), q.stride(1), idx.stride(0)) and key[-4:][:2] == (16, 48)
+        # q's strides, then those of its RoPE part (here q[..., 512:]: the same), the index rows' stride
+        assert key[:5] == (*q.stride()[:2], *q.stride()[:2], idx.stride(0)) and key[-4:][:2] == (16, 48)
+        addrs = [s for s in seen if s[0] == "attention"][0][4]
+        assert addrs[3] == q.data_ptr() + 1024  # the RoPE part's address: 512 bf16 values into each q row
 
 
 def test_a_kernel_that_does_not_build_falls_back_to_the_portable_kernels(monkeypatch, device):

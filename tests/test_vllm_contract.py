@@ -54,20 +54,30 @@ def test_nope_pair_is_read_in_place():
     """A NoPE pair's ql_nope goes to the kernels as it is (any strides), with no copy."""
     fmt, cache, ws, layer, idx, vc = _setup("fp8_ds_mla", 512, 2048, 8, 64, [20, 9])
     ql, qp = query_pair(2, 8, 0, head_major=True)
-    assert ws.q is None  # a NoPE workspace holds no query buffer
     assert contract.assemble_query((ql, qp), fmt, ws, 2) is ql
+    assert contract.query_parts((ql, qp), fmt, ws, 2) == (ql, None)
+    layer.forward((ql, qp), cache.view, idx, vc)
+    assert ws.q is None  # no query buffer was needed
 
 
-def test_rope_pair_and_one_tensor_agree():
-    """The (ql_nope, strided q_pe) pair is assembled in the workspace; one [T, H, 576] tensor (the form after a
-    gather across ranks) gives the same result."""
+def test_rope_pair_is_read_in_place_and_agrees_with_one_tensor():
+    """The (ql_nope, strided q_pe) pair goes to the kernels as it is (no copy, no query buffer); one [T, H, 576]
+    tensor (the form after a gather across ranks) gives bitwise the same result, and so does a q_pe whose last dim
+    is strided (copied into the workspace's query buffer, allocated then)."""
     fmt, cache, ws, layer, idx, vc = _setup("fp8_ds_mla", 576, 2048, 16, 64, [40, 11])
     pair = query_pair(2, 16, 64)
-    assert not pair[1].is_contiguous()
+    assert not pair[1].is_contiguous() and pair[1].stride(2) == 1
+    qq, qpe = contract.query_parts(pair, fmt, ws, 2)
+    assert qq is pair[0] and qpe is pair[1]
     out1 = layer.forward(pair, cache.view, idx, vc)[0].clone()
-    assert torch.equal(ws.q[:2], torch.cat(pair, -1))
-    out2 = layer.forward(torch.cat(pair, -1), cache.view, idx, vc)[0]
+    assert ws.q is None
+    out2 = layer.forward(torch.cat(pair, -1), cache.view, idx, vc)[0].clone()
     assert torch.equal(out1, out2)
+    pe_strided = torch.empty(2, 16, 128, dtype=torch.bfloat16)[..., ::2]
+    pe_strided.copy_(pair[1])
+    out3 = layer.forward((pair[0], pe_strided), cache.view, idx, vc)[0]
+    assert ws.q is not None and torch.equal(ws.q[:2], torch.cat(pair, -1))
+    assert torch.equal(out1, out3)
 
 
 @pytest.mark.parametrize("kv_cache_dtype,head", [("fp8", 576), ("fp8_ds_mla", 576), ("nvfp4_ds_mla", 512),

@@ -9,12 +9,13 @@ with ``V[r] = K[r, :512]`` (one KV head; absorbed MLA).  Rows are read straight 
 
 Every kernel takes the same runtime arguments (``k_scale`` only where the rows can be plain fp8)::
 
-    q, stride_qt, stride_qh, rows, indices, stride_it, valid_counts,
+    q, stride_qt, stride_qh, q_rope, stride_rt, stride_rh, rows, indices, stride_it, valid_counts,
     o, stride_ot, stride_os, stride_oh, lse, stride_lt, stride_ls, stride_lh,
     sm_scale * log2(e), [k_scale,] H, K, rows_per_split, num_splits
 
 and runs ``tokens * num_splits * num_groups`` programs (head groups fastest, so programs reading the same rows run
-side by side).  With more than one split the kernel writes normalized fp32 partials ``[T, S, H, 512]`` /
+side by side).  ``q_rope`` is the RoPE part of the query (``q[..., 512:]`` or an engine's separate ``q_pe``:
+the kernels read it through its own pointer, so a query in two tensors needs no copy).  With more than one split the kernel writes normalized fp32 partials ``[T, S, H, 512]`` /
 ``[T, S, H]`` and :mod:`.combine` merges them into ``out`` / ``lse``.
 
 A Hopper (Gluon) kernel that fails to build on the installed Triton is recorded
@@ -123,12 +124,17 @@ def _combine_launch(num_splits: int, pdl: bool) -> Launch:
 
 
 def plan_for(q: torch.Tensor, rows: torch.Tensor, fmt, topk: int, *, fp8_qk: bool = False, portable: bool = False,
-             staged: bool = False, kernel: Optional[str] = None, num_splits: Optional[int] = None) -> _plan.KernelPlan:
+             staged: bool = False, kernel: Optional[str] = None, num_splits: Optional[int] = None,
+             q_pe: Optional[torch.Tensor] = None) -> _plan.KernelPlan:
     """The plan of a call on these tensors: :func:`sparsemla.plan.plan_attention` with the device's facts, the
-    tensors' alignment and the kernels unavailable here (``kernel`` / ``num_splits``: forced, for tests)."""
+    tensors' alignment and the kernels unavailable here (``kernel`` / ``num_splits``: forced, for tests;
+    ``q_pe``: the query's RoPE part in its own tensor, as :func:`attention_fwd` takes it)."""
     facts = _device_facts(q.device)
     qs, shape = q.stride(), q.shape
     q_aligned = not ((q.data_ptr() & 15) or (qs[0] & 7) or (qs[1] & 7))
+    if q_pe is not None:
+        rs = q_pe.stride()
+        q_aligned = q_aligned and not ((q_pe.data_ptr() & 15) or (rs[0] & 7) or (rs[1] & 7))
     return _plan._plan("staged" if staged else fmt.name, shape[0], shape[1], topk, facts[0], facts[1], fp8_qk,
                        portable, interpreting(), q_aligned, not (rows.data_ptr() & 15), kernel, None,
                        _plan._UNAVAILABLE_SET, num_splits)
@@ -148,11 +154,12 @@ _FACTS: dict = {}
 def attention_fwd(q: torch.Tensor, rows: torch.Tensor, fmt, indices: torch.Tensor, sm_scale: float, *,
                   plan: Optional[_plan.KernelPlan] = None, valid_counts: Optional[torch.Tensor] = None,
                   k_scale: float = 1.0, out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
-                  split_buffers: Optional[torch.Tensor] = None, staged: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                  split_buffers: Optional[torch.Tensor] = None, staged: bool = False,
+                  q_pe: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA forward over rows of any KV format (arguments are not checked here: the public API does that).
 
     Args:
-        q: bf16 ``[T, H, D]`` (D = ``fmt.head_dim``), last dim contiguous.
+        q: bf16 ``[T, H, D]`` (D = ``fmt.head_dim``), last dim contiguous; or, with ``q_pe``, its first 512 dims.
         rows: uint8 ``[num_rows, fmt.bytes_per_token]`` (``PagedKVCache.rows``; a bf16 workspace ``[rows, D]`` as
             ``ws.view(torch.uint8)`` with the ``bf16`` format), or with ``staged`` the FP8 rows ``[T, K, D]`` viewed
             as uint8 ``[T * K, D]`` (``fmt`` then the ``fp8`` format).
@@ -165,6 +172,8 @@ def attention_fwd(q: torch.Tensor, rows: torch.Tensor, fmt, indices: torch.Tenso
         out, lse: bf16 ``[T, H, 512]`` (last dim contiguous) and fp32 ``[T, H]``; allocated when None.
         split_buffers: a flat fp32 buffer of at least ``T * S * H * 513`` elements for the split partials (a
             runner's, for CUDA-graph capture); allocated per call when None and the plan splits.
+        q_pe: optional bf16 ``[T, H, fmt.rope_dim]`` with a contiguous last dim: the query's RoPE part in a tensor
+            of its own (an engine's ``(q_nope, q_pe)`` pair, read in place: no copy); ``q`` is then ``[T, H, 512]``.
 
     Returns ``(out, lse)``: lse is the natural log including sm_scale; an empty row gives 0 / -inf.
     """
@@ -178,8 +187,8 @@ def attention_fwd(q: torch.Tensor, rows: torch.Tensor, fmt, indices: torch.Tenso
     if not out.shape[0]:
         return out, lse
     if plan is None:
-        plan = plan_for(q, rows, fmt, indices.shape[1], staged=staged)
-    _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers)
+        plan = plan_for(q, rows, fmt, indices.shape[1], staged=staged, q_pe=q_pe)
+    _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers, q_pe)
     return out, lse
 
 
@@ -241,7 +250,7 @@ class _Bound:
     __slots__ = ("plan", "fmt", "launch", "gx", "o_strides", "l_strides", "tail", "key", "takes_k_scale", "n_o", "n_all",
                  "combine", "cgrid", "cints")
 
-    def __init__(self, plan, fmt, has_vc: bool, t: int, h: int, k_width: int, qs, is0: int, os_, ls_, device):
+    def __init__(self, plan, fmt, has_vc: bool, t: int, h: int, k_width: int, qs, rs, is0: int, os_, ls_, device):
         ns = plan.num_splits
         self.n_o = self.n_all = 0
         self.plan, self.fmt = plan, fmt
@@ -258,7 +267,7 @@ class _Bound:
         self.tail = (h, k_width, plan.rows_per_split, ns)
         # Every pointer 16-byte aligned: the integers alone decide Triton's specialization (the pointers' dtypes
         # are fixed: q bf16, rows uint8, indices / counts int32, out bf16 or fp32 partials as ns says, lse fp32).
-        self.key = (qs[0], qs[1], is0, *self.o_strides, *self.l_strides, *self.tail)
+        self.key = (qs[0], qs[1], rs[0], rs[1], is0, *self.o_strides, *self.l_strides, *self.tail)
         self.takes_k_scale = plan.kernel in _TAKES_K_SCALE
         self.combine = self.cgrid = self.cints = None
         if ns > 1:
@@ -273,18 +282,24 @@ _BOUND: dict = {}
 _MAX_BOUND = 4096
 
 
-def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers) -> None:
+def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers, q_pe=None) -> None:
     qs, os_, ls_ = q.stride(), out.stride(), lse.stride()
+    pq = q.data_ptr()
+    if q_pe is None:  # the RoPE part is q[..., 512:] (bf16: 1024 bytes in); NoPE: never read, q stands in
+        rs, pqr = qs, (pq + 2 * V_DIM if fmt.rope_dim else pq)
+    else:
+        rs, pqr = q_pe.stride(), q_pe.data_ptr()
     ishape = indices.shape
     is0 = indices.stride()[0]
     has_vc = valid_counts is not None
     # keyed by the plan's and the format's identity (hashing them hashes their fields), checked on a hit
-    sig = (id(plan), id(fmt), has_vc, ishape, qs, is0, os_, ls_, lse.shape[1])
+    sig = (id(plan), id(fmt), has_vc, ishape, qs, rs, is0, os_, ls_, lse.shape[1])
     b = _BOUND.get(sig)
     if b is None or b.plan is not plan or b.fmt is not fmt:
         if len(_BOUND) >= _MAX_BOUND:
             _BOUND.clear()
-        b = _BOUND[sig] = _Bound(plan, fmt, has_vc, ishape[0], lse.shape[1], ishape[1], qs, is0, os_, ls_, q.device)
+        b = _BOUND[sig] = _Bound(plan, fmt, has_vc, ishape[0], lse.shape[1], ishape[1], qs, rs, is0, os_, ls_,
+                                 q.device)
     vc = valid_counts if has_vc else indices  # a dummy pointer when absent
     if b.n_all:
         if split_buffers is None:
@@ -296,19 +311,20 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
     else:
         o_dst, l_dst = out, lse
     # The launcher takes tensors as addresses; read once, they also give the alignment check.
-    pq, pr, pi, pv, po, pl = q.data_ptr(), rows.data_ptr(), indices.data_ptr(), vc.data_ptr(), o_dst.data_ptr(), \
-        l_dst.data_ptr()
+    pr, pi, pv, po, pl = rows.data_ptr(), indices.data_ptr(), vc.data_ptr(), o_dst.data_ptr(), l_dst.data_ptr()
     scale = float(sm_scale) * LOG2E
     o0, o1, o2 = b.o_strides
     l0, l1, l2 = b.l_strides
     if b.takes_k_scale:
-        addrs = (pq, qs[0], qs[1], pr, pi, is0, pv, po, o0, o1, o2, pl, l0, l1, l2, scale, float(k_scale), *b.tail)
+        addrs = (pq, qs[0], qs[1], pqr, rs[0], rs[1], pr, pi, is0, pv, po, o0, o1, o2, pl, l0, l1, l2, scale,
+                 float(k_scale), *b.tail)
     else:
-        addrs = (pq, qs[0], qs[1], pr, pi, is0, pv, po, o0, o1, o2, pl, l0, l1, l2, scale, *b.tail)
-    aligned = not (pq | pr | pi | pv | po | pl) & 15
+        addrs = (pq, qs[0], qs[1], pqr, rs[0], rs[1], pr, pi, is0, pv, po, o0, o1, o2, pl, l0, l1, l2, scale, *b.tail)
+    aligned = not (pq | pqr | pr | pi | pv | po | pl) & 15
     launch = b.launch
     if not (aligned and launch.launch_known(b.gx, 1, 1, b.key, addrs)):
-        args = (q, *addrs[1:3], rows, indices, is0, vc, o_dst, *addrs[8:11], l_dst, *addrs[12:])
+        qr = q_pe if q_pe is not None else (q[..., V_DIM:] if fmt.rope_dim else q)
+        args = (q, *addrs[1:3], qr, *addrs[4:6], rows, indices, is0, vc, o_dst, *addrs[11:14], l_dst, *addrs[15:])
         key = b.key if aligned else None
         if launch.built:
             launch((b.gx,), args, key, addrs)
@@ -322,7 +338,7 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
                 fallback = _plan.plan_attention(fmt, ishape[0], lse.shape[1], ishape[1],
                                                 capability=capability(q.device), num_sms=num_sms(q.device),
                                                 unavailable=_plan.unavailable_set(), staged=plan.kind == "staged")
-                _run(fallback, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers)
+                _run(fallback, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers, q_pe)
                 return
     if b.combine is not None:
         p_out, p_lse = out.data_ptr(), lse.data_ptr()

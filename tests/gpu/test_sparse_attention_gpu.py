@@ -45,6 +45,45 @@ def test_native_gpu(fmt, heads, topk, portable):
     _check(out, lse, c, 576 ** -0.5)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla"])
+@pytest.mark.parametrize("heads", [16, 20, 64, 128])
+@pytest.mark.parametrize("portable", [False, True])
+def test_query_in_two_tensors_gpu(fmt, heads, portable):
+    """The query as an engine's pair: q_nope head-major, q_pe a strided view of a [T, H, 192] projection (read in
+    place through its own pointer) -- bitwise the output of the one concatenated query, on every kernel."""
+    c = make_case(fmt, 6, heads, 2048, ctx=4096, block_size=64, device="cuda")
+    q = c["q"]
+    t = q.shape[0]
+    proj = torch.randn(t, heads, 192, device="cuda").to(torch.bfloat16)
+    proj[..., 128:] = q[..., 512:]
+    q_nope = torch.empty(heads, t, 512, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+    q_nope.copy_(q[..., :512])
+    plan = attn_mod.plan_for(q_nope, c["cache"].rows, c["fmt"], 2048, portable=portable, q_pe=proj[..., 128:])
+    assert plan == attn_mod.plan_for(q, c["cache"].rows, c["fmt"], 2048, portable=portable)
+    ref = _native(c, 576 ** -0.5, portable=portable)
+    out = torch.full_like(ref[0], float("nan"))
+    lse = torch.full_like(ref[1], float("nan"))
+    attn_mod.attention_fwd(q_nope, c["cache"].rows, c["fmt"], c["indices"], 576 ** -0.5, plan=plan,
+                           valid_counts=c["valid_counts"], out=out, lse=lse, q_pe=proj[..., 128:])
+    assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+
+
+def test_query_pair_with_an_unaligned_rope_part_gpu():
+    """A q_pe whose rows are not 16-byte aligned cannot go to the Hopper kernels (16-byte loads): the plan takes
+    the portable kernels, and the result matches the reference."""
+    c = make_case("fp8_ds_mla", 6, 64, 2048, ctx=4096, block_size=64, device="cuda")
+    q = c["q"]
+    proj = torch.zeros(q.shape[0], 64, 200, device="cuda", dtype=torch.bfloat16)
+    q_pe = proj[..., 131:195]  # 262 bytes into each 400-byte row
+    q_pe.copy_(q[..., 512:])
+    q_nope = q[..., :512]
+    plan = attn_mod.plan_for(q_nope, c["cache"].rows, c["fmt"], 2048, q_pe=q_pe)
+    assert plan.kernel.startswith("portable"), plan
+    out, lse = attn_mod.attention_fwd(q_nope, c["cache"].rows, c["fmt"], c["indices"], 576 ** -0.5, plan=plan,
+                                      valid_counts=c["valid_counts"], q_pe=q_pe)
+    _check(out, lse, c, 576 ** -0.5)
+
+
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16", "nvfp4_ds_mla"])
 def test_a_kernel_that_does_not_build_falls_back(fmt, monkeypatch):
     """A Hopper kernel whose build fails (simulated) is recorded as unavailable, the call runs the portable kernels

@@ -12,8 +12,9 @@
 - ``runner``: ``SparseMLA`` plan / run, decode and a prefill through its bf16 workspace.
 - ``write``: cache writes of every format into the last rows of an exactly sized cache (bf16, fp32 and
   row-strided input; a skipped token; a token count no multiple of the tokens per program).
-- ``indices``: ``convert_indices`` (plain, compact with valid counts, workspace starts) and the vLLM contract's
-  query assembly (``query_concat``).
+- ``attention_pair``: the attention kernels reading the query's RoPE part from a tensor of its own.
+- ``indices``: ``convert_indices`` (plain, compact with valid counts, workspace starts).
+
 - ``staging``: the top-k FP8 gather and the context upconvert of every format, into exactly sized outputs.
 - ``indexer``: the index-key cache write, the index scores and the top-k (plain and pooled).
 
@@ -117,6 +118,27 @@ def attention(tiny: bool, fmts):
                         step(f"attention {fmt} {backend} {mode} H={heads} T={tokens} K={width}", call)
 
 
+def attention_pair(tiny: bool, fmts):
+    """The query in two tensors (an engine's ``(q_nope, q_pe)`` pair, read in place): q_pe the last 64 dims of a
+    projection ``[T, H, 192]`` whose allocation ends with the last head's rope values (a read past them is out of
+    bounds), q_nope head-major; each kernel family (20, 64 and 128 heads)."""
+    from sparsemla.kernels.attention import attention_fwd
+    for fmt in fmts:
+        if not sparsemla.get_format(fmt).rope_dim:
+            continue
+        for heads in (20, 64, 128):
+            def call(fmt=fmt, heads=heads):
+                c = rc.build_case(_spec(fmt, "auto", "decode", heads, 3, 260), DEV)
+                q = c["q"]
+                proj = torch.randn(3, heads, 192, device=DEV).to(torch.bfloat16)
+                proj[..., 128:] = q[..., 512:]
+                q_nope = torch.empty(heads, 3, 512, dtype=torch.bfloat16, device=DEV).transpose(0, 1)
+                q_nope.copy_(q[..., :512])
+                attention_fwd(q_nope, c["cache"].rows, c["fmt"], c["indices"], 0.07, valid_counts=c["valid_counts"],
+                              k_scale=c["spec"].k_scale, q_pe=proj[..., 128:])
+            step(f"attention pair {fmt} H={heads}", call)
+
+
 def runner(tiny: bool, fmts):
     for fmt in fmts[:2] if tiny else fmts:
         def call(fmt=fmt):
@@ -163,12 +185,6 @@ def indices(tiny: bool, fmts):
         sparsemla.convert_indices(topk, req, bt, 64, 72, workspace_start=ws)
     step("convert_indices", call)
 
-    def concat():  # the vLLM contract's query assembly, into an exactly sized buffer, 20 heads (a partial program)
-        from sparsemla.kernels.query_concat import query_concat
-        proj = torch.randn(3, 20, 192, device=DEV).to(torch.bfloat16)
-        query_concat(torch.randn(20, 3, 512, device=DEV).to(torch.bfloat16).transpose(0, 1), proj[..., 128:],
-                     torch.empty(3, 20, 576, dtype=torch.bfloat16, device=DEV))
-    step("query_concat", concat)
 
 
 def staging(tiny: bool, fmts):
@@ -206,7 +222,7 @@ def indexer(tiny: bool, fmts):
     step("indexer", call)
 
 
-SECTIONS = {"attention": attention, "runner": runner, "write": write, "indices": indices, "staging": staging,
+SECTIONS = {"attention": attention, "attention_pair": attention_pair, "runner": runner, "write": write, "indices": indices, "staging": staging,
             "indexer": indexer}
 
 

@@ -28,11 +28,11 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-SIG = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "kv_ptr": "*u8", "idx_ptr": "*i32",
+SIG = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "qr_ptr": "*bf16", "stride_rt": "i32", "stride_rh": "i32", "kv_ptr": "*u8", "idx_ptr": "*i32",
        "stride_it": "i32", "vc_ptr": "*i32", "o_ptr": "*bf16", "stride_ot": "i32", "stride_os": "i32",
        "stride_oh": "i32", "lse_ptr": "*fp32", "stride_lt": "i32", "stride_ls": "i32", "stride_lh": "i32",
        "sm_scale_log2": "fp32", "H": "i32", "K": "i32", "rows_per_split": "i32", "num_splits": "i32"}
-SIG_K = dict(list(SIG.items())[:16] + [("k_scale", "fp32")] + list(SIG.items())[16:])
+SIG_K = dict(list(SIG.items())[:19] + [("k_scale", "fp32")] + list(SIG.items())[19:])
 SIG_K_SPLIT = dict(SIG_K, o_ptr="*fp32")  # several splits: fp32 partial outputs
 
 

@@ -78,27 +78,17 @@ def _split_elements(fmt: KVFormat, max_tokens: int, num_heads: int, topk: int, d
     return runner_split_elements(fmt, max_tokens, num_heads, topk, device)
 
 
-def _launch(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split) -> None:
-    """Run one planned call into the given buffers (kernel launches only)."""
+def _launch(plan, q, q_pe, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split) -> None:
+    """Run one planned call into the given buffers (kernel launches only; ``q_pe``: the RoPE part in a tensor of
+    its own, or None)."""
     global _attention_fwd
     if _attention_fwd is None:  # the kernels' module on first use (it imports Triton); an import statement per
         from ...kernels.attention import attention_fwd as _attention_fwd  # call would cost ~1 us of host time
     _attention_fwd(q, rows, fmt, indices, sm_scale, plan=plan, valid_counts=valid_counts, k_scale=k_scale,
-                   out=out, lse=lse, split_buffers=split)
+                   out=out, lse=lse, split_buffers=split, q_pe=q_pe)
 
 
 _attention_fwd = None
-
-
-def _query_concat(q_nope, q_pe, out):
-    """``out = [q_nope, q_pe]`` along the last dim (one kernel launch; see ``kernels.query_concat``)."""
-    global _concat
-    if _concat is None:
-        from ...kernels.query_concat import query_concat as _concat
-    return _concat(q_nope, q_pe, out)
-
-
-_concat = None
 
 
 def _wrap_cache(fmt: KVFormat, kv_cache: torch.Tensor):
@@ -172,9 +162,11 @@ class Workspace:
         out bf16 ``[max_tokens, H, 512]`` and lse fp32 ``[max_tokens, H]``: a call's results are views of their
         first ``T`` rows, valid until the next call on this workspace (vLLM consumes them right away: each layer's
         V up-projection follows its attention call, so one workspace serves every layer);
-        q bf16 ``[max_tokens, H, 576]`` (formats with RoPE only): where a ``(ql_nope, q_pe)`` pair is assembled,
-        one copy, because the kernels take one query tensor;
         split fp32: the split-KV partials of every plan of up to ``max_tokens`` tokens.
+
+    The kernels read a ``(ql_nope, q_pe)`` pair where it lies.  A query they cannot read in place (a last dim
+    that is not contiguous, or a functional-API backend, which takes one tensor) is copied into ``q``, bf16
+    ``[max_tokens, H, head_dim]``, allocated at its first use (vLLM's warm-up runs, before any graph capture).
     """
 
     def __init__(self, fmt: KVFormat, max_tokens: int, num_heads: int, topk: int, device):
@@ -193,8 +185,7 @@ class Workspace:
         self.facts = _device_facts(device)
         self.out = torch.zeros((max_tokens, num_heads, V_DIM), dtype=torch.bfloat16, device=device)
         self.lse = torch.zeros((max_tokens, num_heads), dtype=torch.float32, device=device)
-        self.q = (torch.zeros((max_tokens, num_heads, fmt.head_dim), dtype=torch.bfloat16, device=device)
-                  if fmt.rope_dim else None)
+        self.q = None  # allocated at its first use (query_view)
         self.split = torch.empty(max(1, _split_elements(fmt, max_tokens, num_heads, topk, device)),
                                  dtype=torch.float32, device=device)
         # per token count: the output views and the plans (host time: slicing two tensors and a plan lookup cost
@@ -230,9 +221,13 @@ class Workspace:
         return v
 
     def query_view(self, num_tokens: int) -> torch.Tensor:
-        """The first ``num_tokens`` rows of the query buffer (the same view every call; formats with RoPE)."""
+        """The first ``num_tokens`` rows of the query buffer (the same view every call), which is allocated at
+        the first call."""
         v = self._qviews.get(num_tokens)
         if v is None:
+            if self.q is None:
+                self.q = torch.zeros((self.max_tokens, self.num_heads, self.fmt.head_dim), dtype=torch.bfloat16,
+                                     device=self.device)
             v = self._qviews[num_tokens] = self.q[:num_tokens]
         return v
 
@@ -320,6 +315,10 @@ class LayerAttention:
         """One bf16 ``[T, H, head_dim]`` query tensor with a contiguous last dim (:func:`assemble_query`)."""
         return assemble_query(q, self.fmt, self.workspace if workspace is None else workspace, num_tokens)
 
+    def query_parts(self, q: Query, num_tokens: int, workspace: Optional[Workspace] = None):
+        """``(q, q_pe)`` as the kernels read them (:func:`query_parts`)."""
+        return query_parts(q, self.fmt, self.workspace if workspace is None else workspace, num_tokens)
+
     # --- the call --------------------------------------------------------------------------------------------
     def forward(self, q: Query, kv_cache: torch.Tensor, indices: torch.Tensor, valid_counts: Optional[torch.Tensor],
                 k_scale: float = 1.0, *, decode: bool = True, workspace: Optional[Workspace] = None):
@@ -352,51 +351,58 @@ class LayerAttention:
         if indices.device != ws.device:
             raise ValueError(f"indices: expected them on {ws.device}, got {indices.device}")
         cache = self.cache_view(kv_cache)
-        qq = assemble_query(q, self.fmt, ws, t)
         out, lse = ws.views(t)
-        if t == 0:
-            return out, lse
         if self.backend == "native":
-            plan = ws.plan(t, _aligned(qq), self._kv_aligned)
-            _launch(plan, qq, cache.rows, self.fmt, indices, self.sm_scale, valid_counts, float(k_scale), out, lse,
-                    ws.split)
+            qq, qpe = query_parts(q, self.fmt, ws, t)
+            if t == 0:
+                return out, lse
+            plan = ws.plan(t, _aligned(qq) and (qpe is None or _aligned(qpe)), self._kv_aligned)
+            _launch(plan, qq, qpe, cache.rows, self.fmt, indices, self.sm_scale, valid_counts, float(k_scale), out,
+                    lse, ws.split)
         else:
+            qq = assemble_query(q, self.fmt, ws, t)
+            if t == 0:
+                return out, lse
             _functional("decode" if decode else "prefill", qq, cache, indices, self.sm_scale, valid_counts,
                         float(k_scale), self.backend, out, lse)
         return out, lse
 
 
-def assemble_query(q: Query, fmt: KVFormat, ws: Workspace, num_tokens: int) -> torch.Tensor:
-    """The one bf16 ``[T, H, head_dim]`` query tensor the kernels take, with a contiguous last dim.
-
-    A NoPE pair's ``ql_nope`` and a fitting tensor are used as they are (any token / head strides); a RoPE pair is
-    concatenated into ``ws.q`` (one copy: the kernels read one query tensor), as is a tensor with a strided last dim.
-    """
-    rope = fmt.rope_dim
+def query_parts(q: Query, fmt: KVFormat, ws: Workspace, num_tokens: int):
+    """``(q, q_pe)``: the query as the kernels read it, checked.  ``q`` is bf16 ``[T, H, 512]`` and ``q_pe`` bf16
+    ``[T, H, R]`` (both with a contiguous last dim, any token / head strides: a ``(ql_nope, q_pe)`` pair as it
+    comes, no copy), or ``q`` is ``[T, H, head_dim]`` and ``q_pe`` None (a NoPE pair's ``ql_nope``, one tensor, or
+    a query copied into ``ws.q`` because a last dim is strided)."""
     if isinstance(q, tuple):
         if len(q) != 2:
             raise ValueError(f"q: expected a (ql_nope, q_pe) pair, got {len(q)} tensors")
         q_nope, q_pe = q
+        rope = fmt.rope_dim
         _check_q("q[0] (ql_nope)", q_nope, num_tokens, ws.num_heads, V_DIM)
         if not isinstance(q_pe, torch.Tensor) or q_pe.shape[-1] != rope:
             raise ValueError(f"q[1] (q_pe): {fmt.id} rows hold {rope} RoPE dims, got q_pe of shape "
                              f"{tuple(getattr(q_pe, 'shape', ()))}")
         if not rope:
-            return q_nope
+            return q_nope, None
         _check_q("q[1] (q_pe)", q_pe, num_tokens, ws.num_heads, rope, contiguous=False)
-        # one copy kernel into the buffer (kernels that took the pair's two tensors would need none)
-        buf = ws.query_view(num_tokens)
-        if q_pe.stride(2) == 1 and (q_pe.is_cuda or ws.facts[2]):  # a Triton kernel can run
-            return _query_concat(q_nope, q_pe, buf)
-        return torch.cat((q_nope, q_pe), dim=-1, out=buf)
+        if q_pe.stride(2) == 1:
+            return q_nope, q_pe
+        return torch.cat((q_nope, q_pe), dim=-1, out=ws.query_view(num_tokens)), None
     _check_q("q", q, num_tokens, ws.num_heads, fmt.head_dim, contiguous=False)
     if q.stride(2) == 1:
-        return q
-    if ws.q is None:
-        raise ValueError(f"q: the last dim must be contiguous (strides {tuple(q.stride())})")
+        return q, None
     buf = ws.query_view(num_tokens)
     buf.copy_(q)
-    return buf
+    return buf, None
+
+
+def assemble_query(q: Query, fmt: KVFormat, ws: Workspace, num_tokens: int) -> torch.Tensor:
+    """The query as one bf16 ``[T, H, head_dim]`` tensor with a contiguous last dim (what the functional API takes):
+    :func:`query_parts`, a pair concatenated into ``ws.q``."""
+    qq, q_pe = query_parts(q, fmt, ws, num_tokens)
+    if q_pe is None:
+        return qq
+    return torch.cat((qq, q_pe), dim=-1, out=ws.query_view(num_tokens))
 
 
 def _check_q(name: str, q: torch.Tensor, t: int, h: int, d: int, contiguous: bool = True) -> None:
@@ -414,4 +420,4 @@ def _check_q(name: str, q: torch.Tensor, t: int, h: int, d: int, contiguous: boo
         raise ValueError(f"{name}: the last dim must be contiguous (strides {tuple(q.stride())})")
 
 
-__all__ = ["Workspace", "LayerAttention", "assemble_query", "resolve_format", "vllm_row_bytes", "V_DIM", "MAX_HEADS"]
+__all__ = ["Workspace", "LayerAttention", "assemble_query", "query_parts", "resolve_format", "vllm_row_bytes", "V_DIM", "MAX_HEADS"]

@@ -10,7 +10,7 @@ from .common import (NEG_BIG, bf16_operand, finish, program_coords, softmax_step
 
 
 @triton.jit
-def bf16_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+def bf16_few_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                      o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                      sm_scale_log2, H, K, rows_per_split, num_splits,
                      ROPE: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
@@ -25,7 +25,7 @@ def bf16_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_
     q3 = bf16_operand(tl.load(q_row + 384, mask=hm[:, None], other=0.0), INTERP)
     if ROPE:
         r = tl.arange(0, 64)
-        qpe = bf16_operand(tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + 512 + r[None, :],
+        qpe = bf16_operand(tl.load(qr_ptr + t.to(tl.int64) * stride_rt + heads[:, None] * stride_rh + r[None, :],
                                     mask=hm[:, None], other=0.0), INTERP)
     m_i = tl.full([HB], NEG_BIG, tl.float32)
     l_i = tl.zeros([HB], tl.float32)

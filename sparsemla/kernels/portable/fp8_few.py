@@ -38,7 +38,7 @@ def _join4(c0, c1, c2, c3):
 
 
 @triton.jit
-def fp8_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+def fp8_few_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                     o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                     sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
                     BPT: tl.constexpr, DS: tl.constexpr, STAGED: tl.constexpr, ROPE: tl.constexpr,
@@ -48,15 +48,16 @@ def fp8_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_p
     t, s, heads, hm, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HB, HAS_VC)
     c64 = tl.arange(0, 64)
     q_row = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+    qe_row = qr_ptr + t.to(tl.int64) * stride_rt + heads[:, None] * stride_rh  # the rope part (ROPE)
     amax = tl.max(tl.abs(tl.load(q_row + tl.arange(0, 512)[None, :], mask=hm[:, None], other=0.0).to(tl.float32)))
     if ROPE:
         r = tl.arange(0, 32)
         if DS:
-            qpe = tl.load(q_row + 512 + tl.arange(0, 64)[None, :], mask=hm[:, None], other=0.0)
+            qpe = tl.load(qe_row + tl.arange(0, 64)[None, :], mask=hm[:, None], other=0.0)
             if INTERP:
                 qpe = qpe.to(tl.float32)
         else:
-            amax = tl.maximum(amax, amax_strided(q_row, hm, tl.arange(0, 64), 512, 1))
+            amax = tl.maximum(amax, amax_strided(qe_row, hm, tl.arange(0, 64), 0, 1))
     c = pow2_fp16_scale(amax)
     e = 2 * c64
     qe0 = load_q_f16(q_row, hm, 0, e, c)
@@ -68,8 +69,8 @@ def fp8_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_p
     qe3 = load_q_f16(q_row, hm, 384, e, c)
     qo3 = load_q_f16(q_row, hm, 385, e, c)
     if ROPE and not DS:
-        qpe_e = load_q_f16(q_row, hm, 512, 2 * r, c)
-        qpe_o = load_q_f16(q_row, hm, 513, 2 * r, c)
+        qpe_e = load_q_f16(qe_row, hm, 0, 2 * r, c)
+        qpe_o = load_q_f16(qe_row, hm, 1, 2 * r, c)
     score_scale = sm_scale_log2 / c
     if not DS:
         score_scale = score_scale * k_scale

@@ -15,7 +15,7 @@ from .common import (NEG_BIG, amax_strided, e2m1x4_to_f16, e4m3x2_to_f16, finish
 
 
 @triton.jit
-def nvfp4_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+def nvfp4_few_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                       o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                       sm_scale_log2, H, K, rows_per_split, num_splits,
                       BPT: tl.constexpr, ROPE: tl.constexpr, SCALE_OFF: tl.constexpr, ROPE_OFF: tl.constexpr,
@@ -24,10 +24,11 @@ def nvfp4_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc
     t, s, heads, hm, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HB, HAS_VC)
     c128 = tl.arange(0, 128)
     q_row = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+    qe_row = qr_ptr + t.to(tl.int64) * stride_rt + heads[:, None] * stride_rh  # the rope part (ROPE)
     amax = tl.max(tl.abs(tl.load(q_row + tl.arange(0, 512)[None, :], mask=hm[:, None], other=0.0).to(tl.float32)))
     if ROPE:
         r = tl.arange(0, 32)
-        amax = tl.maximum(amax, amax_strided(q_row, hm, tl.arange(0, 64), 512, 1))
+        amax = tl.maximum(amax, amax_strided(qe_row, hm, tl.arange(0, 64), 0, 1))
     c = pow2_fp16_scale(amax)
     f = 4 * c128
     q0 = load_q_f16(q_row, hm, 0, f, c)
@@ -35,8 +36,8 @@ def nvfp4_few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc
     q2 = load_q_f16(q_row, hm, 2, f, c)
     q3 = load_q_f16(q_row, hm, 3, f, c)
     if ROPE:
-        qpe_e = load_q_f16(q_row, hm, 512, 2 * r, c)
-        qpe_o = load_q_f16(q_row, hm, 513, 2 * r, c)
+        qpe_e = load_q_f16(qe_row, hm, 0, 2 * r, c)
+        qpe_o = load_q_f16(qe_row, hm, 1, 2 * r, c)
     score_scale = sm_scale_log2 / c
 
     m_i = tl.full([HB], NEG_BIG, tl.float32)

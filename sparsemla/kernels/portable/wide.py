@@ -62,7 +62,7 @@ def _wide_rope(base, vmask, KIND: tl.constexpr, ROPE_OFF: tl.constexpr, INTERP: 
 
 
 @triton.jit
-def wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+def wide_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                      o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
                      BPT: tl.constexpr, KIND: tl.constexpr, STAGED: tl.constexpr, ROPE: tl.constexpr,
@@ -72,9 +72,10 @@ def wide_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
     t, s, heads, hm, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HB, HAS_VC)
     d = tl.arange(0, 512)
     q_row = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+    qe_row = qr_ptr + t.to(tl.int64) * stride_rt + heads[:, None] * stride_rh  # the rope part (ROPE)
     q = bf16_operand(tl.load(q_row + d[None, :], mask=hm[:, None], other=0.0), INTERP)
     if ROPE:
-        qpe = bf16_operand(tl.load(q_row + 512 + tl.arange(0, 64)[None, :], mask=hm[:, None], other=0.0), INTERP)
+        qpe = bf16_operand(tl.load(qe_row + tl.arange(0, 64)[None, :], mask=hm[:, None], other=0.0), INTERP)
     score_scale = sm_scale_log2
     if KIND == KIND_FP8:
         score_scale = score_scale * k_scale  # plain fp8 rows hold value / k_scale

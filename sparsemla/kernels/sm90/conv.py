@@ -187,15 +187,15 @@ def _piece_dst(kLw, kRw, b, P: gl.constexpr):
 
 
 @gluon.jit
-def _stage_q_f16(q_row, hm, qL, qR, qE, sQ, ROPE: gl.constexpr):
-    """q rows [64 heads] (bf16) -> fp16 in qL / qR / qE, each head times a power of two c (its amax x c in
+def _stage_q_f16(q_row, qe_row, hm, qL, qR, qE, sQ, ROPE: gl.constexpr):
+    """q rows [64 heads] (bf16; the rope part at ``qe_row``) -> fp16 in qL / qR / qE, each head times a power of two c (its amax x c in
     [2^14, 2^15): no overflow, and bf16's 8 significant bits stay exact down to 2^-22 of the amax), and 1 / c
     into sQ.  Two passes over q (the second from L1 / L2): the amax, then the scaled values."""
     amax = gl.zeros([64], gl.float32, gl.SliceLayout(1, L_B16))
     for j in gl.static_range(4):
         amax = gl.maximum(amax, gl.max(gl.abs(_q_part(q_row, hm, 128 * j, 128)), 1))
     if ROPE:
-        amax = gl.maximum(amax, gl.max(gl.abs(_q_part(q_row, hm, 512, 64)), 1))
+        amax = gl.maximum(amax, gl.max(gl.abs(_q_part(qe_row, hm, 0, 64)), 1))
     c, inv_c = pow2_scale(amax)  # amax c in [128, 256)
     c = c * 128.0
     for j in gl.static_range(2):
@@ -204,7 +204,7 @@ def _stage_q_f16(q_row, hm, qL, qR, qE, sQ, ROPE: gl.constexpr):
         qR.index(0).slice(128 * j, 128, dim=1).store(
             (_q_part(q_row, hm, 256 + 128 * j, 128, True) * c[:, None]).to(gl.float16))
     if ROPE:
-        qE.index(0).store((_q_part(q_row, hm, 512, 64, True) * c[:, None]).to(gl.float16))
+        qE.index(0).store((_q_part(qe_row, hm, 0, 64, True) * c[:, None]).to(gl.float16))
     sQ.store(inv_c * 0.0078125)
 
 
@@ -225,7 +225,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     first two pieces) is loaded before piece P is converted; the next block's rows are looked up at the start
     of a block.  fp8_ds_mla's bf16 rope needs no conversion: it is copied into the tile by cp.async as soon as
     the tile is free, and waited for before the tile is published."""
-    (q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem,
+    (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem,
      bars) = args
     qL, qR, qE, kLw, kRw, kEw, sQ, sV = smem
     q_bar, ready, free = bars
@@ -234,15 +234,16 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     heads = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, L_B16))
     hm = heads < H
     q_row = gl.multiple_of(q_ptr + t.to(gl.int64) * stride_qt + gl.where(hm, heads, 0).to(gl.int64) * stride_qh, 16)
+    qe_row = gl.multiple_of(qr_ptr + t.to(gl.int64) * stride_rt + gl.where(hm, heads, 0).to(gl.int64) * stride_rh, 16)
     if DS or B16:
         # bf16, as it is, by cp.async
         copy_rows(qL.index(0), q_row, 0, 256, hm, L_B16)
         copy_rows(qR.index(0), q_row, 256, 256, hm, L_B16)
         if ROPE:
-            copy_rows(qE.index(0), q_row, 512, 64, hm, L_B16)
+            copy_rows(qE.index(0), qe_row, 0, 64, hm, L_B16)
         async_copy.mbarrier_arrive(q_bar, increment_count=False)
     else:
-        _stage_q_f16(q_row, hm, qL, qR, qE, sQ, ROPE)
+        _stage_q_f16(q_row, qe_row, hm, qL, qR, qE, sQ, ROPE)
         fence_async_shared()  # q is read by the consumers' wgmma (async proxy)
         compat.barrier()
         mbarrier.arrive(q_bar, count=1)
@@ -473,7 +474,7 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
 
 
 @gluon.jit
-def conv_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                 o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                 sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
                 BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
@@ -538,7 +539,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
         kEw = kE  # fp8_ds_mla's bf16 rope is copied as it is (cp.async)
     else:
         kEw = compat.reinterpret(kE, gl.int32, [2, 64, 32], words)
-    pa = (q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits,
+    pa = (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits,
           (qL, qR, qE, kLw, kRw, kEw, sQ, sV), (q_bar, ready, free))
     if B16:
         PR: gl.constexpr = B16_PRODUCER_REGS

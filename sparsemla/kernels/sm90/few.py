@@ -188,7 +188,7 @@ def _pv_operands(raw, ks: gl.constexpr):
 
 
 @gluon.jit
-def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr, CHUNKS: gl.constexpr):
+def _stage_q(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr, CHUNKS: gl.constexpr):
     """q * c into shared memory as the QK B operand, once per program; returns c, the per-token power of two
     that brings q into fp16 range (amax * c in [2^13, 2^15); over the latent dims, and the rope dims too
     when they are fp16 operands (plain fp8)).  Groups are fp16 [4, 16, 128] with columns permuted like the
@@ -207,7 +207,8 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROP
     amax = gl.maximum(gl.maximum(absmax(x0), absmax(x1)), gl.maximum(absmax(x2), absmax(x3)))
     if ROPE:
         k64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
-        xr = gl.load(q_row + 512 + k64[None, :], mask=hm, other=0.0).to(gl.float32)
+        qe_row = qr_ptr + t.to(gl.int64) * stride_rt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_rh
+        xr = gl.load(qe_row + k64[None, :], mask=hm, other=0.0).to(gl.float32)
         if not DS:
             amax = gl.maximum(amax, absmax(xr))
     e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
@@ -231,7 +232,7 @@ def _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROP
 
 
 @gluon.jit
-def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr):
+def _stage_q8(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr):
     """FP8_QK's q: each 128-dim group G of each head as two e4m3 terms of y = q c_hG, hi = e4m3(y) and
     lo = e4m3((y - hi) LO_SHIFT), [4 groups, 32, 128] (rows 0-15 hi, 16-31 lo: one MMA takes both as N = 32,
     each in its own accumulator columns; natural order: the QK MMAs read the rows' e4m3 bytes straight from
@@ -256,7 +257,8 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS: gl.constexpr, RO
     ir = gl.full([16], 1.0, gl.float32, HEAD)
     if ROPE:
         k64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
-        xr = gl.load(q_row + 512 + k64[None, :], mask=hm, other=0.0).to(gl.float32)
+        qe_row = qr_ptr + t.to(gl.int64) * stride_rt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_rh
+        xr = gl.load(qe_row + k64[None, :], mask=hm, other=0.0).to(gl.float32)
         if DS:
             qr.index(0).store(xr.to(gl.bfloat16))
         else:
@@ -380,7 +382,7 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, 
     warpgroup's fp16 tile in shared memory [8 chunks, 64 rows, 64 dims], and both MMAs read it from there:
     S^T = K q^T (A = the tile), O^T += V^T P^T (A = the tile transposed), eight 64-dim accumulators.  The
     raw stage is released as soon as it is converted.  Warpgroup 0 then merges and stores."""
-    (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+    (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
      stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem,
      bars) = args
     raw, scl, rope, qn, qr, pb, kt, vec = smem  # kt: the two warpgroups' tiles, [2 x 8 chunks, 64, 64] fp16
@@ -389,7 +391,7 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, 
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    c = _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, False, ROPE, True, False)
+    c = _q_ready(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, vec, q_bar, WG, False, ROPE, True, False)
     score_scale = sm_scale_log2 / c
     s_zero = gl.zeros([64, 16], gl.float32, S_L)
     o0 = s_zero
@@ -478,20 +480,20 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, 
 
 
 @gluon.jit
-def _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
+def _q_ready(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
              ROPE: gl.constexpr, CHUNKS: gl.constexpr, FP8_QK: gl.constexpr):
     """Warpgroup 0 stages q (_stage_q, or _stage_q8 for FP8_QK) and publishes c; warpgroup 1 waits for it.  Returns
     c: a scalar, or (FP8_QK) the five 1 / c of _stage_q8 (one power of two per head each, [16] in HEAD)."""
     if WG == 0:
         if FP8_QK:
-            c = _stage_q8(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE)
+            c = _stage_q8(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, DS, ROPE)
             vec.index(0).store(c[0])
             vec.index(1).store(c[1])
             vec.index(2).store(c[2])
             vec.index(3).store(c[3])
             vec.index(4).store(c[4])
         else:
-            c = _stage_q(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, DS, ROPE, CHUNKS)
+            c = _stage_q(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, DS, ROPE, CHUNKS)
             vec.index(0).store(gl.full([16], 1.0, gl.float32, HEAD) * c)  # c for warpgroup 1
         fence_async_shared()
         compat.barrier()
@@ -538,7 +540,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
               NG: gl.constexpr, HAS_VC: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...; warpgroup 0 then merges and stores.  FP8_QK: QK on
     e4m3 MMAs straight from shared memory (see the module docstring)."""
-    (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+    (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
      stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem,
      bars) = args
     raw, scl, rope, qn, qr, pb, mrg, vec = smem
@@ -548,7 +550,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    c = _q_ready(q_ptr, stride_qt, stride_qh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE, False, FP8_QK)
+    c = _q_ready(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE, False, FP8_QK)
     if FP8_QK:
         score_scale = sm_scale_log2  # the scores are in true units (_fold divides by c)
     else:
@@ -682,7 +684,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
 
 
 @gluon.jit
-def few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
+def few_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
                BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
@@ -751,7 +753,7 @@ def few_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, idx_ptr, stride_it, vc_ptr,
     bars = (q_bar, ready, free, done_bar)
     # (constexprs reach a partition as constexprs only when written into warp_specialize's argument tuples
     # there: a tuple assigned to a name first holds them as tensors)
-    ca = (q_ptr, stride_qt, stride_qh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+    ca = (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
           lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
           smem, bars)
     pa = (kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, raw, scl, rope, ready, free)
