@@ -319,8 +319,9 @@ CAUSE_HOST = ("Before any Python, a call pays Triton's C launch function (4.7 us
               "partials and their combine (about 9 us more than b 128): one launch would need the last split of a "
               "token to combine in the attention kernel.  The host differs from one GPU-machine call to the next "
               "by about 1.5x.")
-CAUSE_PAIR_Q = ("The pair's addition is mostly the query copy into one tensor (one more kernel launch and its "
-                "arguments); kernels that read ql_nope and q_pe through two pointers would need no copy.")
+CAUSE_PAIR_Q = ("The kernels read the pair in place; what the call adds is Python (the checks of the query's parts, "
+                "the indices and the counts, the cache view, the plan lookup), and the host differs from one "
+                "GPU-machine call to the next by about 1.5x.")
 
 
 def host_section(t: Table) -> List[str]:

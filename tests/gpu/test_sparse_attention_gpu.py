@@ -69,16 +69,19 @@ def test_query_in_two_tensors_gpu(fmt, heads, portable):
 
 
 def test_query_pair_with_an_unaligned_rope_part_gpu():
-    """A q_pe whose rows are not 16-byte aligned cannot go to the Hopper kernels (16-byte loads): the plan takes
-    the portable kernels, and the result matches the reference."""
+    """A q_pe whose rows are not 16-byte aligned cannot go to the Hopper kernels that copy q with 16-byte
+    cp.async (sm90-conv, sm90-bf16): they refuse it; the call's plan serves it and matches the reference."""
     c = make_case("fp8_ds_mla", 6, 64, 2048, ctx=4096, block_size=64, device="cuda")
     q = c["q"]
     proj = torch.zeros(q.shape[0], 64, 200, device="cuda", dtype=torch.bfloat16)
     q_pe = proj[..., 131:195]  # 262 bytes into each 400-byte row
     q_pe.copy_(q[..., 512:])
     q_nope = q[..., :512]
+    with pytest.raises(ValueError, match="16-byte aligned q"):
+        attn_mod.plan_for(q_nope, c["cache"].rows, c["fmt"], 2048, q_pe=q_pe, kernel="sm90-conv")
+    attn_mod.plan_for(q_nope, c["cache"].rows, c["fmt"], 2048, q_pe=proj[..., 128:192], kernel="sm90-conv")
     plan = attn_mod.plan_for(q_nope, c["cache"].rows, c["fmt"], 2048, q_pe=q_pe)
-    assert plan.kernel.startswith("portable"), plan
+    assert plan.kernel != "sm90-conv", plan
     out, lse = attn_mod.attention_fwd(q_nope, c["cache"].rows, c["fmt"], c["indices"], 576 ** -0.5, plan=plan,
                                       valid_counts=c["valid_counts"], q_pe=q_pe)
     _check(out, lse, c, 576 ** -0.5)
