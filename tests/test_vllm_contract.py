@@ -149,6 +149,18 @@ def test_bad_arguments_name_the_argument():
         layer.forward((pair[0], pair[1][..., :32]), cache.view, idx, vc)
     with pytest.raises(ValueError, match=r"q\[0\]"):
         layer.forward(query_pair(2, 8, 64), cache.view, idx, vc)
+    with pytest.raises(ValueError, match=r"q\[0\]"):
+        layer.forward((pair[0].float(), pair[1]), cache.view, idx, vc)
+    with pytest.raises(ValueError, match=r"q\[1\]"):
+        layer.forward((pair[0], pair[1].half()), cache.view, idx, vc)
+    with pytest.raises(ValueError, match=r"q\[0\]"):
+        layer.forward((pair[0][:1], pair[1]), cache.view, idx, vc)
+    with pytest.raises(ValueError, match="pair"):
+        layer.forward((pair[0], pair[1], pair[1]), cache.view, idx, vc)
+    with pytest.raises(ValueError, match="q:"):
+        layer.forward(torch.cat(pair, -1)[..., :575], cache.view, idx, vc)
+    with pytest.raises(ValueError, match="q:"):
+        layer.forward(torch.cat(pair, -1).float(), cache.view, idx, vc)
     with pytest.raises(ValueError, match="max_tokens"):
         layer.forward(pair, cache.view, torch.full((9, 2048), -1, dtype=torch.int32),
                       torch.zeros(9, dtype=torch.int32))

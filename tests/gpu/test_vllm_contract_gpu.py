@@ -149,3 +149,26 @@ def test_sanitizer_short_run(name, head):
     """A few steps of every format at 16 and 128 heads: small enough to run under compute-sanitizer."""
     for heads in (16, 128):
         _graph_vs_eager(name, head, heads, steps=4, seed=5)
+
+
+def test_query_on_another_device_is_refused():
+    """A query part on the host (or another GPU) is refused with the part named, before any launch."""
+    fmt = resolve_format("fp8_ds_mla", 576)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cache = layered_caches(fmt, "fp8_ds_mla", 4, BLOCK, 1, 1.0, dev, seed=3)[0]
+    ws = Workspace(fmt, 4, 16, 2048, dev)
+    layer = LayerAttention(ws, "fp8_ds_mla", 576, SCALE)
+    idx = torch.full((2, 2048), -1, dtype=torch.int32, device=dev)
+    vc = torch.zeros(2, dtype=torch.int32, device=dev)
+    ql = torch.zeros(2, 16, 512, dtype=torch.bfloat16, device=dev)
+    q_pe = torch.zeros(2, 16, 64, dtype=torch.bfloat16, device=dev)
+    layer.forward((ql, q_pe), cache.view, idx, vc)
+    with pytest.raises(ValueError, match=r"q\[0\].*cuda"):
+        layer.forward((ql.cpu(), q_pe), cache.view, idx, vc)
+    with pytest.raises(ValueError, match=r"q\[1\].*cuda"):
+        layer.forward((ql, q_pe.cpu()), cache.view, idx, vc)
+    with pytest.raises(ValueError, match=r"q:.*cuda"):
+        layer.forward(torch.cat((ql, q_pe), -1).cpu(), cache.view, idx, vc)
+    with pytest.raises(ValueError, match="valid_counts"):
+        layer.forward((ql, q_pe), cache.view, idx, vc.cpu())
+    torch.cuda.synchronize()

@@ -182,6 +182,7 @@ class Workspace:
         self.device = device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             self.device = device = torch.device("cuda", torch.cuda.current_device())
+        self.device_index = device.index if device.type == "cuda" else -1  # as Tensor.get_device() gives it
         self.facts = _device_facts(device)
         self.out = torch.zeros((max_tokens, num_heads, V_DIM), dtype=torch.bfloat16, device=device)
         self.lse = torch.zeros((max_tokens, num_heads), dtype=torch.float32, device=device)
@@ -338,25 +339,27 @@ class LayerAttention:
             ``(out, lse)``: views of the workspace's buffers, bf16 ``[T, H, 512]`` and fp32 ``[T, H]``.
         """
         ws = self.workspace if workspace is None else workspace
-        t = indices.shape[0]
+        ishape = indices.shape
+        t = ishape[0]
         if t > ws.max_tokens:
             raise ValueError(f"indices: {t} query tokens exceed the workspace's max_tokens ({ws.max_tokens})")
-        if indices.dtype is not _I32 or indices.dim() != 2 or indices.stride(1) != 1 or indices.shape[1] > ws.topk:
+        if indices.dtype is not _I32 or len(ishape) != 2 or indices.stride(1) != 1 or ishape[1] > ws.topk:
             raise ValueError(f"indices: expected int32 [T, K <= {ws.topk}] with contiguous rows, got {indices.dtype} "
                              f"{tuple(indices.shape)} strides {tuple(indices.stride())}")
         if valid_counts is not None and (valid_counts.dtype is not _I32 or valid_counts.shape != (t,)
-                                         or (t > 1 and valid_counts.stride(0) != 1)):
-            raise ValueError(f"valid_counts: expected contiguous int32 [{t}], got {valid_counts.dtype} "
-                             f"{tuple(valid_counts.shape)}")
-        if indices.device != ws.device:
+                                         or (t > 1 and valid_counts.stride(0) != 1)
+                                         or valid_counts.get_device() != ws.device_index):
+            raise ValueError(f"valid_counts: expected contiguous int32 [{t}] on {ws.device}, got {valid_counts.dtype} "
+                             f"{tuple(valid_counts.shape)} on {valid_counts.device}")
+        if indices.get_device() != ws.device_index:
             raise ValueError(f"indices: expected them on {ws.device}, got {indices.device}")
         cache = self.cache_view(kv_cache)
         out, lse = ws.views(t)
         if self.backend == "native":
-            qq, qpe = query_parts(q, self.fmt, ws, t)
+            qq, qpe, aligned = _query_in_place(q, self.fmt, ws, t)
             if t == 0:
                 return out, lse
-            plan = ws.plan(t, _aligned(qq) and (qpe is None or _aligned(qpe)), self._kv_aligned)
+            plan = ws.plan(t, aligned, self._kv_aligned)
             _launch(plan, qq, qpe, cache.rows, self.fmt, indices, self.sm_scale, valid_counts, float(k_scale), out,
                     lse, ws.split)
         else:
@@ -366,6 +369,28 @@ class LayerAttention:
             _functional("decode" if decode else "prefill", qq, cache, indices, self.sm_scale, valid_counts,
                         float(k_scale), self.backend, out, lse)
         return out, lse
+
+
+def _query_in_place(q: Query, fmt: KVFormat, ws: Workspace, t: int):
+    """``(q, q_pe, aligned)``: :func:`query_parts` and whether both parts have 16-byte aligned rows.  The common
+    cases -- vLLM's RoPE pair, one tensor -- are checked in one pass here (host time: a call is paid per layer);
+    anything else goes through :func:`query_parts`, whose checks name what is wrong."""
+    h, dev = ws.num_heads, ws.device_index
+    if type(q) is tuple:
+        if len(q) == 2 and fmt.rope_dim:
+            qq, qpe = q
+            if type(qq) is _Tensor and type(qpe) is _Tensor:
+                ns, ps = qq.stride(), qpe.stride()
+                if (qq.dtype is _BF16 and qpe.dtype is _BF16 and ns[2] == 1 and ps[2] == 1
+                        and qq.shape == (t, h, V_DIM) and qpe.shape == (t, h, fmt.rope_dim)
+                        and qq.get_device() == dev and qpe.get_device() == dev):
+                    return qq, qpe, not ((qq.data_ptr() | qpe.data_ptr()) & 15 or (ns[0] | ns[1] | ps[0] | ps[1]) & 7)
+    elif type(q) is _Tensor:
+        qs = q.stride()
+        if q.dtype is _BF16 and qs[2] == 1 and q.shape == (t, h, fmt.head_dim) and q.get_device() == dev:
+            return q, None, not (q.data_ptr() & 15 or (qs[0] | qs[1]) & 7)
+    qq, qpe = query_parts(q, fmt, ws, t)
+    return qq, qpe, _aligned(qq) and (qpe is None or _aligned(qpe))
 
 
 def query_parts(q: Query, fmt: KVFormat, ws: Workspace, num_tokens: int):
@@ -378,17 +403,17 @@ def query_parts(q: Query, fmt: KVFormat, ws: Workspace, num_tokens: int):
             raise ValueError(f"q: expected a (ql_nope, q_pe) pair, got {len(q)} tensors")
         q_nope, q_pe = q
         rope = fmt.rope_dim
-        _check_q("q[0] (ql_nope)", q_nope, num_tokens, ws.num_heads, V_DIM)
+        _check_q("q[0] (ql_nope)", q_nope, num_tokens, ws, V_DIM)
         if not isinstance(q_pe, torch.Tensor) or q_pe.shape[-1] != rope:
             raise ValueError(f"q[1] (q_pe): {fmt.id} rows hold {rope} RoPE dims, got q_pe of shape "
                              f"{tuple(getattr(q_pe, 'shape', ()))}")
         if not rope:
             return q_nope, None
-        _check_q("q[1] (q_pe)", q_pe, num_tokens, ws.num_heads, rope, contiguous=False)
+        _check_q("q[1] (q_pe)", q_pe, num_tokens, ws, rope, contiguous=False)
         if q_pe.stride(2) == 1:
             return q_nope, q_pe
         return torch.cat((q_nope, q_pe), dim=-1, out=ws.query_view(num_tokens)), None
-    _check_q("q", q, num_tokens, ws.num_heads, fmt.head_dim, contiguous=False)
+    _check_q("q", q, num_tokens, ws, fmt.head_dim, contiguous=False)
     if q.stride(2) == 1:
         return q, None
     buf = ws.query_view(num_tokens)
@@ -405,11 +430,8 @@ def assemble_query(q: Query, fmt: KVFormat, ws: Workspace, num_tokens: int) -> t
     return torch.cat((qq, q_pe), dim=-1, out=ws.query_view(num_tokens))
 
 
-def _check_q(name: str, q: torch.Tensor, t: int, h: int, d: int, contiguous: bool = True) -> None:
-    shape = q.shape if isinstance(q, torch.Tensor) else None
-    if (shape is not None and q.dtype is _BF16 and shape == (t, h, d)
-            and not (contiguous and q.stride(2) != 1)):
-        return  # the common case in one test; the checks below name what is wrong
+def _check_q(name: str, q: torch.Tensor, t: int, ws: Workspace, d: int, contiguous: bool = True) -> None:
+    h = ws.num_heads
     if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or q.dim() != 3:
         raise ValueError(f"{name}: expected a bf16 [T, H, {d}] tensor, got "
                          f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
@@ -418,6 +440,10 @@ def _check_q(name: str, q: torch.Tensor, t: int, h: int, d: int, contiguous: boo
                          f"got {tuple(q.shape)}")
     if contiguous and q.stride(2) != 1:
         raise ValueError(f"{name}: the last dim must be contiguous (strides {tuple(q.stride())})")
+    if q.get_device() != ws.device_index:
+        raise ValueError(f"{name}: expected it on {ws.device}, got {q.device}")
 
+
+_Tensor = torch.Tensor
 
 __all__ = ["Workspace", "LayerAttention", "assemble_query", "query_parts", "resolve_format", "vllm_row_bytes", "V_DIM", "MAX_HEADS"]
