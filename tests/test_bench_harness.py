@@ -471,3 +471,21 @@ def test_render_each_table_from_the_newest_run_of_its_driver():
     assert "No prefill rows" not in bench and "4.58 ms, 511 TFLOP/s" in bench
     assert "Measured at commit `aaaaaaa`" in bench and "Measured at commit `bbbbbbb`" in bench
     assert "| `SparseMLA.run`, one layer, b 128 | `fp8_ds_mla` | 128 | 16 | 39.3 us |" in bench
+
+
+def test_host_table_takes_the_newest_run_with_the_peers():
+    """Host-time targets are compared with the peers timed in the same process: a later run without them (--no-peers)
+    stays in the file but does not replace the table's run."""
+    render = _load_script("benchmarks/render.py")
+
+    def host(commit, value, impl="sparsemla"):
+        return dict(R.make_row(dict(ENV, commit=commit, command="python3 benchmarks/host_overhead.py"),
+                               config="H-decode-b128", kind="host", fmt="fp8_ds_mla", heads=16, batch=128, s_q=1,
+                               topk=2048, impl=impl, timing="host", value=value))
+    rows = [host("a" * 40, 30.0), host("a" * 40, 40.0, impl="flashmla"), host("b" * 40, 50.0)]
+    assert render.section_commit(rows, "host") == "a" * 40
+    bench = render.render_benchmarks(rows, "r.jsonl")
+    assert "Measured at commit `aaaaaaa`" in bench and "| 30.0 us |" in bench and "50.0 us" not in bench
+    rows.append(host("c" * 40, 20.0, impl="flashinfer"))
+    rows.append(host("c" * 40, 25.0))
+    assert render.section_commit(rows, "host") == "c" * 40
