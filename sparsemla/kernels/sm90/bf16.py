@@ -345,7 +345,8 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
 # meta()):
 # ``grid``: ``(tokens x splits x num_groups,)`` (program p: head group p % num_groups, 64 heads, of split
 # (p // num_groups) % splits of token p // (num_groups x splits)).  ``args`` (positional, in this order): q
-# [tokens, heads, 576 or 512] bf16 and its strides (token, head; 16-byte aligned rows); the cache rows
+# [tokens, heads, 512 or more] bf16 and its strides (token, head; 16-byte aligned rows); the query's RoPE
+# part and its strides (as for few.py; 16-byte aligned rows too); the cache rows
 # (row r at byte r x bytes_per_row, 16-byte aligned); indices [tokens, top-k] int32 (-1: no row) and its
 # token stride; valid counts [tokens] int32 (any tensor when has_valid_counts is False); out and its
 # strides (token, split, head); lse and its strides; sm_scale x log2(e); heads; top-k; rows per split (a

@@ -557,7 +557,7 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 # meta()):
 # ``grid``: ``(tokens x splits x num_groups,)`` (program p: head group p % num_groups, 64 heads, of split
 # (p // num_groups) % splits of token p // (num_groups x splits)); ``args``: the positional arguments of the
-# few-heads kernel (few.py; k_scale included); q rows 16-byte aligned (cp.async).  12 warps, 168 registers
+# few-heads kernel (few.py; k_scale included); q rows and its RoPE part's rows 16-byte aligned (cp.async).  12 warps, 168 registers
 # each at launch (warpgroup 0: 208 after setmaxnreg, warpgroup 1: 160, the producer: 136).
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
