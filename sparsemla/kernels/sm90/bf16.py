@@ -56,7 +56,8 @@ def _block_rows(idx_row, p0, k_end, kv_ptr, BPT: gl.constexpr, rows_l: gl.conste
 
 
 @gluon.jit
-def _producer(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits,
+def _producer(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K,
+              rows_per_split, num_splits,
               smem, bars, BPT: gl.constexpr, ROPE: gl.constexpr, ROPE_OFF: gl.constexpr, NG: gl.constexpr,
               HAS_VC: gl.constexpr):
     """q once, then per pair of blocks: left half of block 0, right half of block 1 (both freed early),
@@ -72,7 +73,8 @@ def _producer(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr,
     copy_rows(qL.index(0), q_row, 0, 256, hm, lay)
     copy_rows(qR.index(0), q_row, 256, 256, hm, lay)
     if ROPE:
-        qe_row = gl.multiple_of(qr_ptr + t.to(gl.int64) * stride_rt + gl.where(hm, heads, 0).to(gl.int64) * stride_rh, 16)
+        qe_row = gl.multiple_of(qr_ptr + t.to(gl.int64) * stride_rt + gl.where(hm, heads, 0).to(gl.int64) * stride_rh,
+                                16)
         copy_rows(qE.index(0), qe_row, 0, 64, hm, lay)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
 
@@ -334,7 +336,8 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     gl.warp_specialize([
         (_wg0, cargs),
         (_wg1, cargs),
-        (_producer, (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split,
+        (_producer, (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H,
+         K, rows_per_split,
                      num_splits, smem, bars, BPT, ROPE, ROPE_OFF, NG, HAS_VC)),
     ], [4, 4], [232, 40])
 

@@ -225,7 +225,8 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     first two pieces) is loaded before piece P is converted; the next block's rows are looked up at the start
     of a block.  fp8_ds_mla's bf16 rope needs no conversion: it is copied into the tile by cp.async as soon as
     the tile is free, and waited for before the tile is published."""
-    (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, smem,
+    (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K,
+     rows_per_split, num_splits, smem,
      bars) = args
     qL, qR, qE, kLw, kRw, kEw, sQ, sV = smem
     q_bar, ready, free = bars
@@ -539,7 +540,8 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
         kEw = kE  # fp8_ds_mla's bf16 rope is copied as it is (cp.async)
     else:
         kEw = compat.reinterpret(kE, gl.int32, [2, 64, 32], words)
-    pa = (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits,
+    pa = (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K,
+          rows_per_split, num_splits,
           (qL, qR, qE, kLw, kRw, kEw, sQ, sV), (q_bar, ready, free))
     if B16:
         PR: gl.constexpr = B16_PRODUCER_REGS

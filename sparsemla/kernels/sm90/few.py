@@ -51,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from . import compat
 from .common import NEG_BIG, absmax, normalizer, program_coords, rcp
 from .rows import (L_QK64, L_V, LO_SHIFT, SC_L, acc_dim, block_indices, e4m3_view, fp4_values, load_q_group,
+                   load_q_rope,
                    pow2_scale, producer, pv_rows, pv_values, relabel64, store_e4m3_terms)
 
 NS = gl.constexpr(4)  # ring stages of 64 rows (fp8 / fp8_ds_mla rows; nvfp4 rows have 3, see the kernel)
@@ -188,7 +189,8 @@ def _pv_operands(raw, ks: gl.constexpr):
 
 
 @gluon.jit
-def _stage_q(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr, CHUNKS: gl.constexpr):
+def _stage_q(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, DS: gl.constexpr,
+             ROPE: gl.constexpr, CHUNKS: gl.constexpr):
     """q * c into shared memory as the QK B operand, once per program; returns c, the per-token power of two
     that brings q into fp16 range (amax * c in [2^13, 2^15); over the latent dims, and the rope dims too
     when they are fp16 operands (plain fp8)).  Groups are fp16 [4, 16, 128] with columns permuted like the
@@ -206,9 +208,7 @@ def _stage_q(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H,
     x3 = load_q_group(q_row, hm, 384, lay)
     amax = gl.maximum(gl.maximum(absmax(x0), absmax(x1)), gl.maximum(absmax(x2), absmax(x3)))
     if ROPE:
-        k64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
-        qe_row = qr_ptr + t.to(gl.int64) * stride_rt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_rh
-        xr = gl.load(qe_row + k64[None, :], mask=hm, other=0.0).to(gl.float32)
+        xr = load_q_rope(qr_ptr, stride_rt, stride_rh, t, heads, H, hm, lay)
         if not DS:
             amax = gl.maximum(amax, absmax(xr))
     e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
@@ -232,7 +232,8 @@ def _stage_q(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H,
 
 
 @gluon.jit
-def _stage_q8(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, DS: gl.constexpr, ROPE: gl.constexpr):
+def _stage_q8(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, DS: gl.constexpr,
+              ROPE: gl.constexpr):
     """FP8_QK's q: each 128-dim group G of each head as two e4m3 terms of y = q c_hG, hi = e4m3(y) and
     lo = e4m3((y - hi) LO_SHIFT), [4 groups, 32, 128] (rows 0-15 hi, 16-31 lo: one MMA takes both as N = 32,
     each in its own accumulator columns; natural order: the QK MMAs read the rows' e4m3 bytes straight from
@@ -256,9 +257,7 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H
     i3 = _store_hi_lo(qn, 3, x3)
     ir = gl.full([16], 1.0, gl.float32, HEAD)
     if ROPE:
-        k64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
-        qe_row = qr_ptr + t.to(gl.int64) * stride_rt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_rh
-        xr = gl.load(qe_row + k64[None, :], mask=hm, other=0.0).to(gl.float32)
+        xr = load_q_rope(qr_ptr, stride_rt, stride_rh, t, heads, H, hm, lay)
         if DS:
             qr.index(0).store(xr.to(gl.bfloat16))
         else:
@@ -382,7 +381,8 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, 
     warpgroup's fp16 tile in shared memory [8 chunks, 64 rows, 64 dims], and both MMAs read it from there:
     S^T = K q^T (A = the tile), O^T += V^T P^T (A = the tile transposed), eight 64-dim accumulators.  The
     raw stage is released as soon as it is converted.  Warpgroup 0 then merges and stores."""
-    (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+    (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot,
+     stride_os, stride_oh, lse_ptr,
      stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem,
      bars) = args
     raw, scl, rope, qn, qr, pb, kt, vec = smem  # kt: the two warpgroups' tiles, [2 x 8 chunks, 64, 64] fp16
@@ -391,7 +391,8 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, 
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    c = _q_ready(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, vec, q_bar, WG, False, ROPE, True, False)
+    c = _q_ready(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, vec, q_bar, WG, False,
+                 ROPE, True, False)
     score_scale = sm_scale_log2 / c
     s_zero = gl.zeros([64, 16], gl.float32, S_L)
     o0 = s_zero
@@ -480,7 +481,8 @@ def _consumer_fp4(args, WG: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, 
 
 
 @gluon.jit
-def _q_ready(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr, DS: gl.constexpr,
+def _q_ready(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, vec, q_bar, WG: gl.constexpr,
+             DS: gl.constexpr,
              ROPE: gl.constexpr, CHUNKS: gl.constexpr, FP8_QK: gl.constexpr):
     """Warpgroup 0 stages q (_stage_q, or _stage_q8 for FP8_QK) and publishes c; warpgroup 1 waits for it.  Returns
     c: a scalar, or (FP8_QK) the five 1 / c of _stage_q8 (one power of two per head each, [16] in HEAD)."""
@@ -540,7 +542,8 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
               NG: gl.constexpr, HAS_VC: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): blocks WG, WG + 2, ...; warpgroup 0 then merges and stores.  FP8_QK: QK on
     e4m3 MMAs straight from shared memory (see the module docstring)."""
-    (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+    (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot,
+     stride_os, stride_oh, lse_ptr,
      stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem,
      bars) = args
     raw, scl, rope, qn, qr, pb, mrg, vec = smem
@@ -550,7 +553,8 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    c = _q_ready(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE, False, FP8_QK)
+    c = _q_ready(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, vec, q_bar, WG, DS, ROPE,
+                 False, FP8_QK)
     if FP8_QK:
         score_scale = sm_scale_log2  # the scores are in true units (_fold divides by c)
     else:
@@ -753,7 +757,8 @@ def few_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr
     bars = (q_bar, ready, free, done_bar)
     # (constexprs reach a partition as constexprs only when written into warp_specialize's argument tuples
     # there: a tuple assigned to a name first holds them as tensors)
-    ca = (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+    ca = (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot,
+          stride_os, stride_oh,
           lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
           smem, bars)
     pa = (kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, raw, scl, rope, ready, free)

@@ -267,6 +267,16 @@ def load_q_group(q_row, hm, off: gl.constexpr, lay: gl.constexpr):
 
 
 @gluon.jit
+def load_q_rope(qr_ptr, stride_rt, stride_rh, t, heads, H, hm, lay: gl.constexpr):
+    """The query's 64 RoPE dims of token ``t`` and the rows ``heads`` ([R] in SliceLayout(1, lay)) as fp32 [R, 64],
+    read through their own pointer and strides (``q[..., 512:]`` or an engine's separate ``q_pe``); zeros where
+    ``hm`` ([R, 1]) is False."""
+    k = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
+    row = qr_ptr + t.to(gl.int64) * stride_rt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_rh
+    return gl.load(row + k[None, :], mask=hm, other=0.0).to(gl.float32)
+
+
+@gluon.jit
 def pow2_scale(amax):
     """c = 2^(7 - floor(log2 amax)) (amax c in [128, 256)) and 1 / c, exact, from amax's exponent bits (1 for
     amax == 0); amax is floored at 2^-100 (normal: its exponent field is floor(log2 amax) + 127).  Integer

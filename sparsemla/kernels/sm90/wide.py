@@ -44,7 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import compat
 from .common import NEG_BIG, absmax, program_coords, rcp
-from .rows import (L_QK64, L_V, SC_L, block_indices, e4m3_view, load_q_group, pow2_scale, producer, pv_rows,
+from .rows import (L_QK64, L_V, SC_L, block_indices, e4m3_view, load_q_group, load_q_rope, pow2_scale, producer,
+                   pv_rows,
                    pv_values, relabel64, store_e4m3_terms)
 
 NS = gl.constexpr(3)  # ring stages of 64 rows
@@ -285,7 +286,8 @@ def _pv_other(raw, pb, rbuf, z, so, b_oth, ready, free, p_ready, p_free, ph, oa,
 
 
 @gluon.jit
-def _stage_q(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, q_amax, q_bar, WG: gl.constexpr, DS: gl.constexpr,
+def _stage_q(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, q_amax, q_bar,
+             WG: gl.constexpr, DS: gl.constexpr,
              ROPE: gl.constexpr):
     """q x c into shared memory as the QK B operand, once per program, half by each consumer warpgroup
     (WG w: latent groups 2w, 2w + 1; warpgroup 1 also the rope), in 64-dim chunks with columns permuted like
@@ -300,9 +302,7 @@ def _stage_q(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H,
     q_row = q_ptr + t.to(gl.int64) * stride_qt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_qh
     amax = gl.maximum(absmax(load_q_group(q_row, hm, 256 * WG, lay)), absmax(load_q_group(q_row, hm, 256 * WG + 128, lay)))
     if ROPE and WG == 1:
-        k64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
-        qe_row = qr_ptr + t.to(gl.int64) * stride_rt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_rh
-        xr = gl.load(qe_row + k64[None, :], mask=hm, other=0.0).to(gl.float32)
+        xr = load_q_rope(qr_ptr, stride_rt, stride_rh, t, heads, H, hm, lay)
         if not DS:
             amax = gl.maximum(amax, absmax(xr))
     q_amax.index(WG).store(gl.full([64], 1.0, gl.float32, HEAD) * amax)
@@ -330,7 +330,8 @@ def _stage_q(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H,
 
 
 @gluon.jit
-def _stage_q8(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, q_amax, q_bar, WG: gl.constexpr, DS: gl.constexpr,
+def _stage_q8(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, q_amax, q_bar,
+              WG: gl.constexpr, DS: gl.constexpr,
               ROPE: gl.constexpr):
     """FP8_QK: q x c_h as two e4m3 terms, both into one accumulator (hi + lo hold bf16 q exactly but for elements
     below ~2^-9 of the head's largest), c_h a power of two per head with amax_h x c_h in [128, 256).  Half by each
@@ -346,9 +347,7 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H
     amax = gl.maximum(gl.max(gl.abs(load_q_group(q_row, hm, 256 * WG, lay)), 1),
                       gl.max(gl.abs(load_q_group(q_row, hm, 256 * WG + 128, lay)), 1))
     if ROPE and WG == 1:
-        k64 = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
-        qe_row = qr_ptr + t.to(gl.int64) * stride_rt + gl.where(heads < H, heads, 0).to(gl.int64)[:, None] * stride_rh
-        xr = gl.load(qe_row + k64[None, :], mask=hm, other=0.0).to(gl.float32)
+        xr = load_q_rope(qr_ptr, stride_rt, stride_rh, t, heads, H, hm, lay)
         if not DS:
             amax = gl.maximum(amax, gl.max(gl.abs(xr), 1))
     q_amax.index(WG).store(amax)
@@ -403,7 +402,8 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
               NG: gl.constexpr, HAS_VC: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): QK and softmax of blocks 2 i + WG, PV of every block for output dims
     256 WG .. 256 WG + 255.  FP8_QK: QK on e4m3 MMAs (see the module docstring)."""
-    (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+    (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot,
+     stride_os, stride_oh, lse_ptr,
      stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem,
      bars) = args
     raw, scl, rope, qn, qr, pb, rbuf, pair_max, row_sum, run_max, q_amax = smem
@@ -413,9 +413,11 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     if FP8_QK:  # 1 / c_h, one per head
-        ss = sm_scale_log2 * _stage_q8(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, q_amax, q_bar, WG, DS, ROPE)
+        ss = sm_scale_log2 * _stage_q8(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr,
+                                       q_amax, q_bar, WG, DS, ROPE)
     else:
-        c = _stage_q(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, q_amax, q_bar, WG, DS, ROPE)
+        c = _stage_q(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, q_amax, q_bar, WG,
+                     DS, ROPE)
         ss = sm_scale_log2 / c
     if not DS:
         ss = ss * k_scale
@@ -586,7 +588,8 @@ def wide_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
         mbarrier.init(p_free.index(i), count=1)
         mbarrier.init(l_bar.index(i), count=1)
     # (constexprs in warp_specialize's argument tuples written there, not in tuples assigned to names: see few.py)
-    ca = (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh,
+    ca = (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot,
+          stride_os, stride_oh,
           lse_ptr, stride_lt, stride_ls, stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
           (raw, scl, rope, qn, qr, pb, rbuf, pair_max, row_sum, run_max, q_amax), (q_bar, ready, free, m_bar, p_ready, p_free, l_bar))
     pa = (kv_ptr, idx_ptr, stride_it, vc_ptr, H, K, rows_per_split, num_splits, raw, scl, rope, ready, free)
