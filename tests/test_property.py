@@ -8,8 +8,8 @@ top-k widths that are no multiple of a tile (and pooled widths ``index_topk + kp
 valid-count rule), valid counts (none, full, random, past K, zero), -1 prefixes and holes, empty rows,
 garbage past the valid counts pointing at rows nobody wrote (NaN bytes), block sizes 1-64 and block strides
 past them, k_scale (it changes only the plain fp8 format), heavy-tailed keys and queries with outlier
-channels, zero / constant / spiked / tiny / saturating rows, strided q / indices / out / lse views, outputs
-poisoned with NaN before the call.
+channels, zero / constant / spiked / tiny / saturating rows, strided q / indices / out / lse views, the query as
+an engine's two tensors (read in place by the launcher), outputs poisoned with NaN before the call.
 
 CI runs a bounded, reproducible number of examples (``derandomize``; ``RELIAB_EXAMPLES`` to change it); the
 H200 suite runs the same space with at least 10,000 cases (``tests/gpu/test_property_gpu.py``).
@@ -43,6 +43,23 @@ def test_attention_matches_float64_reference(data, device):
         out, lse = rc.run_case(case)
     except rc.Refused as why:
         pytest.fail(f"{spec.short()}: a backend the space offers refused the call: {why}")
+    ref_o, ref_l = rc.reference(case)
+    m = rc.measure(case, out, lse, ref_o, ref_l).tolist()
+    assert rc.passed(m), rc.describe_failure(spec, m)
+
+
+@pytest.mark.parametrize("fmt", [f for f in rc.format_ids() if rc.sparsemla.get_format(f).rope_dim])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_query_in_two_tensors_matches_float64_reference(fmt, seed, device):
+    """Random cases with the query as an engine's two tensors (q_nope head-major, q_pe a strided view of a
+    projection), through the launcher that reads them in place: the same bounds as any case."""
+    import dataclasses
+    src = rc.RandomSource(seed * 7919 + len(fmt))
+    spec = rc.draw_spec(src, rc.CPU, fmts=[fmt], backends=["triton-portable"])
+    spec = dataclasses.replace(spec, q_layout="pair")
+    case = rc.build_case(spec, device)
+    assert case["q_pair"] is not None and case["q_pair"][0].data_ptr() != case["q"].data_ptr()
+    out, lse = rc.run_case(case)
     ref_o, ref_l = rc.reference(case)
     m = rc.measure(case, out, lse, ref_o, ref_l).tolist()
     assert rc.passed(m), rc.describe_failure(spec, m)

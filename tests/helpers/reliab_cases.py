@@ -107,7 +107,8 @@ class Spec:
     repeat; garbage past the valid count: ``poison`` (rows nobody wrote), ``minus1``, ``outside`` (rows
     past the cache; GPU only); kv: ``heavy``, ``wide`` (row magnitudes 2^-12..2^8), ``edge`` (zero,
     constant, single-spike, tiny and saturating rows); in_dtype: the cache write's input dtype;
-    k_scale, sm_scale, q_scale (q magnitude); q_layout ``contiguous``/``padded``/``transposed``;
+    k_scale, sm_scale, q_scale (q magnitude); q_layout ``contiguous``/``padded``/``transposed``/``pair`` (the
+    query as an engine's two tensors, read in place by the native kernels: :func:`run_case`);
     idx_layout ``contiguous``/``padded``; out ``none``/``poisoned``/``padded``; lse
     ``none``/``poisoned``/``transposed``.
     """
@@ -266,9 +267,18 @@ def draw_config(src, fmt: str, backend: str, *, many_heads: Optional[bool] = Non
     if (is_fp8qk(backend) or cache_rows) and mode == "workspace":
         mode = "decode"
     return Config(fmt, backend, mode, heads_band, tokens_band, src.choice(["odd", "odd", "aligned", "pooled"]),
-                  src.chance(0.8), q_layout=src.choice(["contiguous"] * 4 + ["padded", "transposed"]),
+                  src.chance(0.8), q_layout=src.choice(["contiguous"] * 4 + ["padded", "transposed"]
+                                                       + (["pair"] if _pair_ok(fmt, backend) else [])),
                   out=src.choice(["poisoned", "poisoned", "padded", "none"]),
                   lse=src.choice(["poisoned", "poisoned", "transposed", "none"]))
+
+
+NATIVE = ("triton", "triton-portable", "triton-fp8qk")  # backends that are the library's launcher (with "auto" on a GPU)
+
+
+def _pair_ok(fmt: str, backend: str) -> bool:
+    """Whether a case may give the query as two tensors: formats with RoPE dims, the launcher's backends."""
+    return (backend == "auto" or backend in NATIVE) and sparsemla.get_format(fmt).rope_dim > 0
 
 
 def draw_spec(src, profile: Profile, *, config: Optional[Config] = None, fmts: Optional[Sequence[str]] = None,
@@ -283,7 +293,8 @@ def draw_spec(src, profile: Profile, *, config: Optional[Config] = None, fmts: O
         tokens = src.integer(1, profile.max_tokens)
         width, itk, kpool = _width(src, profile, None)
         has_counts = src.chance(0.8)
-        q_layout = src.choice(["contiguous", "contiguous", "padded", "transposed"])
+        q_layout = src.choice(["contiguous", "contiguous", "padded", "transposed"]
+                              + (["pair"] if _pair_ok(fmt, backend) else []))
         out = src.choice(["poisoned", "padded", "none"])
         lse = src.choice(["poisoned", "transposed", "none"])
     else:
@@ -479,13 +490,22 @@ def build_case(spec: Spec, device, storage: Optional[torch.Tensor] = None) -> Di
     else:
         q = torch.empty((t, spec.heads, d), dtype=torch.bfloat16, device=device)
     q.copy_(qv)
+    pair = None
+    if spec.q_layout == "pair" and fmt.rope_dim:
+        # an engine's two parts: q_nope head-major, q_pe a strided view of a [T, H, 128 + R] projection
+        proj = torch.empty((t, spec.heads, 128 + fmt.rope_dim), dtype=torch.bfloat16, device=device)
+        q_pe = proj[..., 128:]
+        q_pe.copy_(q[..., V_DIM:])
+        q_nope = torch.empty((spec.heads, t, V_DIM), dtype=torch.bfloat16, device=device).transpose(0, 1)
+        q_nope.copy_(q[..., :V_DIM])
+        pair = (q_nope, q_pe)
 
     kvarg = cache
     if spec.mode == "workspace":
         # the decoded cache as a bf16 workspace (poisoned rows decode to NaN and stay NaN)
         kvarg = fmt.decode(cache.rows, spec.k_scale).to(torch.bfloat16).contiguous()
     return dict(spec=spec, fmt=fmt, cache=cache, kv=kvarg, q=q, indices=indices, valid_counts=vc,
-                tables=tables, counts=counts)
+                tables=tables, counts=counts, q_pair=pair)
 
 
 def _outputs(spec: Spec, q):
@@ -512,6 +532,8 @@ def run_case(case: Dict):
     serve the call."""
     spec = case["spec"]
     out, lse = _outputs(spec, case["q"])
+    if case.get("q_pair") is not None and (spec.backend in NATIVE or case["q"].is_cuda):
+        return _run_pair(case, out, lse)
     fn = sparsemla.sparse_mla_decode if spec.mode == "decode" else sparsemla.sparse_mla_prefill
     try:
         o, l = fn(case["q"], case["kv"], case["indices"], spec.sm_scale, case["valid_counts"], spec.k_scale,
@@ -524,6 +546,26 @@ def run_case(case: Dict):
         assert o.data_ptr() == out.data_ptr(), "out= was not written in place"
     if lse is not None:
         assert l.data_ptr() == lse.data_ptr(), "lse= was not written in place"
+    return o, l
+
+
+def _run_pair(case: Dict, out, lse):
+    """The launcher on the query's two parts (``kernels.attention.attention_fwd(..., q_pe=)``, what the vLLM
+    contract calls), the plan as the case's backend asks for it."""
+    from sparsemla.backends._common import kv_rows
+    from sparsemla.kernels.attention import attention_fwd, plan_for
+    spec = case["spec"]
+    q_nope, q_pe = case["q_pair"]
+    rows, fmt = kv_rows(case["kv"])  # the cache's rows, or a bf16 workspace's
+    try:
+        plan = plan_for(q_nope, rows, fmt, case["indices"].shape[1], portable=spec.backend == "triton-portable",
+                        fp8_qk=is_fp8qk(spec.backend), q_pe=q_pe)
+    except ValueError as e:  # the FP8-QK mode where it cannot apply
+        raise Refused(str(e)) from e
+    o, l = attention_fwd(q_nope, rows, fmt, case["indices"], spec.sm_scale, plan=plan,
+                         valid_counts=case["valid_counts"], k_scale=spec.k_scale, out=out, lse=lse, q_pe=q_pe)
+    if out is not None:
+        assert o.data_ptr() == out.data_ptr(), "out= was not written in place"
     return o, l
 
 
