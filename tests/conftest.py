@@ -16,6 +16,15 @@ except Exception:  # pragma: no cover
 
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] == "1":
+        # Triton decides at decoration whether a kernel runs in the interpreter: import every kernel module now,
+        # so that a test that turns the interpreter off for a while (``no_interpreter``) cannot be the first to
+        # import one (a kernel decorated then stays compiled-only and fails under the interpreter later)
+        import pkgutil
+        import sparsemla.kernels
+        for _m in pkgutil.walk_packages(sparsemla.kernels.__path__, "sparsemla.kernels."):
+            if ".sm90" not in _m.name:  # the Gluon kernels never run in the interpreter (compiled on purpose)
+                __import__(_m.name)
 
 
 def pytest_collection_modifyitems(config, items):
