@@ -15,7 +15,8 @@ Every kernel takes the same runtime arguments (``k_scale`` only where the rows c
 
 and runs ``tokens * num_splits * num_groups`` programs (head groups fastest, so programs reading the same rows run
 side by side).  ``q_rope`` is the RoPE part of the query (``q[..., 512:]`` or an engine's separate ``q_pe``:
-the kernels read it through its own pointer, so a query in two tensors needs no copy).  With more than one split the kernel writes normalized fp32 partials ``[T, S, H, 512]`` /
+the kernels read it through its own pointer, so a query in two tensors needs no copy).  With more than one split
+the kernel writes normalized fp32 partials ``[T, S, H, 512]`` /
 ``[T, S, H]`` and :mod:`.combine` merges them into ``out`` / ``lse``.
 
 A Hopper (Gluon) kernel that fails to build on the installed Triton is recorded
@@ -131,13 +132,17 @@ def plan_for(q: torch.Tensor, rows: torch.Tensor, fmt, topk: int, *, fp8_qk: boo
     ``q_pe``: the query's RoPE part in its own tensor, as :func:`attention_fwd` takes it)."""
     facts = _device_facts(q.device)
     qs, shape = q.stride(), q.shape
-    q_aligned = not ((q.data_ptr() & 15) or (qs[0] & 7) or (qs[1] & 7))
-    if q_pe is not None:
-        rs = q_pe.stride()
-        q_aligned = q_aligned and not ((q_pe.data_ptr() & 15) or (rs[0] & 7) or (rs[1] & 7))
+    q_aligned = _rows_aligned(q) and (q_pe is None or _rows_aligned(q_pe))
     return _plan._plan("staged" if staged else fmt.name, shape[0], shape[1], topk, facts[0], facts[1], fp8_qk,
                        portable, interpreting(), q_aligned, not (rows.data_ptr() & 15), kernel, None,
                        _plan._UNAVAILABLE_SET, num_splits)
+
+
+def _rows_aligned(t: torch.Tensor) -> bool:
+    """16-byte aligned bf16 rows: the address and the token / head strides (what the sm_90 kernels' 16-byte q
+    loads need)."""
+    s = t.stride()
+    return not ((t.data_ptr() & 15) or (s[0] & 7) or (s[1] & 7))
 
 
 def _device_facts(dev: torch.device):

@@ -533,15 +533,16 @@ def run_case(case: Dict):
     spec = case["spec"]
     out, lse = _outputs(spec, case["q"])
     if case.get("q_pair") is not None and (spec.backend in NATIVE or case["q"].is_cuda):
-        return _run_pair(case, out, lse)
-    fn = sparsemla.sparse_mla_decode if spec.mode == "decode" else sparsemla.sparse_mla_prefill
-    try:
-        o, l = fn(case["q"], case["kv"], case["indices"], spec.sm_scale, case["valid_counts"], spec.k_scale,
-                  spec.backend, out, lse=lse)
-    except ValueError as e:
-        if "cannot serve" in str(e):
-            raise Refused(str(e)) from e
-        raise
+        o, l = _run_pair(case, out, lse)
+    else:
+        fn = sparsemla.sparse_mla_decode if spec.mode == "decode" else sparsemla.sparse_mla_prefill
+        try:
+            o, l = fn(case["q"], case["kv"], case["indices"], spec.sm_scale, case["valid_counts"], spec.k_scale,
+                      spec.backend, out, lse=lse)
+        except ValueError as e:
+            if "cannot serve" in str(e):
+                raise Refused(str(e)) from e
+            raise
     if out is not None:
         assert o.data_ptr() == out.data_ptr(), "out= was not written in place"
     if lse is not None:
@@ -562,11 +563,8 @@ def _run_pair(case: Dict, out, lse):
                         fp8_qk=is_fp8qk(spec.backend), q_pe=q_pe)
     except ValueError as e:  # the FP8-QK mode where it cannot apply
         raise Refused(str(e)) from e
-    o, l = attention_fwd(q_nope, rows, fmt, case["indices"], spec.sm_scale, plan=plan,
+    return attention_fwd(q_nope, rows, fmt, case["indices"], spec.sm_scale, plan=plan,
                          valid_counts=case["valid_counts"], k_scale=spec.k_scale, out=out, lse=lse, q_pe=q_pe)
-    if out is not None:
-        assert o.data_ptr() == out.data_ptr(), "out= was not written in place"
-    return o, l
 
 
 def reference(case: Dict):

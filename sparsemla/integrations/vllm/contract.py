@@ -247,7 +247,7 @@ class Workspace:
 # ------------------------------------------------------------------------------------------------------------
 # one layer
 # ------------------------------------------------------------------------------------------------------------
-_BF16, _I32 = torch.bfloat16, torch.int32
+_BF16, _I32, _Tensor = torch.bfloat16, torch.int32, torch.Tensor
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -316,10 +316,6 @@ class LayerAttention:
         """One bf16 ``[T, H, head_dim]`` query tensor with a contiguous last dim (:func:`assemble_query`)."""
         return assemble_query(q, self.fmt, self.workspace if workspace is None else workspace, num_tokens)
 
-    def query_parts(self, q: Query, num_tokens: int, workspace: Optional[Workspace] = None):
-        """``(q, q_pe)`` as the kernels read them (:func:`query_parts`)."""
-        return query_parts(q, self.fmt, self.workspace if workspace is None else workspace, num_tokens)
-
     # --- the call --------------------------------------------------------------------------------------------
     def forward(self, q: Query, kv_cache: torch.Tensor, indices: torch.Tensor, valid_counts: Optional[torch.Tensor],
                 k_scale: float = 1.0, *, decode: bool = True, workspace: Optional[Workspace] = None):
@@ -349,8 +345,8 @@ class LayerAttention:
         if valid_counts is not None and (valid_counts.dtype is not _I32 or valid_counts.shape != (t,)
                                          or (t > 1 and valid_counts.stride(0) != 1)
                                          or valid_counts.get_device() != ws.device_index):
-            raise ValueError(f"valid_counts: expected contiguous int32 [{t}] on {ws.device}, got {valid_counts.dtype} "
-                             f"{tuple(valid_counts.shape)} on {valid_counts.device}")
+            raise ValueError(f"valid_counts: expected contiguous int32 [{t}] on {ws.device}, got "
+                             f"{valid_counts.dtype} {tuple(valid_counts.shape)} on {valid_counts.device}")
         if indices.get_device() != ws.device_index:
             raise ValueError(f"indices: expected them on {ws.device}, got {indices.device}")
         cache = self.cache_view(kv_cache)
@@ -444,6 +440,5 @@ def _check_q(name: str, q: torch.Tensor, t: int, ws: Workspace, d: int, contiguo
         raise ValueError(f"{name}: expected it on {ws.device}, got {q.device}")
 
 
-_Tensor = torch.Tensor
-
-__all__ = ["Workspace", "LayerAttention", "assemble_query", "query_parts", "resolve_format", "vllm_row_bytes", "V_DIM", "MAX_HEADS"]
+__all__ = ["Workspace", "LayerAttention", "assemble_query", "query_parts", "resolve_format", "vllm_row_bytes", "V_DIM",
+           "MAX_HEADS"]

@@ -188,7 +188,8 @@ def _piece_dst(kLw, kRw, b, P: gl.constexpr):
 
 @gluon.jit
 def _stage_q_f16(q_row, qe_row, hm, qL, qR, qE, sQ, ROPE: gl.constexpr):
-    """q rows [64 heads] (bf16; the rope part at ``qe_row``) -> fp16 in qL / qR / qE, each head times a power of two c (its amax x c in
+    """q rows [64 heads] (bf16; the rope part at ``qe_row``) -> fp16 in qL / qR / qE, each head times a power of
+    two c (its amax x c in
     [2^14, 2^15): no overflow, and bf16's 8 significant bits stay exact down to 2^-22 of the amax), and 1 / c
     into sQ.  Two passes over q (the second from L1 / L2): the amax, then the scaled values."""
     amax = gl.zeros([64], gl.float32, gl.SliceLayout(1, L_B16))
@@ -559,7 +560,8 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 # meta()):
 # ``grid``: ``(tokens x splits x num_groups,)`` (program p: head group p % num_groups, 64 heads, of split
 # (p // num_groups) % splits of token p // (num_groups x splits)); ``args``: the positional arguments of the
-# few-heads kernel (few.py; k_scale included); q rows and its RoPE part's rows 16-byte aligned (cp.async).  12 warps, 168 registers
+# few-heads kernel (few.py; k_scale included); q rows and its RoPE part's rows 16-byte aligned (cp.async).
+# 12 warps, 168 registers
 # each at launch (warpgroup 0: 208 after setmaxnreg, warpgroup 1: 160, the producer: 136).
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,

@@ -782,7 +782,8 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")  # the row formats this kernel rea
 # the producer), 168 registers each at launch.
 # ``args`` (positional, in this order): q [tokens, heads, 512 or more] bf16 and its strides (token, head); the
 # query's RoPE part [tokens, heads, 64] bf16 (q[..., 512:] or a tensor of its own; q again for NoPE rows, unread)
-# and its strides (token, head); the cache rows (uint8, row r at byte r x bytes_per_row, 16-byte aligned); indices [tokens, top-k] int32
+# and its strides (token, head); the cache rows (uint8, row r at byte r x bytes_per_row, 16-byte aligned);
+# indices [tokens, top-k] int32
 # (-1: no row) and its token stride; valid counts [tokens] int32 (any tensor when has_valid_counts is
 # False); out (bf16 [tokens, heads, 512], or the fp32 split partials) and its strides (token, split, head);
 # lse (fp32) and its strides (token, split, head); sm_scale x log2(e); k_scale (fp8 rows; 1.0 otherwise);
