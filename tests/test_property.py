@@ -117,3 +117,26 @@ def test_parallel_runs_merge_into_one_summary():
     assert both["refused_configs"] == {"2:4": "cannot serve", "5:0": "refused"}
     assert both["worst"]["out_err/tol"] == 0.9 and both["kernels_never_planned"] == []
     assert [r["seed"] for r in both["runs"]] == [1, 2, 5]
+
+
+def test_a_run_keeps_its_summary_so_far_in_a_checkpoint(tmp_path, monkeypatch):
+    """A run the machine cuts off still leaves a summary: ``run_many(checkpoint=)`` rewrites it at every progress
+    check (marked stopped until the run ends), and the ``merge`` command takes it."""
+    import reliab_property as rp
+    monkeypatch.setenv("RELIAB_OUT", str(tmp_path))
+    seen = []
+    real = rp.write_summary
+
+    def spy(summary, name):
+        seen.append((summary["cases_run"], summary["stopped_by_time"]))
+        return real(summary, name)
+
+    monkeypatch.setattr(rp, "write_summary", spy)
+    name = rp.checkpoint_name(7)
+    s = rp.run_many(7, 4, "cpu", rc.CPU, flush=2, checkpoint=name)
+    assert s["cases_run"] >= 4
+    assert seen[0] == (2, True) and seen[-1] == (s["cases_run"], False), seen
+    saved = json.loads((tmp_path / name).read_text())
+    assert saved["cases_run"] == s["cases_run"] and not saved["stopped_by_time"]
+    assert rp.main(["merge", str(tmp_path / "m.json"), str(tmp_path / name)]) == 0
+    assert json.loads((tmp_path / "m.json").read_text())["cases_run"] == s["cases_run"]

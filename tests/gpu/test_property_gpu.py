@@ -55,7 +55,8 @@ def test_10000_random_cases_match_the_reference():
         summary = rp.run_parallel([seed + k for k in range(procs)], NUM_CASES, DEV, rc.GPU,
                                   precompile_workers=workers, max_seconds=MAX_SECONDS)
     else:
-        summary = rp.run_many(seed, NUM_CASES, DEV, rc.GPU, precompile_workers=workers, max_seconds=MAX_SECONDS)
+        summary = rp.run_many(seed, NUM_CASES, DEV, rc.GPU, precompile_workers=workers, max_seconds=MAX_SECONDS,
+                              checkpoint=rp.checkpoint_name(seed))
     path = rp.write_summary(summary, "property_gpu.json")
     worst = ", ".join(f"{k} {v:.3g}" for k, v in summary["worst"].items())
     print(f"property run: seed {seed}: {summary['cases_run']} cases, {summary['failures']} failures, "

@@ -132,10 +132,13 @@ def precompile(seed: int, num_configs: int, workers: int, device, profile: rc.Pr
 
 def run_many(seed: int, num_cases: int, device="cuda", profile: rc.Profile = rc.GPU, *,
              precompile_workers: int = 0, flush: int = 500, max_failures_kept: int = 50,
-             max_seconds: Optional[float] = None) -> Dict:
+             max_seconds: Optional[float] = None, checkpoint: Optional[str] = None) -> Dict:
     """Run at least ``num_cases`` cases; returns the summary (see the keys below).  ``max_seconds``: stop
     after that long (counted after the precompile) with the cases run so far (``stopped_by_time`` is then
-    True).  A progress line (cases, failures, seconds) is printed at every check of ``flush`` cases."""
+    True).  A progress line (cases, failures, seconds) is printed at every check of ``flush`` cases.
+    ``checkpoint``: a file name for :func:`write_summary`, written with the summary so far at every check (with
+    ``stopped_by_time`` True until the run ends), so that a run its machine cuts off still leaves a summary the
+    ``merge`` command takes."""
     device = torch.device(device)
     configs = draw_configs(seed, device.type)
     per = math.ceil(num_cases / len(configs))
@@ -181,6 +184,20 @@ def run_many(seed: int, num_cases: int, device="cuda", profile: rc.Profile = rc.
         pending.clear()
         keys.clear()
         print(f"property run: {ran} cases, {len(failures)} failures, {time.time() - t0:.0f} s", flush=True)
+        if checkpoint:
+            write_summary(result(True), checkpoint)
+
+    def result(stopped_by_time: bool) -> Dict:
+        return dict(summary, **{
+            "cases_run": ran, "stopped_by_time": stopped_by_time, "failures": len(failures),
+            "failed_cases": list(failures), "refused_configs": dict(refused),
+            "worst": dict(zip(rc.METRICS, worst)), "seconds": round(time.time() - t0, 1),
+            "per_config": {str(i): dict(v, config=dataclasses.asdict(configs[i])) for i, v in per_config.items()},
+            "kernels_compiled": rc.compiled_kernels(),
+            "kernels_planned": dict(planned),
+            "kernels_never_planned": [k for k in rc.plan_kernel_names()
+                                      if not any(p.startswith(k) for p in planned)],
+        })
 
     # every configuration's first `per` cases, then more of the configurations that served until
     # `num_cases` ran (a refused configuration is reported, not counted)
@@ -223,23 +240,22 @@ def run_many(seed: int, num_cases: int, device="cuda", profile: rc.Profile = rc.
         need = num_cases - ran
         order = [(live[k % len(live)], extra + k // len(live)) for k in range(need)]
         extra += -(-need // len(live))
-    summary.update({
-        "cases_run": ran, "stopped_by_time": stopped, "failures": len(failures), "failed_cases": failures,
-        "refused_configs": refused,
-        "worst": dict(zip(rc.METRICS, worst)), "seconds": round(time.time() - t0, 1),
-        "per_config": {str(i): dict(v, config=dataclasses.asdict(configs[i])) for i, v in per_config.items()},
-        "kernels_compiled": rc.compiled_kernels(),
-        "kernels_planned": planned,
-        "kernels_never_planned": [k for k in rc.plan_kernel_names() if not any(p.startswith(k) for p in planned)],
-    })
-    return summary
+    final = result(stopped)
+    if checkpoint:
+        write_summary(final, checkpoint)
+    return final
 
 
 def _run_one(args) -> Dict:
     """Worker of :func:`run_parallel`: one seed's :func:`run_many` in its own process."""
     seed, num_cases, device, profile_name, precompile_workers, max_seconds = args
     return run_many(seed, num_cases, device, _profile(profile_name), precompile_workers=precompile_workers,
-                    max_seconds=max_seconds)
+                    max_seconds=max_seconds, checkpoint=checkpoint_name(seed))
+
+
+def checkpoint_name(seed: int) -> str:
+    """The file one process's run keeps its summary so far in (under ``$RELIAB_OUT``; see :func:`run_many`)."""
+    return f"property_gpu-seed{seed}.json"
 
 
 def run_parallel(seeds: Sequence[int], num_cases: int, device="cuda", profile: rc.Profile = rc.GPU, *,
