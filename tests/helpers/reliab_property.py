@@ -162,6 +162,19 @@ def run_many(seed: int, num_cases: int, device="cuda", profile: rc.Profile = rc.
     worst = [0.0, 0.0, 0.0, 0.0]
     planned: Dict[str, int] = {}
 
+    def result(stopped_by_time: bool) -> Dict:
+        """The summary of the cases run so far."""
+        return dict(summary, **{
+            "cases_run": ran, "stopped_by_time": stopped_by_time, "failures": len(failures),
+            "failed_cases": list(failures), "refused_configs": dict(refused),
+            "worst": dict(zip(rc.METRICS, worst)), "seconds": round(time.time() - t0, 1),
+            "per_config": {str(i): dict(v, config=dataclasses.asdict(configs[i])) for i, v in per_config.items()},
+            "kernels_compiled": rc.compiled_kernels(),
+            "kernels_planned": dict(planned),
+            "kernels_never_planned": [k for k in rc.plan_kernel_names()
+                                      if not any(p.startswith(k) for p in planned)],
+        })
+
     def drain():
         nonlocal ran
         if not pending:
@@ -186,18 +199,6 @@ def run_many(seed: int, num_cases: int, device="cuda", profile: rc.Profile = rc.
         print(f"property run: {ran} cases, {len(failures)} failures, {time.time() - t0:.0f} s", flush=True)
         if checkpoint:
             write_summary(result(True), checkpoint)
-
-    def result(stopped_by_time: bool) -> Dict:
-        return dict(summary, **{
-            "cases_run": ran, "stopped_by_time": stopped_by_time, "failures": len(failures),
-            "failed_cases": list(failures), "refused_configs": dict(refused),
-            "worst": dict(zip(rc.METRICS, worst)), "seconds": round(time.time() - t0, 1),
-            "per_config": {str(i): dict(v, config=dataclasses.asdict(configs[i])) for i, v in per_config.items()},
-            "kernels_compiled": rc.compiled_kernels(),
-            "kernels_planned": dict(planned),
-            "kernels_never_planned": [k for k in rc.plan_kernel_names()
-                                      if not any(p.startswith(k) for p in planned)],
-        })
 
     # every configuration's first `per` cases, then more of the configurations that served until
     # `num_cases` ran (a refused configuration is reported, not counted)
