@@ -77,9 +77,19 @@ run_group() {  # one group's pytest run, in the background; its pid appended to 
             # PYTEST_N_<group> overrides it for one group
             nvar="PYTEST_N_$g"
             n=${!nvar:-${PYTEST_N:-}}
-            timeout "${GROUP_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs --durations=15 ${n:+-n $n} $files > "$log" 2>&1
+            # in a session of its own: at the time limit every process of the group goes and is waited for,
+            # pytest-xdist's workers included (still tearing down tens of GB of GPU memory, they made the next
+            # phase's allocations fail)
+            setsid timeout "${GROUP_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs --durations=15 ${n:+-n $n} \
+                $files > "$log" 2>&1 &
+            sid=$!
+            wait $sid
         fi
         rc=$?
+        if [ "$DRY" = 0 ]; then
+            pkill -9 -s "$sid" 2>/dev/null
+            for _ in $(seq 60); do pgrep -s "$sid" > /dev/null || break; sleep 0.5; done
+        fi
         note "t_$g" $rc $(( $(date +%s) - t0 )) "$log"
     ) &
     PIDS+=($!)

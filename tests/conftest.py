@@ -39,6 +39,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _release_cached_gpu_memory(request):
+    """After each GPU test, hand the memory PyTorch's caching allocator keeps back to the driver: the GPU suite
+    runs several pytest processes on one GPU, and a process holding the reserve of its largest test (tens of
+    GB) made the others' allocations fail."""
+    yield
+    if _HAS_CUDA and "gpu" in request.keywords:
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def device():
     """The device the CPU suite runs kernels on (cpu under the interpreter, else cuda)."""
