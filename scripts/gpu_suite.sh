@@ -77,7 +77,7 @@ run_group() {  # one group's pytest run, in the background; its pid appended to 
             # PYTEST_N_<group> overrides it for one group
             nvar="PYTEST_N_$g"
             n=${!nvar:-${PYTEST_N:-}}
-            # in a session of its own: at the time limit every process of the group goes and is waited for,
+            # under setsid (its own process group): at the time limit every process of the group goes and is waited for,
             # pytest-xdist's workers included (still tearing down tens of GB of GPU memory, they made the next
             # phase's allocations fail)
             setsid timeout "${GROUP_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs --durations=15 ${n:+-n $n} \
