@@ -425,10 +425,7 @@ def _store_words(rows_ptr, base, off: tl.constexpr, words, m2):
 # --------------------------------------------------------------------------------------------------
 # the kernel
 # --------------------------------------------------------------------------------------------------
-# The token count, the slot count and the block stride only bound masks and pick rows (whose byte offsets
-# take their alignment from BPT): specializing on them (== 1, multiple of 16) would compile the kernel again
-# for each batch size class of an engine's steps and buy nothing.
-@triton.jit(do_not_specialize=["N", "num_slots", "block_stride_rows"])
+@triton.jit
 def _cache_write_kernel(
     rows_ptr,                       # uint8 [num_rows, BPT] (flat cache)
     kv_ptr, kv_stride,              # [N, 512] fp32/bf16/fp16, unit column stride
