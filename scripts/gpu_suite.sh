@@ -11,9 +11,10 @@
 # Carry (see scripts/peers_env.sh): .whl (FlashMLA), .peers (FlashInfer); for another Triton release set
 # TRITON_BUNDLE=.carry/triton-3.8.0.tar.xz.  Time: BUDGET seconds in all (default 570); each test group
 # gets GROUP_TIMEOUT (default 420); PYTEST_N spreads each group over pytest-xdist workers (PYTEST_N_<group>
-# for one group); TEST_GROUPS picks groups, ";" between phases that run one after the other (default: the
-# reliability group alone, after the others); MEMCHECK=0 leaves memcheck out.  BENCH picks drivers (default "decode small_batch prefill movement
-# host_overhead"); BENCH_FORMATS narrows their formats; BENCH_ARGS (every driver) and BENCH_ARGS_<driver> add
+# for one group; default: a share of the cores per group, see default_workers; 0: one process); TEST_GROUPS
+# picks groups, ";" between phases that run one after the other (default: sm90 and movement, then attention,
+# system and other, then reliability alone); MEMCHECK=0 leaves memcheck out.  BENCH picks drivers (default
+# "decode small_batch prefill movement host_overhead"); BENCH_FORMATS narrows their formats; BENCH_ARGS (every driver) and BENCH_ARGS_<driver> add
 # arguments; SPARSEMLA_COMMIT=<sha> names the commit in the rows
 # when the copy of the tree has no git history.  Afterwards, on your machine:
 #   cat <files_at>/results.jsonl >> benchmarks/results/h200.jsonl && python3 benchmarks/render.py
@@ -61,10 +62,24 @@ group_files() {
     esac
 }
 ALL_GROUPS="attention sm90 movement system reliability"
-# Groups separated by ";" run as phases, one after the other; the groups of a phase run side by side.  The
-# reliability group's tests hold tens of GB of GPU memory each: by default it runs alone, after the others;
-# memcheck runs last.
-TEST_GROUPS=${TEST_GROUPS:-"attention sm90 movement system other; reliability"}  # MEMCHECK=0 skips memcheck
+# Groups separated by ";" run as phases, one after the other; the groups of a phase run side by side.  By
+# default the sm_90 group (the most compiles) first with the movement group, then the rest; the reliability
+# group's tests hold tens of GB of GPU memory each: by default it runs alone, after the others; memcheck runs last.
+TEST_GROUPS=${TEST_GROUPS:-"sm90 movement; attention system other; reliability"}  # MEMCHECK=0 skips memcheck
+# pytest-xdist workers per group when neither PYTEST_N_<group> nor PYTEST_N says (0: one process): the compiles
+# are what takes the time, so the sm_90 group, which runs first beside the short movement group, gets most of
+# the cores (16 cores: sm90 12 in 118 s and movement 2 in 41 s cold; attention 8 in 46 s)
+default_workers() {
+    python3 -c "import xdist" 2>/dev/null || { echo 0; return; }
+    local c; c=$(nproc)
+    case $1 in
+        sm90) echo $(( c * 3 / 4 > 1 ? c * 3 / 4 : 1 )) ;;
+        movement) echo $(( c / 8 > 1 ? c / 8 : 1 )) ;;
+        attention|system) echo $(( c / 2 > 1 ? c / 2 : 1 )) ;;
+        reliability) echo $(( c / 4 < 3 ? (c / 4 > 1 ? c / 4 : 1) : 3 )) ;;
+        *) echo 0 ;;
+    esac
+}
 run_group() {  # one group's pytest run, in the background; its pid appended to PIDS
     local g=$1 files log="$OUT/logs/t_$1.log"
     if [ $g = other ]; then files=$OTHER; else files=$(group_files $g); fi
@@ -77,7 +92,8 @@ run_group() {  # one group's pytest run, in the background; its pid appended to 
             # PYTEST_N=<workers>: each group spread over that many pytest-xdist workers (compiles in parallel);
             # PYTEST_N_<group> overrides it for one group
             nvar="PYTEST_N_$g"
-            n=${!nvar:-${PYTEST_N:-}}
+            n=${!nvar:-${PYTEST_N:-$(default_workers $g)}}
+            [ "$n" = 0 ] && n=
             # under setsid (its own process group): at the time limit every process of the group goes and is waited for,
             # pytest-xdist's workers included (still tearing down tens of GB of GPU memory, they made the next
             # phase's allocations fail)
