@@ -14,14 +14,6 @@ try:
 except Exception:  # pragma: no cover
     _HAS_CUDA = False
 
-_XDIST_WORKERS = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-if _HAS_CUDA and _XDIST_WORKERS and "OMP_NUM_THREADS" not in os.environ:
-    # GPU suite under pytest-xdist: a worker's intra-op thread pool (and torch.compile's compile workers) would
-    # otherwise take every core.  With 12 workers of two groups on 16 cores, tests of the vLLM contract whose
-    # float64 checks take 0.2 s on one core were found inside those checks after 150 s.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(_XDIST_WORKERS)))
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ["TRITON_INTERPRET"] == "1":
@@ -33,6 +25,16 @@ if not _HAS_CUDA:
         for _m in pkgutil.walk_packages(sparsemla.kernels.__path__, "sparsemla.kernels."):
             if ".sm90" not in _m.name:  # the Gluon kernels never run in the interpreter (compiled on purpose)
                 __import__(_m.name)
+
+
+def pytest_configure(config):
+    workers = getattr(config, "workerinput", {}).get("workercount")  # set in pytest-xdist's workers
+    if _HAS_CUDA and workers and "OMP_NUM_THREADS" not in os.environ:
+        # GPU suite under pytest-xdist: a worker's intra-op thread pool (and torch.compile's compile workers)
+        # would otherwise take every core.  With 12 workers of two groups on 16 cores, tests of the vLLM contract
+        # whose float64 checks take 0.2 s on one core were found inside those checks after 150 s.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
