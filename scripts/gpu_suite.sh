@@ -14,9 +14,9 @@
 # for one group; default: a share of the cores per group, see default_workers; 0: one process); TEST_GROUPS
 # picks groups, ";" between phases that run one after the other (default: sm90 and movement, then attention,
 # system and other, then reliability alone); MEMCHECK=0 leaves memcheck out.  BENCH picks drivers (default
-# "decode small_batch prefill movement host_overhead"); BENCH_FORMATS narrows their formats; BENCH_ARGS (every driver) and BENCH_ARGS_<driver> add
-# arguments; SPARSEMLA_COMMIT=<sha> names the commit in the rows
-# when the copy of the tree has no git history.  Afterwards, on your machine:
+# "decode small_batch prefill movement host_overhead"); BENCH_FORMATS narrows their formats; BENCH_ARGS (every
+# driver) and BENCH_ARGS_<driver> add arguments; SPARSEMLA_COMMIT=<sha> names the commit in the rows when the
+# copy of the tree has no git history.  Afterwards, on your machine:
 #   cat <files_at>/results.jsonl >> benchmarks/results/h200.jsonl && python3 benchmarks/render.py
 set -u
 MODE=all; DRY=0
@@ -70,16 +70,19 @@ TEST_GROUPS=${TEST_GROUPS:-"sm90 movement; attention system other; reliability"}
 # are what takes the time, so the sm_90 group, which runs first beside the short movement group, gets most of
 # the cores (16 cores: sm90 12 in 118 s and movement 2 in 41 s cold; attention 8 in 46 s)
 default_workers() {
-    python3 -c "import xdist" 2>/dev/null || { echo 0; return; }
+    [ "$HAVE_XDIST" = 1 ] || { echo 0; return; }
     local c; c=$(nproc)
+    at_least_1() { echo $(( $1 > 1 ? $1 : 1 )); }
     case $1 in
-        sm90) echo $(( c * 3 / 4 > 1 ? c * 3 / 4 : 1 )) ;;
-        movement) echo $(( c / 8 > 1 ? c / 8 : 1 )) ;;
-        attention|system) echo $(( c / 2 > 1 ? c / 2 : 1 )) ;;
-        reliability) echo $(( c / 4 < 3 ? (c / 4 > 1 ? c / 4 : 1) : 3 )) ;;
+        sm90) at_least_1 $(( c * 3 / 4 )) ;;
+        movement) at_least_1 $(( c / 8 )) ;;
+        attention|system) at_least_1 $(( c / 2 )) ;;
+        reliability) at_least_1 $(( c / 4 < 3 ? c / 4 : 3 )) ;;
         *) echo 0 ;;
     esac
 }
+HAVE_XDIST=0
+python3 -c "import xdist" 2>/dev/null && HAVE_XDIST=1
 run_group() {  # one group's pytest run, in the background; its pid appended to PIDS
     local g=$1 files log="$OUT/logs/t_$1.log"
     if [ $g = other ]; then files=$OTHER; else files=$(group_files $g); fi
