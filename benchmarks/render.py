@@ -93,18 +93,19 @@ def select(rows: Sequence[dict], gpu: Optional[str], triton: Optional[str]) -> L
     return [r for r in rows if (gpu is None or r["gpu"] == gpu) and (triton is None or r["triton"] == triton)]
 
 
-# The tables' sections: which rows belong to each (all impls, peers included) and the keys (config, format) of
-# sparsemla rows that a complete run of its driver measures (None: the newest run that has any; "peers": a run
-# that timed the peers in the same process, as the host-time targets are compared).
+# The tables' sections: which rows belong to each (all impls, peers included), the keys (config, format) of
+# sparsemla rows that a complete run of its driver measures (None: any) and whether that run must have timed the
+# peers in the same process (the tables compare against them; a run without peers, such as a per-release run,
+# shows in the per-release table instead).
 _DECODE_CFGS = tuple(f"D-h{h}" for h in (16, 64, 128))
 SECTIONS = {
     "decode": (lambda r: r["kind"] == "decode" and r["config"] in _DECODE_CFGS,
-               {(c, f) for c in _DECODE_CFGS for f in FORMATS}),
+               {(c, f) for c in _DECODE_CFGS for f in FORMATS}, True),
     "small": (lambda r: r["kind"] == "decode" and r["config"].startswith("D-small"),
-              {(f"D-small-b{b}-h{h}", f) for b in (1, 4, 16) for h in (16, 128) for f in FORMATS[:4]}),
-    "prefill": (lambda r: r["kind"] == "prefill", None),
-    "movement": (lambda r: r["kind"] == "movement", None),
-    "host": (lambda r: r["kind"] == "host", "peers"),
+              {(f"D-small-b{b}-h{h}", f) for b in (1, 4, 16) for h in (16, 128) for f in FORMATS[:4]}, True),
+    "prefill": (lambda r: r["kind"] == "prefill", None, True),
+    "movement": (lambda r: r["kind"] == "movement", None, False),
+    "host": (lambda r: r["kind"] == "host", None, True),
 }
 
 
@@ -113,27 +114,29 @@ def current(rows: Sequence[dict]) -> List[dict]:
     its driver (without one, its newest run), so that no table mixes runs; each table names its commit.  Rows of
     other commits stay in the file: older ones as history, newer partial decode runs in :func:`later_section`."""
     out = []
-    for name, (match, _) in SECTIONS.items():
+    for name, (match, _, _) in SECTIONS.items():
         commit = section_commit(rows, name)
         out += [r for r in rows if match(r) and r["commit"] == commit]
     return out
 
 
+def peer_commits(rows: Sequence[dict], name: str) -> set:
+    """Commits whose rows of section ``name`` include a peer's (runs that timed the peers in the same process)."""
+    match = SECTIONS[name][0]
+    return {r["commit"] for r in rows if match(r) and r["impl"] != "sparsemla" and not r["impl"].startswith("sparsemla-")}
+
+
 def section_commit(rows: Sequence[dict], name: str) -> Optional[str]:
-    match, need = SECTIONS[name]
+    match, need, peers = SECTIONS[name]
     have: Dict[str, set] = collections.defaultdict(set)
-    with_peers = set()
     last = None
     for r in rows:
         if match(r) and r["impl"] == "sparsemla":
             have[r["commit"]].add((r["config"], r["format"]))
             last = r["commit"]
-        elif match(r):
-            with_peers.add(r["commit"])
-    if need == "peers":
-        full = [c for c in have if c in with_peers]
-    else:
-        full = [c for c in have if need is not None and need <= have[c]]  # first-seen order: the newest is last
+    with_peers = peer_commits(rows, name)
+    # first-seen order: the newest is last
+    full = [c for c in have if (need is None or need <= have[c]) and (not peers or c in with_peers)]
     return full[-1] if full else last
 
 
@@ -147,7 +150,9 @@ def later_rows(rows: Sequence[dict]) -> List[dict]:
             continue
         match = SECTIONS[name][0]
         after = max(i for i, r in enumerate(rows) if r["commit"] == commit and match(r))
-        later += [r for r in rows[after + 1:] if r["commit"] != commit and match(r)]
+        # partial runs with the peers beside them; runs without peers show in the per-release table
+        with_peers = peer_commits(rows, name)
+        later += [r for r in rows[after + 1:] if r["commit"] != commit and match(r) and r["commit"] in with_peers]
     return R.latest(later)
 
 

@@ -473,6 +473,29 @@ def test_render_each_table_from_the_newest_run_of_its_driver():
     assert "| `SparseMLA.run`, one layer, b 128 | `fp8_ds_mla` | 128 | 16 | 39.3 us |" in bench
 
 
+def test_decode_table_takes_the_newest_complete_run_with_the_peers():
+    """A complete decode run without the peers (a per-release run, --no-peers) stays in the file and in the
+    per-release table but does not replace the decode table's run, whose ratios need the peers beside it."""
+    render = _load_script("benchmarks/render.py")
+
+    def run(commit, value, peers):
+        env = dict(ENV, commit=commit)
+        out = [dict(R.make_row(env, config=f"D-h{h}", kind="decode", fmt=f, heads=h, batch=128, s_q=1, topk=2048,
+                               impl="sparsemla", timing="graph", value=value))
+               for h in (16, 64, 128) for f in render.FORMATS]
+        if peers:
+            out.append(R.make_row(env, config="D-h64", kind="decode", fmt="fp8_ds_mla", heads=64, batch=128, s_q=1,
+                                  topk=2048, impl="flashmla", timing="graph", value=90.0))
+        return out
+    rows = run("a" * 40, 100.0, peers=True) + run("b" * 40, 80.0, peers=False)
+    assert render.section_commit(rows, "decode") == "a" * 40
+    assert not render.later_rows(rows)  # not a partial run with the peers either
+    bench = render.render_benchmarks(rows, "r.jsonl")
+    assert "Measured at commit `aaaaaaa`" in bench and "| `fp8` | 64 | 100.0 us |" in bench
+    rows += run("c" * 40, 70.0, peers=True)
+    assert render.section_commit(rows, "decode") == "c" * 40
+
+
 def test_host_table_takes_the_newest_run_with_the_peers():
     """Host-time targets are compared with the peers timed in the same process: a later run without them (--no-peers)
     stays in the file but does not replace the table's run."""

@@ -140,3 +140,17 @@ def test_a_run_keeps_its_summary_so_far_in_a_checkpoint(tmp_path, monkeypatch):
     assert saved["cases_run"] == s["cases_run"] and not saved["stopped_by_time"]
     assert rp.main(["merge", str(tmp_path / "m.json"), str(tmp_path / name)]) == 0
     assert json.loads((tmp_path / "m.json").read_text())["cases_run"] == s["cases_run"]
+
+
+def test_the_gpu_pool_plans_every_kernel_in_its_first_cases():
+    """Every kernel of the plan serves some configuration of an H200 run, whatever the seed, so that a short run
+    (the GPU suite's few hundred cases) reaches each one: the random pool alone left the 64-head programs
+    (``sm90-wide``) to chance.  The kernel choice is the pure plan, so this runs on the CPU."""
+    import reliab_property as rp
+    names = rc.plan_kernel_names()
+    assert "sm90-wide" in names
+    for seed in range(12):
+        configs = rp.draw_configs(seed, "cuda")
+        planned = {str(rc.planned_kernel(rp.case_spec(seed, i, 0, c, rc.GPU))) for i, c in enumerate(configs)}
+        missing = [k for k in names if not any(p.startswith(k) for p in planned)]
+        assert not missing, f"seed {seed}: no configuration plans {missing}"

@@ -3,7 +3,8 @@
 Kernel variants are compiled per distinct set of constexprs and integer specializations, which costs seconds
 each, while a case costs milliseconds.  So the run first draws a pool of :class:`reliab_cases.Config` (per
 format: a few-heads and a many-heads configuration of the default backend; for every other ``triton*``
-backend one configuration per row kind it reads at 1-16 heads and one or two at many heads), each fixing what decides the kernel variant (format, backend, mode, a 16-head
+backend one configuration per row kind it reads at 1-16 heads and one or two at many heads; on a GPU more until
+every kernel of the plan serves one: :func:`cover_kernels`), each fixing what decides the kernel variant (format, backend, mode, a 16-head
 band, a token band, the top-k width class, valid counts or not, the q / out / lse layouts), and then draws
 the cases of each configuration (exact H, T and K inside those bands, contexts, counts, -1 patterns,
 garbage, block geometry, k_scale, sm_scale, data).  With ``precompile_workers`` the first cases of every
@@ -47,7 +48,44 @@ def draw_configs(seed: int, device_type: str) -> List[rc.Config]:
             configs.append(rc.draw_config(src, src.choice(ids), b, many_heads=False, band=0, cache_rows=True))
         for _ in range(1 if len(kinds) >= 4 else 2):
             configs.append(rc.draw_config(src, src.choice(fl), b, many_heads=True))
+    if device_type == "cuda":
+        configs += cover_kernels(seed, configs, backends, fmts)
     return configs
+
+
+def _first_kernel(seed: int, i: int, config: rc.Config) -> str:
+    """The kernel ``sparsemla.plan`` gives configuration ``i``'s first case on an H200 (see rc.planned_kernel)."""
+    return str(rc.planned_kernel(case_spec(seed, i, 0, config, rc.GPU)))
+
+
+def cover_kernels(seed: int, configs: Sequence[rc.Config], backends: Sequence[str], fmts: Sequence[str],
+                  tries: int = 400) -> List[rc.Config]:
+    """Configurations to add so that every kernel of the plan serves some configuration's first case.
+
+    The random pool above leaves a kernel that only a narrow corner of the space plans (the 64-head programs:
+    many heads, many tokens and e4m3 rows) to chance: 10 of 40 seeds planned no ``sm90-wide`` case in 300
+    cases.  For each kernel no configuration plans, configurations are drawn at random (from a source of their
+    own, so the pool above is unchanged) until one plans it; a kernel no draw reaches within ``tries`` stays
+    uncovered, and the run reports it under ``kernels_never_planned``."""
+    names = rc.plan_kernel_names()
+    have = {_first_kernel(seed, i, c) for i, c in enumerate(configs)}
+    added: List[rc.Config] = []
+    for name in names:
+        if any(k.startswith(name) for k in have):
+            continue
+        src = rc.RandomSource(f"{seed}:cover:{name}")
+        for _ in range(tries):
+            b = src.choice(list(backends))
+            fl = rc.backend_formats(b, fmts)
+            if not fl:
+                continue
+            c = rc.draw_config(src, src.choice(fl), b, many_heads=src.chance(0.7), many_tokens=src.chance(0.7))
+            k = _first_kernel(seed, len(configs) + len(added), c)
+            if k.startswith(name):
+                added.append(c)
+                have.add(k)
+                break
+    return added
 
 
 def case_spec(seed: int, i: int, j: int, config: rc.Config, profile: rc.Profile) -> rc.Spec:
