@@ -9,8 +9,12 @@
 #   bash scripts/gpu_suite.sh --dry-run       # on a CPU: collect the GPU tests, run every driver on tiny shapes
 #
 # Carry (see scripts/peers_env.sh): .whl (FlashMLA), .peers (FlashInfer); for another Triton release set
-# TRITON_BUNDLE=.carry/triton-3.8.0.tar.xz.  Time: BUDGET seconds in all (default 570); each test group
-# gets GROUP_TIMEOUT (default 420); PYTEST_N spreads each group over pytest-xdist workers (PYTEST_N_<group>
+# TRITON_BUNDLE=.carry/triton-3.8.0.tar.xz.  Time: the benchmarks run within BUDGET seconds from the start
+# (default 570); each test group gets GROUP_TIMEOUT (default 420) and memcheck MEMCHECK_TIMEOUT (default the
+# same).  BUDGET given by the caller bounds those too (a machine with a per-command limit: set BUDGET below it
+# and the archive is still written): a step then gets its own limit or what is left of BUDGET less RESERVE
+# (default 20 s) for the archive, whichever is less, and a step with less than 30 s left is skipped (the summary
+# says so).  PYTEST_N spreads each group over pytest-xdist workers (PYTEST_N_<group>
 # for one group; default: a share of the cores per group, see default_workers; 0: one process); TEST_GROUPS
 # picks groups, ";" between phases that run one after the other (default: sm90 and movement, then attention,
 # system and other, then reliability alone); MEMCHECK=0 leaves memcheck out.  BENCH picks drivers (default
@@ -29,8 +33,17 @@ for arg in "$@"; do
 done
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT/logs"
 START=$(date +%s)
+BUDGET_GIVEN=${BUDGET:+1}
 BUDGET=${BUDGET:-570}
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+# seconds a test step may run: its own limit, or with a BUDGET given the budget left less the archive's reserve
+# if that is less; "skip" below 30 s
+step_limit() {
+    local own=$1 l
+    l=$(( $(left) - ${RESERVE:-20} ))
+    { [ "$DRY" = 1 ] || [ -z "$BUDGET_GIVEN" ]; } && l=$own
+    if [ "$l" -lt 30 ]; then echo skip; elif [ "$l" -lt "$own" ]; then echo "$l"; else echo "$own"; fi
+}
 if [ "$DRY" = 1 ]; then
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 else
@@ -87,6 +100,11 @@ run_group() {  # one group's pytest run, in the background; its pid appended to 
     local g=$1 files log="$OUT/logs/t_$1.log"
     if [ $g = other ]; then files=$OTHER; else files=$(group_files $g); fi
     [ -n "$files" ] || return 0
+    local lim
+    lim=$(step_limit "${GROUP_TIMEOUT:-420}")
+    if [ "$lim" = skip ]; then
+        printf "%s\t%s\t%s\t%s\n" "t_$g" skipped 0 "no time left in BUDGET" >> "$SUMMARY"; return 0
+    fi
     (
         t0=$(date +%s)
         if [ "$DRY" = 1 ]; then
@@ -100,7 +118,7 @@ run_group() {  # one group's pytest run, in the background; its pid appended to 
             # under setsid (its own process group): at the time limit every process of the group goes and is waited for,
             # pytest-xdist's workers included (still tearing down tens of GB of GPU memory, they made the next
             # phase's allocations fail)
-            setsid timeout "${GROUP_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs --durations=15 ${n:+-n $n} \
+            setsid timeout "$lim" python3 -m pytest -q -m gpu -rs --durations=15 ${n:+-n $n} \
                 $files > "$log" 2>&1 &
             sid=$!
             wait $sid
@@ -127,12 +145,14 @@ run_tests() {
     # memcheck after the tests, not beside them: its four runs take GPU memory and time the tests then lack (one
     # run with memcheck beside the groups: 50 of the attention group's tests failed to allocate; none without)
     if [ "${MEMCHECK:-1}" = 1 ]; then
-        local t0=$(date +%s) log="$OUT/logs/memcheck.log" rc
+        local t0=$(date +%s) log="$OUT/logs/memcheck.log" rc lim
+        lim=$(step_limit "${MEMCHECK_TIMEOUT:-${GROUP_TIMEOUT:-420}}")
         if [ "$DRY" = 1 ]; then
             echo "dry run: memcheck left out (needs a GPU and compute-sanitizer)" > "$log"; rc=0
+        elif [ "$lim" = skip ]; then
+            printf "%s\t%s\t%s\t%s\n" memcheck skipped 0 "no time left in BUDGET" >> "$SUMMARY"; return 0
         else
-            OUT="$OUT/sanitize" timeout "${MEMCHECK_TIMEOUT:-${GROUP_TIMEOUT:-420}}" bash scripts/sanitize.sh memcheck \
-                > "$log" 2>&1; rc=$?
+            OUT="$OUT/sanitize" timeout "$lim" bash scripts/sanitize.sh memcheck > "$log" 2>&1; rc=$?
         fi
         note memcheck $rc $(( $(date +%s) - t0 )) "$log"
     fi
