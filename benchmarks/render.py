@@ -123,7 +123,7 @@ def current(rows: Sequence[dict]) -> List[dict]:
 def peer_commits(rows: Sequence[dict], name: str) -> set:
     """Commits whose rows of section ``name`` include a peer's (runs that timed the peers in the same process)."""
     match = SECTIONS[name][0]
-    return {r["commit"] for r in rows if match(r) and r["impl"] != "sparsemla" and not r["impl"].startswith("sparsemla-")}
+    return {r["commit"] for r in rows if match(r) and not r["impl"].startswith("sparsemla")}
 
 
 def section_commit(rows: Sequence[dict], name: str) -> Optional[str]:

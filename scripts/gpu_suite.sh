@@ -14,9 +14,8 @@
 # same).  BUDGET given by the caller bounds those too (a machine with a per-command limit: set BUDGET below it
 # and the archive is still written): a step then gets its own limit or what is left of BUDGET less RESERVE
 # (default 20 s) for the archive, whichever is less, and a step with less than 30 s left is skipped (the summary
-# says so).  PYTEST_N spreads each group over pytest-xdist workers (PYTEST_N_<group>
-# for one group; default: a share of the cores per group, see default_workers; 0: one process); TEST_GROUPS
-# picks groups, ";" between phases that run one after the other (default: sm90 and movement, then attention,
+# says so).  PYTEST_N spreads each group over pytest-xdist workers (PYTEST_N_<group> for one group; default: a
+# share of the cores per group, see default_workers; 0: one process); TEST_GROUPS picks groups, ";" between phases that run one after the other (default: sm90 and movement, then attention,
 # system and other, then reliability alone); MEMCHECK=0 leaves memcheck out.  BENCH picks drivers (default
 # "decode small_batch prefill movement host_overhead"); BENCH_FORMATS narrows their formats; BENCH_ARGS (every
 # driver) and BENCH_ARGS_<driver> add arguments; SPARSEMLA_COMMIT=<sha> names the commit in the rows when the

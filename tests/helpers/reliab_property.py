@@ -3,9 +3,10 @@
 Kernel variants are compiled per distinct set of constexprs and integer specializations, which costs seconds
 each, while a case costs milliseconds.  So the run first draws a pool of :class:`reliab_cases.Config` (per
 format: a few-heads and a many-heads configuration of the default backend; for every other ``triton*``
-backend one configuration per row kind it reads at 1-16 heads and one or two at many heads; on a GPU more until
-every kernel of the plan serves one: :func:`cover_kernels`), each fixing what decides the kernel variant (format, backend, mode, a 16-head
-band, a token band, the top-k width class, valid counts or not, the q / out / lse layouts), and then draws
+backend one configuration per row kind it reads at 1-16 heads and one or two at many heads; on a GPU more
+until every kernel of the plan serves one, :func:`cover_kernels`), each fixing what decides the kernel
+variant (format, backend, mode, a 16-head band, a token band, the top-k width class, valid counts or not, the
+q / out / lse layouts), and then draws
 the cases of each configuration (exact H, T and K inside those bands, contexts, counts, -1 patterns,
 garbage, block geometry, k_scale, sm_scale, data).  With ``precompile_workers`` the first cases of every
 configuration run first in spawned worker processes, which fill Triton's on-disk kernel cache in parallel.
