@@ -15,8 +15,9 @@
 # and the archive is still written): a step then gets its own limit or what is left of BUDGET less RESERVE
 # (default 20 s) for the archive, whichever is less, and a step with less than 30 s left is skipped (the summary
 # says so).  PYTEST_N spreads each group over pytest-xdist workers (PYTEST_N_<group> for one group; default: a
-# share of the cores per group, see default_workers; 0: one process); TEST_GROUPS picks groups, ";" between phases that run one after the other (default: sm90 and movement, then attention,
-# system and other, then reliability alone); MEMCHECK=0 leaves memcheck out.  BENCH picks drivers (default
+# share of the cores per group, see default_workers; 0: one process); TEST_GROUPS picks groups, ";" between
+# phases that run one after the other (default: sm90 and movement, then attention, system and other, then
+# reliability alone); MEMCHECK=0 leaves memcheck out.  BENCH picks drivers (default
 # "decode small_batch prefill movement host_overhead"); BENCH_FORMATS narrows their formats; BENCH_ARGS (every
 # driver) and BENCH_ARGS_<driver> add arguments; SPARSEMLA_COMMIT=<sha> names the commit in the rows when the
 # copy of the tree has no git history.  Afterwards, on your machine:
@@ -58,6 +59,9 @@ note() {  # name rc seconds log
     local line counts
     line=$(grep -E "[0-9]+ (passed|failed|error)|[0-9]+ tests? collected|ERROR SUMMARY|rows ->|rows \(" "$4" 2>/dev/null | tail -1)
     printf "%s\t%s\t%s\t%s\n" "$1" "$2" "$3" "${line:-(no summary line)}" >> "$SUMMARY"
+}
+skipped() {  # name why
+    printf "%s\tskipped\t0\t%s\n" "$1" "$2" >> "$SUMMARY"
 }
 
 # ---- GPU tests: groups in parallel (kernel compiles dominate; the GPU work is small) ---------------------
@@ -102,7 +106,7 @@ run_group() {  # one group's pytest run, in the background; its pid appended to 
     local lim
     lim=$(step_limit "${GROUP_TIMEOUT:-420}")
     if [ "$lim" = skip ]; then
-        printf "%s\t%s\t%s\t%s\n" "t_$g" skipped 0 "no time left in BUDGET" >> "$SUMMARY"; return 0
+        skipped "t_$g" "no time left in BUDGET"; return 0
     fi
     (
         t0=$(date +%s)
@@ -149,7 +153,7 @@ run_tests() {
         if [ "$DRY" = 1 ]; then
             echo "dry run: memcheck left out (needs a GPU and compute-sanitizer)" > "$log"; rc=0
         elif [ "$lim" = skip ]; then
-            printf "%s\t%s\t%s\t%s\n" memcheck skipped 0 "no time left in BUDGET" >> "$SUMMARY"; return 0
+            skipped memcheck "no time left in BUDGET"; return 0
         else
             OUT="$OUT/sanitize" timeout "$lim" bash scripts/sanitize.sh memcheck > "$log" 2>&1; rc=$?
         fi
@@ -178,7 +182,7 @@ run_bench() {
         [ "$DRY" = 1 ] || extra+=(${BENCH_ARGS:-} ${!own:-})
         lim=$(left)
         if [ "$DRY" = 0 ] && [ "$lim" -lt 30 ]; then
-            printf "%s\t%s\t%s\t%s\n" "b_$d" skipped 0 "no time left" >> "$SUMMARY"; continue
+            skipped "b_$d" "no time left"; continue
         fi
         t0=$(date +%s)
         timeout $(( lim > 30 ? lim - 10 : 20 )) python3 "benchmarks/$d.py" --results "$RESULTS" "${extra[@]}" \

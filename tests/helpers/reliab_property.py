@@ -76,7 +76,7 @@ def cover_kernels(seed: int, configs: Sequence[rc.Config], backends: Sequence[st
             continue
         src = rc.RandomSource(f"{seed}:cover:{name}")
         for _ in range(tries):
-            b = src.choice(list(backends))
+            b = src.choice(backends)
             fl = rc.backend_formats(b, fmts)
             if not fl:
                 continue
