@@ -142,6 +142,31 @@ def test_a_run_keeps_its_summary_so_far_in_a_checkpoint(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "m.json").read_text())["cases_run"] == s["cases_run"]
 
 
+def test_a_run_reaches_every_configuration_first(monkeypatch):
+    """A run takes case 0 of every configuration before case 1 of any, so a run cut off after as many cases as
+    there are configurations has reached each one (the kernel-covering configurations come last in the pool; a
+    12-process H200 run cut at ~850 cases each, configuration after configuration, reached none of them)."""
+    import reliab_property as rp
+    assert rp.case_order(3, 2) == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    n = len(rp.draw_configs(3, "cpu"))
+    seen = []
+    real = rp.case_spec
+
+    def spy(seed, i, j, config, profile):
+        seen.append(i)
+        return real(seed, i, j, config, profile)
+
+    def no_kernel(case):
+        raise RuntimeError("not run")
+
+    monkeypatch.setattr(rp, "case_spec", spy)
+    monkeypatch.setattr(rc, "build_case", lambda spec, device, storage=None: None)
+    monkeypatch.setattr(rc, "run_case", no_kernel)
+    s = rp.run_many(3, 2 * n, "cpu", rc.CPU, flush=10 ** 6)
+    assert s["failures"] == 2 * n
+    assert seen[:n] == list(range(n)) and seen[n:2 * n] == list(range(n)), seen
+
+
 def test_the_gpu_pool_plans_every_kernel_in_its_first_cases():
     """Every kernel of the plan serves some configuration of an H200 run, whatever the seed, so that a short run
     (the GPU suite's few hundred cases) reaches each one: the random pool alone left the 64-head programs

@@ -169,8 +169,15 @@ def precompile(seed: int, num_configs: int, workers: int, device, profile: rc.Pr
     return {"workers": workers, "cases": done, "seconds": round(time.time() - t0, 1)}
 
 
+def case_order(num_configs: int, per: int) -> List[tuple]:
+    """``(configuration, case)`` pairs in the order a run takes them: case 0 of every configuration, then case 1
+    of every configuration, and so on, so that a run its machine cuts off has reached every configuration (the
+    ones :func:`cover_kernels` adds come last in the pool) once it has run as many cases as there are."""
+    return [(i, j) for j in range(per) for i in range(num_configs)]
+
+
 def run_many(seed: int, num_cases: int, device="cuda", profile: rc.Profile = rc.GPU, *,
-             precompile_workers: int = 0, flush: int = 500, max_failures_kept: int = 50,
+             precompile_workers: int = 0, flush: int = 200, max_failures_kept: int = 50,
              max_seconds: Optional[float] = None, checkpoint: Optional[str] = None) -> Dict:
     """Run at least ``num_cases`` cases; returns the summary (see the keys below).  ``max_seconds``: stop
     after that long (counted after the precompile) with the cases run so far (``stopped_by_time`` is then
@@ -239,9 +246,9 @@ def run_many(seed: int, num_cases: int, device="cuda", profile: rc.Profile = rc.
         if checkpoint:
             write_summary(result(True), checkpoint)
 
-    # every configuration's first `per` cases, then more of the configurations that served until
-    # `num_cases` ran (a refused configuration is reported, not counted)
-    order = [(i, j) for i in range(len(configs)) for j in range(per)]
+    # `per` cases of every configuration, then more of the configurations that served until `num_cases` ran (a
+    # refused configuration is reported, not counted)
+    order = case_order(len(configs), per)
     extra = per
     stopped = False
     while True:
