@@ -85,6 +85,24 @@ def test_nan_row_affects_only_the_queries_that_select_it(fmt, backend, victim, d
     rc.check_nan_isolation(c, backend, plant="write" if victim == "write" else "bytes")
 
 
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "nvfp4_ds_mla", "fp8", "bf16-nope"])
+def test_both_ways_of_writing_a_case_give_the_same_cache(fmt):
+    """A case's cache is written by the library's cache write or, to spare a run the write's compiles, by the
+    format's encoder: the same bytes in every row, the rows nobody wrote (poison) included.  Drawn specs take
+    the encoder for most cases, so each way is forced here with an input dtype and k_scale the encoder must
+    follow."""
+    import dataclasses
+    src = rc.RandomSource(f"two-writes:{fmt}")
+    spec = rc.draw_spec(src, rc.CPU, backends=["triton"], fmts=[fmt])
+    spec = dataclasses.replace(spec, in_dtype="float16", k_scale=0.37, tokens=len(spec.ctx[:2]), ctx=spec.ctx[:2],
+                               block_size=5, stride_extra=2)
+    kernel = rc.build_case(dataclasses.replace(spec, write="kernel"), "cpu")
+    encoder = rc.build_case(dataclasses.replace(spec, write="encoder"), "cpu")
+    a, b = kernel["cache"].rows, encoder["cache"].rows
+    assert a.shape == b.shape and bool((a != rc.POISON).any())
+    assert torch.equal(a, b), f"{int((a != b).any(1).sum())} rows differ"
+
+
 def test_parallel_runs_merge_into_one_summary():
     """The H200 run's processes (``RELIAB_GPU_PROCS``) report through one summary: counts add up, the worst
     metric wins (NaN over any number), failures keep their seeds, a kernel counts as never planned only when
