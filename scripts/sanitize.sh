@@ -17,7 +17,8 @@
 #
 # Environment: COMPUTE_SANITIZER (the binary; default: on PATH, else the newest /usr/local/cuda*/bin),
 # PYTHON (default python3), SANITIZE_TIMEOUT (seconds per run, default 900), SANITIZE_SHARDS (> 1: memcheck's
-# sanitize_kernels.py as four processes side by side, one per group of formats, and reliab_sanitize.py beside them),
+# sanitize_kernels.py as four processes side by side, one per group of formats, with reliab_sanitize.py and the
+# vLLM contract beside them; racecheck / synccheck / initcheck: reliab_sanitize.py as four such processes),
 # SANITIZE_FULL, SANITIZE_ARGS
 # (extra driver arguments, e.g. "--formats fp8_ds_mla,bf16 --sections attention").
 set -uo pipefail
@@ -94,34 +95,53 @@ vllm_contract() {
     run "$1" vllm_contract "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_vllm_contract_gpu.py -k sanitizer
 }
 
-# reliab TOOL: tests/helpers/reliab_sanitize.py under TOOL (every tool runs it)
+# reliab TOOL [NAME FORMATS]: tests/helpers/reliab_sanitize.py under TOOL (every tool runs it), over FORMATS only
+# when given
 reliab() {
-    # shellcheck disable=SC2086
-    run "$1" reliab_sanitize "$PY" tests/helpers/reliab_sanitize.py $EXTRA
+    if [ $# -gt 1 ]; then
+        # shellcheck disable=SC2086
+        run "$1" "$2" "$PY" tests/helpers/reliab_sanitize.py $EXTRA --formats "$3"
+    else
+        # shellcheck disable=SC2086
+        run "$1" reliab_sanitize "$PY" tests/helpers/reliab_sanitize.py $EXTRA
+    fi
+}
+
+# the formats in four groups, for SANITIZE_SHARDS > 1 (one process per group)
+FORMAT_GROUPS=(bf16,bf16-nope fp8,fp8-nope fp8_ds_mla,fp8_ds_mla-nope nvfp4_ds_mla,nvfp4_ds_mla-nope)
+# side NAME FUNCTION ARGS...: a run in the background (the runs are compile- and instrumentation-bound, one CPU
+# core each); its table row goes to $OUT_DIR/row-NAME until `collect`
+side() {
+    local name=$1
+    shift
+    ( "$@" > "$OUT_DIR/row-$name" ) &
+}
+# collect: after `wait`, the rows of the runs `side` started, into the table and the totals
+collect() {
+    local f row
+    for f in "$OUT_DIR"/row-*; do
+        [ -s "$f" ] || continue
+        row=$(tail -1 "$f"); echo "$row"; ROWS+=("$row")
+        set -- $row
+        [ "$3" = "?" ] || TOTAL=$((TOTAL + $3))
+        [ "${!#}" = ok ] || STATUS=1
+        rm -f "$f"
+    done
 }
 
 for tool in "${TOOLS[@]}"; do
     case "$tool" in
         memcheck)
             if [ -f tests/gpu/sanitize_kernels.py ] && [ "${SANITIZE_SHARDS:-1}" -gt 1 ]; then
-                # one sanitizer process per group of formats, side by side (the runs are compile- and
-                # instrumentation-bound, one CPU core each); their rows are collected afterwards
-                for shard in bf16,bf16-nope fp8,fp8-nope fp8_ds_mla,fp8_ds_mla-nope nvfp4_ds_mla,nvfp4_ds_mla-nope; do
-                    ( run memcheck "sk_${shard%%,*}" "$PY" tests/gpu/sanitize_kernels.py --formats "$shard" \
-                        > "$OUT_DIR/row-sk_${shard%%,*}" ) &
+                # sanitize_kernels.py one group of formats a process; reliab_sanitize.py (all formats) and the vLLM
+                # contract beside them (each about as long as the longest group)
+                for g in "${FORMAT_GROUPS[@]}"; do
+                    side "sk_${g%%,*}" run memcheck "sk_${g%%,*}" "$PY" tests/gpu/sanitize_kernels.py --formats "$g"
                 done
-                # reliab_sanitize.py and the vLLM contract beside them (each about as long as the longest shard)
-                ( reliab memcheck > "$OUT_DIR/row-reliab_sanitize" ) &
-                ( vllm_contract memcheck > "$OUT_DIR/row-vllm_contract" ) &
+                side reliab_sanitize reliab memcheck
+                side vllm_contract vllm_contract memcheck
                 wait
-                for f in "$OUT_DIR"/row-sk_* "$OUT_DIR"/row-reliab_sanitize "$OUT_DIR"/row-vllm_contract; do
-                    [ -s "$f" ] || continue
-                    row=$(tail -1 "$f"); echo "$row"; ROWS+=("$row")
-                    set -- $row
-                    [ "$3" = "?" ] || TOTAL=$((TOTAL + $3))
-                    [ "${!#}" = ok ] || STATUS=1
-                done
-                set --
+                collect
             else
                 if [ -f tests/gpu/sanitize_kernels.py ]; then
                     run memcheck sanitize_kernels "$PY" tests/gpu/sanitize_kernels.py
@@ -131,7 +151,17 @@ for tool in "${TOOLS[@]}"; do
             fi
             ;;
         racecheck|synccheck|initcheck)
-            reliab "$tool"
+            if [ "${SANITIZE_SHARDS:-1}" -gt 1 ] && [[ " $EXTRA " != *" --formats "* ]]; then
+                # reliab_sanitize.py one group of formats a process (every section in each: the ones that do not
+                # depend on the format run four times, the short ones)
+                for g in "${FORMAT_GROUPS[@]}"; do
+                    side "rs_${g%%,*}" reliab "$tool" "rs_${g%%,*}" "$g"
+                done
+                wait
+                collect
+            else
+                reliab "$tool"
+            fi
             ;;
         *)
             echo "sanitize.sh: unknown tool $tool" >&2
@@ -144,7 +174,9 @@ echo
 echo "compute-sanitizer summary (logs in $OUT_DIR)"
 printf '%-10s %-18s %6s %6s %8s %9s %7s  %s\n' tool driver errors probes warnings py-fails time verdict
 for r in "${ROWS[@]}"; do echo "$r"; done
-grep -h -E '^(kernels (run|not run)|attention kernels)' "$OUT_DIR"/*-reliab_sanitize.out 2>/dev/null | sort -u | cut -c1-2000
+# what reliab_sanitize.py ran, per run (a run over some formats lists the other formats' kernels as not run)
+grep -H -E '^(kernels (run|not run)|attention kernels)' "$OUT_DIR"/*-reliab_sanitize.out "$OUT_DIR"/*-rs_*.out 2>/dev/null |
+    sed "s|^$OUT_DIR/||" | sort -u | cut -c1-2000
 verdict=$([ $STATUS = 0 ] && echo clean || echo "NOT clean")
 echo "sanitize.sh ERROR SUMMARY: $TOTAL errors in ${#ROWS[@]} runs ($verdict)"
 exit $STATUS
