@@ -14,6 +14,7 @@ an engine's two tensors (read in place by the launcher), outputs poisoned with N
 CI runs a bounded, reproducible number of examples (``derandomize``; ``RELIAB_EXAMPLES`` to change it); the
 H200 suite runs the same space with at least 10,000 cases (``tests/gpu/test_property_gpu.py``).
 """
+import dataclasses
 import json
 import os
 import sys
@@ -91,7 +92,6 @@ def test_both_ways_of_writing_a_case_give_the_same_cache(fmt):
     format's encoder: the same bytes in every row, the rows nobody wrote (poison) included.  Drawn specs take
     the encoder for most cases, so each way is forced here with an input dtype and k_scale the encoder must
     follow."""
-    import dataclasses
     src = rc.RandomSource(f"two-writes:{fmt}")
     spec = rc.draw_spec(src, rc.CPU, backends=["triton"], fmts=[fmt])
     spec = dataclasses.replace(spec, in_dtype="float16", k_scale=0.37, tokens=len(spec.ctx[:2]), ctx=spec.ctx[:2],
@@ -163,7 +163,8 @@ def test_a_run_keeps_its_summary_so_far_in_a_checkpoint(tmp_path, monkeypatch):
 def test_a_run_reaches_every_configuration_first(monkeypatch):
     """A run takes case 0 of every configuration before case 1 of any, so a run cut off after as many cases as
     there are configurations has reached each one (the kernel-covering configurations come last in the pool; a
-    12-process H200 run cut at ~850 cases each, configuration after configuration, reached none of them)."""
+    12-process H200 run, cut off before its 850 cases a process, took the configurations one after another and
+    reached none of them)."""
     import reliab_property as rp
     assert rp.case_order(3, 2) == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
     n = len(rp.draw_configs(3, "cpu"))
