@@ -73,6 +73,19 @@ def test_compiles_for_sm90_within_limits(compiled, name):
     assert not r["serialized"], r
 
 
+@pytest.mark.parametrize("kind", conv.KINDS)
+def test_named_hand_off_spills_no_more_and_runs_fewer_instructions(compiled, kind):
+    """``sm90-conv`` with P and alpha handed between its MMA warpgroups by named barriers (``meta(named=True)``)
+    instead of mbarriers: what makes it worth measuring is fewer instructions (no mbarrier try-wait loops, one
+    warpgroup barrier less a block) and, on 3.9, the shared-memory descriptors no longer built ahead and spilled
+    -- so it must keep both on every release."""
+    default, named = compiled[f"conv-{kind}"], compiled[f"conv-{kind}-named"]
+    assert "error" not in named, named.get("error")
+    assert named["stack"] <= default["stack"], (named["stack"], default["stack"])
+    assert named["instructions"] < default["instructions"], (named["instructions"], default["instructions"])
+    assert named["regs"] == default["regs"]
+
+
 def test_every_format_layout_has_variants():
     """Each row layout the kernels read, NoPE rows with and without a (zero) rope slot included, is compiled
     with and without FP8-QK where the mode exists."""

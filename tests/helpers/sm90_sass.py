@@ -50,8 +50,9 @@ LAYOUTS = {
 
 def _variants():
     """name -> (module, kernel, signature, meta); meta from the module's own ``meta`` (what ``launch`` uses),
-    with two head groups and valid counts; the conv kernel also without valid counts (``-novc``, nvfp4) and
-    writing fp32 split partials (``-split``, each kind with rope)."""
+    with two head groups and valid counts; the conv kernel also without valid counts (``-novc``, nvfp4),
+    writing fp32 split partials (``-split``, each kind with rope) and with the named-barrier P hand-off
+    (``-named``, each kind with rope)."""
     from sparsemla.kernels.sm90 import bf16, conv, few, wide
     v = {}
     for fid, (bpr, rope, rope_off, scale_off) in LAYOUTS.items():
@@ -59,9 +60,12 @@ def _variants():
         if kind == "bf16":
             v[f"bf16-{fid}"] = ("bf16", "bf16_kernel", SIG, bf16.meta(
                 bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, num_groups=2, has_valid_counts=True))
-            v[f"conv-{fid}"] = ("conv", "conv_kernel", SIG_K, conv.meta(
-                kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
-                num_groups=2, has_valid_counts=True))
+            for suffix, named in (("", False), ("-named", True)):
+                if suffix and fid != kind:
+                    continue
+                v[f"conv-{fid}{suffix}"] = ("conv", "conv_kernel", SIG_K, conv.meta(
+                    kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
+                    num_groups=2, has_valid_counts=True, named=named))
             continue
         for mod, name in ((few, "few"), (wide, "wide")):
             for fp8_qk in (False, True):
@@ -72,12 +76,13 @@ def _variants():
                     num_groups=2, has_valid_counts=True, fp8_qk=fp8_qk))
         # every layout with valid counts; without them and with split partials once per kind (the layout does
         # not change those paths, and each compile costs CI time on three releases)
-        for suffix, sig, vc in (("", SIG_K, True), ("-novc", SIG_K, False), ("-split", SIG_K_SPLIT, True)):
+        for suffix, sig, vc in (("", SIG_K, True), ("-novc", SIG_K, False), ("-split", SIG_K_SPLIT, True),
+                                ("-named", SIG_K, True)):
             if suffix and (fid != kind or (suffix == "-novc" and kind != "nvfp4_ds_mla")):
                 continue
             v[f"conv-{fid}{suffix}"] = ("conv", "conv_kernel", sig, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
-                num_groups=2, has_valid_counts=vc))
+                num_groups=2, has_valid_counts=vc, named=suffix == "-named"))
     return v
 
 

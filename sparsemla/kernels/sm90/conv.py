@@ -41,6 +41,11 @@ Shared memory: q 72 KB + 2 tiles x 72 KB + P 8 KB + small vectors, 231,120 bytes
 block (NoPE 206,512: no rope buffers).  Registers: 168 at launch for 12 warps; warpgroup 0 gets 208 (O 128 +
 S 32 + the next QK), warpgroup 1 160, the producer 136 (bf16 rows: the producer 40, warpgroup 0 256).
 
+``NAMED`` (``meta(named=True)``; the plan does not choose it yet): P and alpha go from warpgroup 0 to warpgroup 1
+through two named hardware barriers (``bar.arrive`` / ``bar.sync`` on ids 14 and 15, 256 threads) instead of the
+``p_ready`` / ``p_free`` mbarriers, FlashInfer's hand-off: no try-wait loops and one warpgroup barrier less a block
+in warpgroup 0 (and on Triton 3.9 its wgmma descriptors no longer spilled); to be measured against the default.
+
 Gluon kernels do not run under the Triton interpreter: ``tests/test_sm90_compile.py`` compiles every variant
 for sm_90 on the CPU; ``tests/gpu/test_sm90_conv_gpu.py`` checks the numbers against the float64 reference.
 """
@@ -63,6 +68,23 @@ P_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT.value, 
 SROW = gl.constexpr(gl.SliceLayout(1, S_LAYOUT.value))  # one value per head (of S)
 SCOL = gl.constexpr(gl.SliceLayout(0, S_LAYOUT.value))  # one value per cache row of the block
 OROW = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))  # one value per head (of O)
+# one value per thread of a 4-warp partition: the operand of an asm statement that every thread runs once
+PER_THREAD = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+# P and alpha between the two MMA warpgroups through named hardware barriers (256 threads: both warpgroups): the
+# writer arrives on P_READY without waiting and the reader syncs on it; the reader arrives on P_FREE when its MMA
+# has read them and the writer syncs on it before the next.  Ids 14 and 15 are above the ones Triton gives its
+# partitions' own barriers.
+P_READY_ARRIVE = gl.constexpr("bar.arrive 14, 256; mov.u32 $0, $1;")
+P_READY_SYNC = gl.constexpr("bar.sync 14, 256; mov.u32 $0, $1;")
+P_FREE_ARRIVE = gl.constexpr("bar.arrive 15, 256; mov.u32 $0, $1;")
+P_FREE_SYNC = gl.constexpr("bar.sync 15, 256; mov.u32 $0, $1;")
+
+
+@gluon.jit
+def _named(ASM: gl.constexpr):
+    """One named-barrier statement (``ASM``) run once by every thread of the calling 4-warp partition."""
+    one = gl.full([128], 0, gl.int32, PER_THREAD)
+    gl.inline_asm_elementwise(ASM, "=r,r", [one], gl.int32, False, 1)
 
 # setmaxnreg of warpgroup 1 and the producer; warpgroup 0 gets the rest of 12 warps x 168, 208.  Below 160
 # warpgroup 1 and below 192 warpgroup 0 make ptxas serialize the wgmma pipeline (C7512); a producer below 136
@@ -356,7 +378,8 @@ def _out_store(acc, inv_l, col0: gl.constexpr, o_ptr, stride_ot, stride_os, stri
 
 
 @gluon.jit
-def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS: gl.constexpr):
+def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS: gl.constexpr,
+                      NAMED: gl.constexpr):
     """Block i's online softmax on its scores sc (tile b's invalid rows masked), O rescaled; P and alpha handed to
     warpgroup 1 (through sP / sA once it is done with block i - 1's).  Returns (m, l, O)."""
     ok = sV.index(b).load(SCOL) != 0.0  # tile b's valid rows (the producer's, behind ready[b])
@@ -370,17 +393,24 @@ def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, 
     p = gl.exp2(sc - m_new[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = acc * gl.convert_layout(alpha, OROW)[:, None]
-    mbarrier.wait(p_free, (i & 1) ^ 1)
+    if NAMED:
+        _named(P_FREE_SYNC)
+    else:
+        mbarrier.wait(p_free, (i & 1) ^ 1)
     sP.store(p.to(sP.dtype))
     sA.store(alpha)
     fence_async_shared()  # P is read by warpgroup 1's wgmma (async proxy)
-    compat.barrier()
-    mbarrier.arrive(p_ready, count=1)
+    compat.barrier()  # (also for this warpgroup's own PV, which reads all of sP)
+    if NAMED:
+        _named(P_READY_ARRIVE)
+    else:
+        mbarrier.arrive(p_ready, count=1)
     return m_new, l_i, acc
 
 
 @gluon.jit
-def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
+def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
+         NAMED: gl.constexpr):
     """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
@@ -412,7 +442,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in the
         # loop instead of their wgmma descriptors being hoisted out of it (and spilled)
         z = i // (n_blocks + 1)
-        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS)
+        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED)
         # P for this warpgroup's PV from shared memory as well: as a register operand its 16 registers would be
         # live beside O and the next S, past the 192 that ptxas needs to keep the wgmma pipeline unserialized
         acc = warpgroup_mma(sP, kL.index(b + z), acc, is_async=True)
@@ -429,7 +459,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
     if n_blocks > 0:
         i = n_blocks - 1
         b = i % 2
-        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS)
+        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED)
         acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(sP, kL.index(b), acc, is_async=True), ))
         compat.barrier()  # every warp's reads of tile b are done
         mbarrier.arrive(free.index(b), count=1)
@@ -446,7 +476,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
 
 
 @gluon.jit
-def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
+def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr):
     """Warpgroup 1: PV for output columns 256-511 with warpgroup 0's P and alpha."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
@@ -455,17 +485,27 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     acc = gl.zeros([64, 256], gl.float32, O_LAYOUT)
+    if NAMED:
+        if n_blocks > 0:
+            _named(P_FREE_ARRIVE)  # sP is free for block 0's P
     for i in range(n_blocks):
         b = i % 2
         z = i // (n_blocks + 1)  # == 0; see _wg0
         mbarrier.wait(ready.index(b), (i // 2) & 1)
-        mbarrier.wait(p_ready, i & 1)
+        if NAMED:
+            _named(P_READY_SYNC)
+        else:
+            mbarrier.wait(p_ready, i & 1)
         fence_async_shared()
         acc = acc * sA.load(OROW)[:, None]
         acc = warpgroup_mma(sP, kR.index(b + z), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
+        if NAMED:
+            if i + 1 < n_blocks:  # (warpgroup 0 syncs once a block: as many arrivals as syncs)
+                _named(P_FREE_ARRIVE)
         compat.barrier()  # every warp's MMA has read P, alpha and tile b
-        mbarrier.arrive(p_free, count=1)
+        if not NAMED:
+            mbarrier.arrive(p_free, count=1)
         mbarrier.arrive(free.index(b), count=1)
     mbarrier.wait(l_bar, 0)
     # the same normalizer as warpgroup 0 (m does not enter 1 / l)
@@ -481,7 +521,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
                 BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
                 NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr,
-                B16: gl.constexpr = False):
+                B16: gl.constexpr = False, NAMED: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``)."""
     # the 16-bit type of q, the tiles and P: fp16 where the values are exact in it (nvfp4, fp8), else bf16
@@ -548,7 +588,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
         PR: gl.constexpr = B16_PRODUCER_REGS
     else:
         PR: gl.constexpr = PRODUCER_REGS
-    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC)), (_wg1, (ca, Q16, FP4, NG, HAS_VC)),
+    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED)), (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16))],
                        [4, 4], [WG1_REGS, PR])
 
@@ -565,7 +605,7 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 # each at launch (warpgroup 0: 208 after setmaxnreg, warpgroup 1: 160, the producer: 136).
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
-         has_valid_counts: bool) -> dict:
+         has_valid_counts: bool, named: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64))."""
     if kind not in KINDS:
@@ -573,4 +613,4 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     ds, fp4 = kind == "fp8_ds_mla", kind == "nvfp4_ds_mla"
     return dict(BPT=bytes_per_row, ROPE=rope_dim, SCALE_OFF=scale_offset if ds or fp4 else 0,
                 ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
-                FP4=fp4, B16=kind == "bf16", num_warps=4, maxnreg=168, enable_fp_fusion=True)
+                FP4=fp4, B16=kind == "bf16", NAMED=named, num_warps=4, maxnreg=168, enable_fp_fusion=True)
