@@ -73,13 +73,13 @@ def test_compiles_for_sm90_within_limits(compiled, name):
     assert not r["serialized"], r
 
 
-@pytest.mark.parametrize("kind", conv.KINDS)
-def test_named_hand_off_spills_no_more_and_runs_fewer_instructions(compiled, kind):
-    """``sm90-conv`` with P and alpha handed between its MMA warpgroups by named barriers (``meta(named=True)``)
-    instead of mbarriers: what makes it worth measuring is fewer instructions (no mbarrier try-wait loops, one
-    warpgroup barrier less a block) and, on 3.9, the shared-memory descriptors no longer built ahead and spilled
-    -- so it must keep both on every release."""
-    default, named = compiled[f"conv-{kind}"], compiled[f"conv-{kind}-named"]
+@pytest.mark.parametrize("name", [f"conv-{kind}" for kind in conv.KINDS] + ["bf16-bf16"])
+def test_named_hand_off_spills_no_more_and_runs_fewer_instructions(compiled, name):
+    """``sm90-conv`` and the pair kernel with their hand-offs between MMA warpgroups through named barriers
+    (``meta(named=True)``) instead of mbarriers: what makes them worth measuring is fewer instructions (no
+    mbarrier try-wait loops, fewer warpgroup barriers) and, for conv on 3.9, the shared-memory descriptors no
+    longer built ahead and spilled -- so each must keep both on every release."""
+    default, named = compiled[name], compiled[f"{name}-named"]
     assert "error" not in named, named.get("error")
     assert named["stack"] <= default["stack"], (named["stack"], default["stack"])
     assert named["instructions"] < default["instructions"], (named["instructions"], default["instructions"])

@@ -3,6 +3,7 @@ and split count, a run with poisoned outputs through the one launcher, and the c
 reference and the portable Triton kernels."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -108,3 +109,25 @@ def check_ds_scales_far_apart(fmt, kernel):
     sm = c["fmt"].head_dim ** -0.5
     out, lse = run(c, sm, plan_for(c, kernel))
     check_reference(c, sm, out, lse)
+
+
+@contextlib.contextmanager
+def named_hand_off(module):
+    """Inside: the sm_90 kernel of ``module`` (``sparsemla.kernels.sm90.conv`` or ``.bf16``) built with
+    ``meta(named=True)`` -- its hand-offs between MMA warpgroups through named barriers -- which the plan does
+    not choose.  The launcher's caches are emptied on the way in and out, so that no launch of the default
+    variant is reused, or kept."""
+    from sparsemla.kernels import attention
+
+    def clear():
+        for cache in (attention._BY_PLAN, attention._LAUNCHES, attention._BOUND):
+            cache.clear()
+
+    default = module.meta
+    module.meta = lambda **kw: default(**kw, named=True)
+    clear()
+    try:
+        yield
+    finally:
+        module.meta = default
+        clear()

@@ -51,18 +51,19 @@ LAYOUTS = {
 def _variants():
     """name -> (module, kernel, signature, meta); meta from the module's own ``meta`` (what ``launch`` uses),
     with two head groups and valid counts; the conv kernel also without valid counts (``-novc``, nvfp4),
-    writing fp32 split partials (``-split``, each kind with rope) and with the named-barrier P hand-off
-    (``-named``, each kind with rope)."""
+    writing fp32 split partials (``-split``, each kind with rope); the conv and pair kernels also with their
+    hand-offs through named barriers (``-named``, each kind with rope)."""
     from sparsemla.kernels.sm90 import bf16, conv, few, wide
     v = {}
     for fid, (bpr, rope, rope_off, scale_off) in LAYOUTS.items():
         kind = fid.split("-")[0]
         if kind == "bf16":
-            v[f"bf16-{fid}"] = ("bf16", "bf16_kernel", SIG, bf16.meta(
-                bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, num_groups=2, has_valid_counts=True))
             for suffix, named in (("", False), ("-named", True)):
                 if suffix and fid != kind:
                     continue
+                v[f"bf16-{fid}{suffix}"] = ("bf16", "bf16_kernel", SIG, bf16.meta(
+                    bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, num_groups=2, has_valid_counts=True,
+                    named=named))
                 v[f"conv-{fid}{suffix}"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                     kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                     num_groups=2, has_valid_counts=True, named=named))

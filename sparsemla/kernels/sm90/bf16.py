@@ -21,6 +21,11 @@ rope buffers then hold only P0); one program per SM.  12 warps at launch (12 x 3
 register file); setmaxnreg then gives the consumers 232 and the producer 40.  The schedule follows the one
 FlashMLA's SM90 sparse prefill kernel describes (warpgroup-owned blocks, max hand-off, split V columns).
 
+``NAMED`` (``meta(named=True)``; the plan does not choose it yet): the four hand-offs of a pair (each warpgroup's
+row max, each one's P) through named hardware barriers (ids 12-15, 256 threads: the writer's threads arrive, the
+reader's sync) instead of mbarriers, as FlashMLA's prefill kernel hands them over; 16-40 instructions fewer, to
+be measured against the default.
+
 Gluon kernels do not run under the Triton interpreter: ``tests/test_sm90_compile.py`` compiles both variants
 for sm_90 on the CPU; the GPU suite checks the numbers against the float64 reference.
 """
@@ -34,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import compat
 
-from .common import NEG_BIG, PUBLISH, program_coords, publish
+from .common import NEG_BIG, PUBLISH, named_barrier, program_coords, publish
 from .rows import copy_rows
 
 # Each consumer warpgroup (4 warps): S [64 heads, 64 rows] and O [64 heads, 256 columns] on wgmma; its own
@@ -44,6 +49,16 @@ O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=
 P_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT.value, k_width=2))
 SROW = gl.constexpr(gl.SliceLayout(1, S_LAYOUT.value))
 OROW = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))
+# NAMED: the four hand-offs of a pair between the consumers through named hardware barriers (both warpgroups,
+# 256 threads) instead of mbarriers: the writer's threads store and arrive, the reader's threads sync and load
+M0_ARRIVE = gl.constexpr("bar.arrive 12, 256; mov.u32 $0, $1;")
+M0_SYNC = gl.constexpr("bar.sync 12, 256; mov.u32 $0, $1;")
+M1_ARRIVE = gl.constexpr("bar.arrive 13, 256; mov.u32 $0, $1;")
+M1_SYNC = gl.constexpr("bar.sync 13, 256; mov.u32 $0, $1;")
+P0_ARRIVE = gl.constexpr("bar.arrive 14, 256; mov.u32 $0, $1;")
+P0_SYNC = gl.constexpr("bar.sync 14, 256; mov.u32 $0, $1;")
+P1_ARRIVE = gl.constexpr("bar.arrive 15, 256; mov.u32 $0, $1;")
+P1_SYNC = gl.constexpr("bar.sync 15, 256; mov.u32 $0, $1;")
 
 
 @gluon.jit
@@ -158,7 +173,7 @@ def _epilogue(acc, l_own, m_i, sL_own, sL_other, bar_own, bar_other, col0: gl.co
 @gluon.jit
 def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
          idx_ptr, stride_it, vc_ptr, sm_scale_log2, H, K, rows_per_split, num_splits, smem, bars,
-         ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
+         ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr):
     """Warpgroup 0: blocks 2i, output columns 0-255."""
     qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1 = smem
     q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar = bars
@@ -184,7 +199,11 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         z = i // (n_pairs + 1)
         sc = _masked_scores(sc, idx_row, k_begin + i * 128, k_end, sm_scale_log2, gl.SliceLayout(0, S_LAYOUT))
         m_new = gl.maximum(m_i, gl.max(sc, 1))
-        _vec_publish(sM0, m_new, m0_bar)
+        if NAMED:
+            sM0.store(m_new)
+            named_barrier(M0_ARRIVE)
+        else:
+            _vec_publish(sM0, m_new, m0_bar)
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
@@ -195,7 +214,9 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         compat.barrier()
         mbarrier.arrive(free_l.index(0), count=1)
         # the pair's max from warpgroup 1; rescale P0, the accumulator and l to it
-        mbarrier.wait(m1_bar, ph)
+        mbarrier.wait(m1_bar, ph, pred=not NAMED)
+        if NAMED:
+            named_barrier(M1_SYNC)
         m_fin = sM1.load(SROW)
         f = gl.exp2(m_new - m_fin)
         p = p * f[:, None]
@@ -204,10 +225,15 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         m_i = m_fin
         sS0.store(p.to(gl.bfloat16))  # over block 0's rope part: QK is done with it
         fence_async_shared()
-        compat.barrier()
-        mbarrier.arrive(p0_bar, count=1)
+        if NAMED:
+            named_barrier(P0_ARRIVE)
+        else:
+            compat.barrier()
+            mbarrier.arrive(p0_bar, count=1)
         # remote PV: P1 (shared memory) x block 1's V columns 0-255
-        mbarrier.wait(p1_bar, ph)
+        mbarrier.wait(p1_bar, ph, pred=not NAMED)
+        if NAMED:
+            named_barrier(P1_SYNC)
         if i + 1 < n_pairs:
             acc = warpgroup_mma(sS1, kL.index(1 + z), acc, is_async=True)
             # next block's QK behind the remote PV
@@ -234,7 +260,7 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
 @gluon.jit
 def _wg1(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
          idx_ptr, stride_it, vc_ptr, sm_scale_log2, H, K, rows_per_split, num_splits, smem, bars,
-         ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr):
+         ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr):
     """Warpgroup 1: blocks 2i + 1, output columns 256-511, and the lse."""
     qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1 = smem
     q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar = bars
@@ -254,9 +280,15 @@ def _wg1(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         sc = _qk_half(qL.index(z), kL.index(1 + z), sc, True)
         sc = warpgroup_mma_wait(0, deps=(sc,))
         sc = _masked_scores(sc, idx_row, k_begin + i * 128 + 64, k_end, sm_scale_log2, gl.SliceLayout(0, S_LAYOUT))
-        mbarrier.wait(m0_bar, ph)
+        mbarrier.wait(m0_bar, ph, pred=not NAMED)
+        if NAMED:
+            named_barrier(M0_SYNC)
         m_fin = gl.maximum(sM0.load(SROW), gl.max(sc, 1))
-        _vec_publish(sM1, m_fin, m1_bar)
+        if NAMED:
+            sM1.store(m_fin)
+            named_barrier(M1_ARRIVE)
+        else:
+            _vec_publish(sM1, m_fin, m1_bar)
         alpha = gl.exp2(m_i - m_fin)
         p = gl.exp2(sc - m_fin[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
@@ -267,10 +299,15 @@ def _wg1(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         acc = warpgroup_mma(gl.convert_layout(pb, P_OP), kR.index(1 + z), acc, is_async=True)
         sS1.store(pb)
         fence_async_shared()
-        compat.barrier()
-        mbarrier.arrive(p1_bar, count=1)
+        if NAMED:
+            named_barrier(P1_ARRIVE)
+        else:
+            compat.barrier()
+            mbarrier.arrive(p1_bar, count=1)
         # remote PV: P0 (shared memory) x block 0's V columns 256-511
-        mbarrier.wait(p0_bar, ph)
+        mbarrier.wait(p0_bar, ph, pred=not NAMED)
+        if NAMED:
+            named_barrier(P0_SYNC)
         acc = warpgroup_mma(sS0, kR.index(z), acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc,))
         compat.barrier()
@@ -287,7 +324,7 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                 sm_scale_log2, H, K, rows_per_split, num_splits,
                 BPT: gl.constexpr, ROPE: gl.constexpr, ROPE_OFF: gl.constexpr, NG: gl.constexpr,
-                HAS_VC: gl.constexpr):
+                HAS_VC: gl.constexpr, NAMED: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``launch``)."""
     half: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)
@@ -332,7 +369,8 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     smem = (qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1)
     bars = (q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar)
     cargs = (o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
-             idx_ptr, stride_it, vc_ptr, sm_scale_log2, H, K, rows_per_split, num_splits, smem, bars, ROPE, NG, HAS_VC)
+             idx_ptr, stride_it, vc_ptr, sm_scale_log2, H, K, rows_per_split, num_splits, smem, bars, ROPE, NG, HAS_VC,
+             NAMED)
     gl.warp_specialize([
         (_wg0, cargs),
         (_wg1, cargs),
@@ -355,9 +393,10 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
 # strides (token, split, head); lse and its strides; sm_scale x log2(e); heads; top-k; rows per split (a
 # multiple of 64); splits (no k_scale: bf16 rows are unscaled).
 
-def meta(*, bytes_per_row: int, rope_dim: int, rope_offset: int, num_groups: int, has_valid_counts: bool) -> dict:
+def meta(*, bytes_per_row: int, rope_dim: int, rope_offset: int, num_groups: int, has_valid_counts: bool,
+         named: bool = False) -> dict:
     """``bf16_kernel``'s constexprs and launch options: ``bytes_per_row`` the row stride in bytes (1152 or
     1024, or any larger multiple of 16), ``rope_dim`` 64 or 0, ``rope_offset`` the rope part's byte offset
     (ignored without rope), ``num_groups`` = ceil(heads / 64)."""
     return dict(BPT=bytes_per_row, ROPE=rope_dim, ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups,
-                HAS_VC=bool(has_valid_counts), num_warps=4, maxnreg=168, enable_fp_fusion=True)
+                HAS_VC=bool(has_valid_counts), NAMED=named, num_warps=4, maxnreg=168, enable_fp_fusion=True)

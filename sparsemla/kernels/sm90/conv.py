@@ -58,7 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import compat
-from .common import NEG_BIG, normalizer, program_coords
+from .common import NEG_BIG, named_barrier, normalizer, program_coords
 from .rows import block_indices, copy_rows, e4m3_words_bf16, e4m3_words_f16, fp4_words_f16, pow2_scale
 
 # warpgroup 0's S [64 heads, 64 rows] and each warpgroup's O [64 heads, 256 columns] on wgmma
@@ -68,23 +68,13 @@ P_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT.value, 
 SROW = gl.constexpr(gl.SliceLayout(1, S_LAYOUT.value))  # one value per head (of S)
 SCOL = gl.constexpr(gl.SliceLayout(0, S_LAYOUT.value))  # one value per cache row of the block
 OROW = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))  # one value per head (of O)
-# one value per thread of a 4-warp partition: the operand of an asm statement that every thread runs once
-PER_THREAD = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
-# P and alpha between the two MMA warpgroups through named hardware barriers (256 threads: both warpgroups): the
-# writer arrives on P_READY without waiting and the reader syncs on it; the reader arrives on P_FREE when its MMA
-# has read them and the writer syncs on it before the next.  Ids 14 and 15 are above the ones Triton gives its
-# partitions' own barriers.
+# P and alpha between the two MMA warpgroups through named hardware barriers (NAMED; both warpgroups, 256 threads):
+# the writer arrives on "P ready" without waiting and the reader syncs on it; the reader arrives on "P free" when
+# its MMA has read them and the writer syncs on it before the next
 P_READY_ARRIVE = gl.constexpr("bar.arrive 14, 256; mov.u32 $0, $1;")
 P_READY_SYNC = gl.constexpr("bar.sync 14, 256; mov.u32 $0, $1;")
 P_FREE_ARRIVE = gl.constexpr("bar.arrive 15, 256; mov.u32 $0, $1;")
 P_FREE_SYNC = gl.constexpr("bar.sync 15, 256; mov.u32 $0, $1;")
-
-
-@gluon.jit
-def _named(ASM: gl.constexpr):
-    """One named-barrier statement (``ASM``) run once by every thread of the calling 4-warp partition."""
-    one = gl.full([128], 0, gl.int32, PER_THREAD)
-    gl.inline_asm_elementwise(ASM, "=r,r", [one], gl.int32, False, 1)
 
 # setmaxnreg of warpgroup 1 and the producer; warpgroup 0 gets the rest of 12 warps x 168, 208.  Below 160
 # warpgroup 1 and below 192 warpgroup 0 make ptxas serialize the wgmma pipeline (C7512); a producer below 136
@@ -394,7 +384,7 @@ def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, 
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = acc * gl.convert_layout(alpha, OROW)[:, None]
     if NAMED:
-        _named(P_FREE_SYNC)
+        named_barrier(P_FREE_SYNC)
     else:
         mbarrier.wait(p_free, (i & 1) ^ 1)
     sP.store(p.to(sP.dtype))
@@ -402,7 +392,7 @@ def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, 
     fence_async_shared()  # P is read by warpgroup 1's wgmma (async proxy)
     compat.barrier()  # (also for this warpgroup's own PV, which reads all of sP)
     if NAMED:
-        _named(P_READY_ARRIVE)
+        named_barrier(P_READY_ARRIVE)
     else:
         mbarrier.arrive(p_ready, count=1)
     return m_new, l_i, acc
@@ -487,13 +477,13 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
     acc = gl.zeros([64, 256], gl.float32, O_LAYOUT)
     if NAMED:
         if n_blocks > 0:
-            _named(P_FREE_ARRIVE)  # sP is free for block 0's P
+            named_barrier(P_FREE_ARRIVE)  # sP is free for block 0's P
     for i in range(n_blocks):
         b = i % 2
         z = i // (n_blocks + 1)  # == 0; see _wg0
         mbarrier.wait(ready.index(b), (i // 2) & 1)
         if NAMED:
-            _named(P_READY_SYNC)
+            named_barrier(P_READY_SYNC)
         else:
             mbarrier.wait(p_ready, i & 1)
         fence_async_shared()
@@ -502,7 +492,7 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         if NAMED:
             if i + 1 < n_blocks:  # (warpgroup 0 syncs once a block: as many arrivals as syncs)
-                _named(P_FREE_ARRIVE)
+                named_barrier(P_FREE_ARRIVE)
         compat.barrier()  # every warp's MMA has read P, alpha and tile b
         if not NAMED:
             mbarrier.arrive(p_free, count=1)
