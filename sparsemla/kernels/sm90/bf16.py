@@ -137,6 +137,24 @@ def _vec_publish(buf, v, bar):
 
 
 @gluon.jit
+def _swap_p(own, p, own_bar, other_bar, ph, ARRIVE: gl.constexpr, SYNC: gl.constexpr, NAMED: gl.constexpr):
+    """Hand this warpgroup's P (bf16 [64, 64]) to the other through ``own`` and wait for the other's: by mbarriers
+    (``own_bar`` / ``other_bar``, phase ``ph``) or, with NAMED, named barriers (``ARRIVE`` / ``SYNC``).  The wait
+    stays one predicated op in both builds: inside a constexpr branch Triton 3.6 places more warpgroup barriers
+    around it in the default build."""
+    own.store(p)
+    fence_async_shared()  # the other warpgroup's wgmma reads it (async proxy)
+    if NAMED:
+        named_barrier(ARRIVE)
+    else:
+        compat.barrier()
+        mbarrier.arrive(own_bar, count=1)
+    mbarrier.wait(other_bar, ph, pred=not NAMED)
+    if NAMED:
+        named_barrier(SYNC)
+
+
+@gluon.jit
 def _consumer_start(t, k_begin, k_end, idx_ptr, stride_it, q_bar):
     """A consumer warpgroup's initial state (zero S operand, running max and sum, accumulator), its number
     of block pairs and index row; returns once q is in shared memory."""
@@ -223,17 +241,8 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         l_i = l_i * f
         acc = acc * gl.convert_layout(f, OROW)[:, None]
         m_i = m_fin
-        sS0.store(p.to(gl.bfloat16))  # over block 0's rope part: QK is done with it
-        fence_async_shared()
-        if NAMED:
-            named_barrier(P0_ARRIVE)
-        else:
-            compat.barrier()
-            mbarrier.arrive(p0_bar, count=1)
-        # remote PV: P1 (shared memory) x block 1's V columns 0-255
-        mbarrier.wait(p1_bar, ph, pred=not NAMED)
-        if NAMED:
-            named_barrier(P1_SYNC)
+        # P0 over block 0's rope part (QK is done with it); then P1 for the remote PV (block 1's V columns 0-255)
+        _swap_p(sS0, p.to(gl.bfloat16), p0_bar, p1_bar, ph, P0_ARRIVE, P1_SYNC, NAMED)
         if i + 1 < n_pairs:
             acc = warpgroup_mma(sS1, kL.index(1 + z), acc, is_async=True)
             # next block's QK behind the remote PV
@@ -297,17 +306,8 @@ def _wg1(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         pb = p.to(gl.bfloat16)
         # local PV: P1 (registers) x block 1's V columns 256-511
         acc = warpgroup_mma(gl.convert_layout(pb, P_OP), kR.index(1 + z), acc, is_async=True)
-        sS1.store(pb)
-        fence_async_shared()
-        if NAMED:
-            named_barrier(P1_ARRIVE)
-        else:
-            compat.barrier()
-            mbarrier.arrive(p1_bar, count=1)
-        # remote PV: P0 (shared memory) x block 0's V columns 256-511
-        mbarrier.wait(p0_bar, ph, pred=not NAMED)
-        if NAMED:
-            named_barrier(P0_SYNC)
+        # P1 out; then P0 for the remote PV (block 0's V columns 256-511)
+        _swap_p(sS1, pb, p1_bar, p0_bar, ph, P1_ARRIVE, P0_SYNC, NAMED)
         acc = warpgroup_mma(sS0, kR.index(z), acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc,))
         compat.barrier()
