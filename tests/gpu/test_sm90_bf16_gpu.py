@@ -31,5 +31,5 @@ def test_bf16_named_hand_off_matches_reference(fmt, heads, topk, splits):
     skip_unless_sm90()
     from sparsemla.kernels.sm90 import bf16
     c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda")
-    with named_hand_off(bf16):
+    with named_hand_off(bf16, "sm90-bf16"):
         check_case(c, c["fmt"].head_dim ** -0.5, "sm90-bf16", splits)

@@ -156,5 +156,5 @@ def test_conv_named_hand_off_matches_reference(fmt, heads, topk, splits):
     k_scale = _k_scale(fmt)
     c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda",
                   k_scale=k_scale)
-    with named_hand_off(conv):
+    with named_hand_off(conv, KERNEL):
         check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)

@@ -112,12 +112,14 @@ def check_ds_scales_far_apart(fmt, kernel):
 
 
 @contextlib.contextmanager
-def named_hand_off(module):
-    """Inside: the sm_90 kernel of ``module`` (``sparsemla.kernels.sm90.conv`` or ``.bf16``) built with
-    ``meta(named=True)`` -- its hand-offs between MMA warpgroups through named barriers -- which the plan does
-    not choose.  The launcher's caches are emptied on the way in and out, so that no launch of the default
-    variant is reused, or kept."""
+def named_hand_off(module, kernel):
+    """Inside: the sm_90 kernel of ``module`` (``sparsemla.kernels.sm90.conv`` or ``.bf16``; plan kernel ``kernel``)
+    built with ``meta(named=True)`` -- its hand-offs between MMA warpgroups through named barriers -- which the
+    plan does not choose.  The launcher's caches are emptied on the way in and out, so that no launch of the
+    default variant is reused, or kept; on the way out the kernel must have built (a kernel that fails to build
+    is recorded and its calls served by the portable kernels, which would pass the checks)."""
     from sparsemla.kernels import attention
+    from sparsemla.plan import unavailable_kernels
 
     def clear():
         for cache in (attention._BY_PLAN, attention._LAUNCHES, attention._BOUND):
@@ -131,3 +133,4 @@ def named_hand_off(module):
     finally:
         module.meta = default
         clear()
+    assert kernel not in unavailable_kernels(), unavailable_kernels()[kernel]
