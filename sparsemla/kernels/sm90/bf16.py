@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import compat
 
-from .common import NEG_BIG, PUBLISH, named_barrier, program_coords, publish
+from .common import NEG_BIG, PUBLISH, named_asm, named_barrier, program_coords, publish
 from .rows import copy_rows
 
 # Each consumer warpgroup (4 warps): S [64 heads, 64 rows] and O [64 heads, 256 columns] on wgmma; its own
@@ -51,14 +51,14 @@ SROW = gl.constexpr(gl.SliceLayout(1, S_LAYOUT.value))
 OROW = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))
 # NAMED: the four hand-offs of a pair between the consumers through named hardware barriers (both warpgroups,
 # 256 threads) instead of mbarriers: the writer's threads store and arrive, the reader's threads sync and load
-M0_ARRIVE = gl.constexpr("bar.arrive 12, 256; mov.u32 $0, $1;")
-M0_SYNC = gl.constexpr("bar.sync 12, 256; mov.u32 $0, $1;")
-M1_ARRIVE = gl.constexpr("bar.arrive 13, 256; mov.u32 $0, $1;")
-M1_SYNC = gl.constexpr("bar.sync 13, 256; mov.u32 $0, $1;")
-P0_ARRIVE = gl.constexpr("bar.arrive 14, 256; mov.u32 $0, $1;")
-P0_SYNC = gl.constexpr("bar.sync 14, 256; mov.u32 $0, $1;")
-P1_ARRIVE = gl.constexpr("bar.arrive 15, 256; mov.u32 $0, $1;")
-P1_SYNC = gl.constexpr("bar.sync 15, 256; mov.u32 $0, $1;")
+M0_ARRIVE = named_asm("arrive", 12)
+M0_SYNC = named_asm("sync", 12)
+M1_ARRIVE = named_asm("arrive", 13)
+M1_SYNC = named_asm("sync", 13)
+P0_ARRIVE = named_asm("arrive", 14)
+P0_SYNC = named_asm("sync", 14)
+P1_ARRIVE = named_asm("arrive", 15)
+P1_SYNC = named_asm("sync", 15)
 
 
 @gluon.jit

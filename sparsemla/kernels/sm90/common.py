@@ -40,13 +40,19 @@ def publish(bar):
 PER_THREAD = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 
 
+def named_asm(op: str, barrier_id: int):
+    """The statement :func:`named_barrier` runs: ``bar.<op> <barrier_id>, 256`` (``op`` "sync" or "arrive"; 256
+    threads: the two MMA warpgroups), as a constexpr string."""
+    return gl.constexpr(f"bar.{op} {barrier_id}, 256; mov.u32 $0, $1;")
+
+
 @gluon.jit
 def named_barrier(ASM: gl.constexpr):
-    """One named hardware barrier statement, ``bar.sync`` or ``bar.arrive`` with an id and a thread count (``ASM``,
-    e.g. ``"bar.arrive 14, 256; mov.u32 $0, $1;"``), run once by every thread of the calling 4-warp partition.
-    Two partitions hand data over with one: the writer's threads store, then arrive; the reader's threads sync,
-    then load (the barrier orders each thread's accesses, and the waiting, in hardware).  Ids 0-3 are the ones
-    Triton gives the partitions' own barriers (3.6-3.9); the kernels here use 12-15."""
+    """One named hardware barrier statement (``ASM``, from :func:`named_asm`), run once by every thread of the
+    calling 4-warp partition.  Two partitions hand data over with one: the writer's threads store, then arrive;
+    the reader's threads sync, then load (the barrier orders each thread's accesses, and the waiting, in
+    hardware).  Ids 0-3 are the ones Triton gives the partitions' own barriers (3.6-3.9); the kernels here use
+    12-15."""
     one = gl.full([128], 0, gl.int32, PER_THREAD)
     gl.inline_asm_elementwise(ASM, "=r,r", [one], gl.int32, False, 1)
 

@@ -58,7 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import compat
-from .common import NEG_BIG, named_barrier, normalizer, program_coords
+from .common import NEG_BIG, named_asm, named_barrier, normalizer, program_coords
 from .rows import block_indices, copy_rows, e4m3_words_bf16, e4m3_words_f16, fp4_words_f16, pow2_scale
 
 # warpgroup 0's S [64 heads, 64 rows] and each warpgroup's O [64 heads, 256 columns] on wgmma
@@ -71,10 +71,10 @@ OROW = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))  # one value per head (of
 # P and alpha between the two MMA warpgroups through named hardware barriers (NAMED; both warpgroups, 256 threads):
 # the writer arrives on "P ready" without waiting and the reader syncs on it; the reader arrives on "P free" when
 # its MMA has read them and the writer syncs on it before the next
-P_READY_ARRIVE = gl.constexpr("bar.arrive 14, 256; mov.u32 $0, $1;")
-P_READY_SYNC = gl.constexpr("bar.sync 14, 256; mov.u32 $0, $1;")
-P_FREE_ARRIVE = gl.constexpr("bar.arrive 15, 256; mov.u32 $0, $1;")
-P_FREE_SYNC = gl.constexpr("bar.sync 15, 256; mov.u32 $0, $1;")
+P_READY_ARRIVE = named_asm("arrive", 14)
+P_READY_SYNC = named_asm("sync", 14)
+P_FREE_ARRIVE = named_asm("arrive", 15)
+P_FREE_SYNC = named_asm("sync", 15)
 
 # setmaxnreg of warpgroup 1 and the producer; warpgroup 0 gets the rest of 12 warps x 168, 208.  Below 160
 # warpgroup 1 and below 192 warpgroup 0 make ptxas serialize the wgmma pipeline (C7512); a producer below 136
