@@ -12,8 +12,9 @@
 
 Run: ``python3 -m pytest -m gpu tests/gpu/test_property_gpu.py -q -s``.  One process runs about 8 cases a
 second on an H200, bound by its host work (1,557 cases in 200 s, after 69 s compiling kernel variants), so
-10,000 cases take ~25 minutes in one process; ``RELIAB_GPU_PROCS=7`` runs seeds seed .. seed + 6 in seven
-processes side by side (six ran 8,594 cases in 390 s) and merges their summaries.  ``RELIAB_PRECOMPILE_WORKERS``:
+10,000 cases take ~25 minutes in one process; ``RELIAB_GPU_PROCS=6`` runs seeds seed .. seed + 5 in six
+processes side by side (8,594 cases in 390 s) and merges their summaries.  The processes share the GPU by
+time-slicing: twelve ran about 14 cases a second together, no more than six.  ``RELIAB_PRECOMPILE_WORKERS``:
 processes that compile the variants first (per run process; default a quarter of the CPU cores up to 4 for one
 process, 2 each for several; 0 turns it off).  ``RELIAB_GPU_SECONDS`` bounds the run (after the precompile).
 Where one command may not run that long, the runs of several calls (different seeds) merge into one summary:
