@@ -41,10 +41,12 @@ Shared memory: q 72 KB + 2 tiles x 72 KB + P 8 KB + small vectors, 231,120 bytes
 block (NoPE 206,512: no rope buffers).  Registers: 168 at launch for 12 warps; warpgroup 0 gets 208 (O 128 +
 S 32 + the next QK), warpgroup 1 160, the producer 136 (bf16 rows: the producer 40, warpgroup 0 256).
 
-``NAMED`` (``meta(named=True)``; the plan does not choose it yet): P and alpha go from warpgroup 0 to warpgroup 1
+``NAMED`` (``meta(named=True)``; opt-in, the plan does not choose it): P and alpha go from warpgroup 0 to warpgroup 1
 through two named hardware barriers (``bar.arrive`` / ``bar.sync`` on ids 14 and 15, 256 threads) instead of the
 ``p_ready`` / ``p_free`` mbarriers, FlashInfer's hand-off: no try-wait loops and one warpgroup barrier less a block
-in warpgroup 0 (and on Triton 3.9 its wgmma descriptors no longer spilled); to be measured against the default.
+in warpgroup 0 (and on Triton 3.9 its wgmma descriptors no longer spilled).  On the H200 (Triton 3.6) it is no faster
+(decode within 1-3 % of the default, docs/design/kernels.md); Triton 3.9, where it removes the spill, is not
+yet measured.
 
 Gluon kernels do not run under the Triton interpreter: ``tests/test_sm90_compile.py`` compiles every variant
 for sm_90 on the CPU; ``tests/gpu/test_sm90_conv_gpu.py`` checks the numbers against the float64 reference.
