@@ -59,3 +59,20 @@ def test_without_a_key_the_arguments_give_it(direct):
     launch((1,), (32, 5))  # the same specialization (divisible by 16; neither 1 nor divisible): kept kernel
     launch((1,), (17, 3))  # another one: through Triton
     assert [c[1] for c in fake.calls] == [(16, 3), (17, 3)] and gone == [((1, 1, 1), 7, (32, 5))]
+
+
+def test_launch_in_takes_the_device_and_stream_it_is_given(direct):
+    launch, fake, gone, hooks = direct
+    launch((1,), (1, 2), key=("k",))  # compiled on device 0
+    assert launch.launch_in((0, 9), 4, 1, 1, ("k",), (5, 6)) and gone[-1] == ((4, 1, 1), 9, (5, 6))
+    assert not launch.launch_in(None, 4, 1, 1, ("k",), (5, 6))  # no context (a hook is installed)
+    assert not launch.launch_in((1, 9), 4, 1, 1, ("k",), (5, 6))  # not compiled on device 1
+    assert not launch.launch_in((0, 9), 4, 1, 1, ("other",), (5, 6))
+    assert len(gone) == 1
+
+
+def test_direct_context_is_none_while_a_hook_is_installed(direct):
+    launch, fake, gone, hooks = direct
+    assert launch.direct and L.direct_context() == (0, 7)
+    hooks[0] = True
+    assert L.direct_context() is None

@@ -204,10 +204,10 @@ def test_query_in_two_tensors_is_read_in_place(fmt, heads, device):
 
 @pytest.mark.parametrize("splits", [1, 3], ids=["one-split", "three-splits"])
 def test_the_direct_launch_passes_what_the_regular_launch_does(monkeypatch, device, splits):
-    """A launch first offers the compiled specialization its key and addresses (``Launch.launch_known``, the
-    host-time path); when that declines, the regular launch gets the tensors.  Both must describe the same launch:
-    the same grid, key and arguments (tensors as their addresses), for the attention kernel and for the combine
-    that follows a split call."""
+    """A launch first offers the compiled specialization its key and addresses (``Launch.launch_in``, the
+    host-time path, with the device and stream read once for both launches); when that declines, the regular
+    launch gets the tensors.  Both must describe the same launch: the same grid, key and arguments (tensors as
+    their addresses), for the attention kernel and for the combine that follows a split call."""
     from sparsemla.kernels import attention as attn_mod
 
     c = make_case("fp8_ds_mla", 3, 16, 48, device=device)
@@ -218,11 +218,13 @@ def test_the_direct_launch_passes_what_the_regular_launch_does(monkeypatch, devi
 
     class Recorder:
         built = True
+        direct = True
 
         def __init__(self, name):
             self.name = name
 
-        def launch_known(self, gx, gy, gz, key, addrs):
+        def launch_in(self, ctx, gx, gy, gz, key, addrs):
+            assert ctx == ("device", "stream")  # the context both launches share
             seen.append((self.name, "direct", (gx, gy, gz), key, tuple(addrs)))
             return False  # as if not compiled yet: the regular launch follows
 
@@ -235,6 +237,8 @@ def test_the_direct_launch_passes_what_the_regular_launch_does(monkeypatch, devi
     monkeypatch.setattr(attn_mod, "_launch_for", lambda p, f, has_vc: Recorder("attention"))
     monkeypatch.setattr(attn_mod, "_combine_launch", lambda ns, pdl: Recorder("combine"))
     monkeypatch.setattr(attn_mod, "_BOUND", {})
+    contexts = []
+    monkeypatch.setattr(attn_mod, "direct_context", lambda: contexts.append(1) or ("device", "stream"))
     for t in (q, rows, idx, vc):
         assert t.data_ptr() % 16 == 0  # aligned: the direct path is offered
     for _ in range(2):  # the second call finds its bound launch
@@ -242,6 +246,8 @@ def test_the_direct_launch_passes_what_the_regular_launch_does(monkeypatch, devi
         attn_mod.attention_fwd(q, rows, c["fmt"], idx, 0.07, plan=plan, valid_counts=vc)
         names = ["attention"] + (["combine"] if splits > 1 else [])
         assert [s[0] for s in seen] == [n for n in names for _ in (0, 1)]
+        assert len(contexts) == 1  # read once a call
+        contexts.clear()
         for n in names:
             direct, regular = [s[2:] for s in seen if s[0] == n]
             assert direct == regular, n
@@ -250,6 +256,50 @@ def test_the_direct_launch_passes_what_the_regular_launch_does(monkeypatch, devi
         assert key[:5] == (*q.stride()[:2], *q.stride()[:2], idx.stride(0)) and key[-4:][:2] == (16, 48)
         addrs = [s for s in seen if s[0] == "attention"][0][4]
         assert addrs[3] == q.data_ptr() + 1024  # the RoPE part's address: 512 bf16 values into each q row
+
+
+def test_launch_call_plans_once_per_shape_alignment_and_unavailable_set(monkeypatch, device):
+    """``launch_call`` (the backends' path) caches the plan with the launch's bound arguments: a repeated call plans
+    nothing; q at an address that is not 16-byte aligned, or a kernel found unavailable since, gets a plan of its
+    own (both change what the plan may choose); the outputs are those of ``plan_for`` + ``attention_fwd``."""
+    from sparsemla import plan as plan_mod
+    from sparsemla.kernels import attention as attn_mod
+
+    c = make_case("fp8_ds_mla", 3, 16, 48, device=device)
+    rows, fmt, idx, vc = c["cache"].rows, c["fmt"], c["indices"], c["valid_counts"]
+    real, planned = attn_mod.plan_for, []
+
+    def spy(q, rows, fmt, topk, **kw):
+        planned.append(q.data_ptr() & 15)
+        return real(q, rows, fmt, topk, **kw)
+
+    monkeypatch.setattr(attn_mod, "plan_for", spy)
+    monkeypatch.setattr(attn_mod, "_BOUND", {})
+
+    def call(q):
+        out = torch.full((3, 16, 512), float("nan"), dtype=torch.bfloat16, device=device)
+        lse = torch.full((3, 16), float("nan"), dtype=torch.float32, device=device)
+        attn_mod.launch_call(q, rows, fmt, idx, 0.07, vc, 1.0, out, lse)
+        return out, lse
+
+    ref = attn_mod.attention_fwd(c["q"], rows, fmt, idx, 0.07, plan=real(c["q"], rows, fmt, 48), valid_counts=vc)
+    for _ in range(2):
+        got = call(c["q"])
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert planned == [0]
+    # q two bytes past a 16-byte boundary: planned again, same values
+    buf = torch.empty(c["q"].numel() + 8, dtype=torch.bfloat16, device=device)
+    q_odd = buf[1:1 + c["q"].numel()].view_as(c["q"])
+    q_odd.copy_(c["q"])
+    got = call(q_odd)
+    assert planned == [0, 2] and torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    plan_mod.mark_unavailable("sm90-few", "test")
+    try:
+        call(c["q"])
+        assert planned == [0, 2, 0]
+    finally:
+        plan_mod.clear_unavailable()
+    _check(*got, c, 0.07)
 
 
 def test_a_kernel_that_does_not_build_falls_back_to_the_portable_kernels(monkeypatch, device):
@@ -266,8 +316,9 @@ def test_a_kernel_that_does_not_build_falls_back_to_the_portable_kernels(monkeyp
 
     class Broken:
         built = False
+        direct = False
 
-        def launch_known(self, gx, gy, gz, key, addrs):
+        def launch_in(self, ctx, gx, gy, gz, key, addrs):
             return False  # never compiled
 
         def __call__(self, grid, args, key=None, addrs=None):

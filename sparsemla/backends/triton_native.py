@@ -21,9 +21,9 @@ from typing import Optional
 import torch
 
 from .._device import interpreting
-from ..kernels.attention import attention_fwd, plan_for, runner_split_elements
+from ..kernels.attention import launch_call, runner_split_elements
 from ..plan import unavailable_kernels
-from ._common import kv_rows
+from ._common import ensure_outputs, kv_rows
 from .registry import AttentionConfig, Backend, RunnerSpec
 
 # Formats whose rows hold e4m3 bytes: Triton converts e4m3 only on compute capability >= 8.9.
@@ -66,9 +66,11 @@ class TritonNative(Backend):
 
     def forward(self, mode, q, kv, indices, sm_scale, valid_counts, k_scale, out, lse, workspace=None):
         rows, fmt = kv_rows(kv)
-        plan = plan_for(q, rows, fmt, indices.shape[1], fp8_qk=self.fp8_qk, portable=self.portable)
-        return attention_fwd(q, rows, fmt, indices, sm_scale, plan=plan, valid_counts=valid_counts, k_scale=k_scale,
-                             out=out, lse=lse, split_buffers=None if workspace is None else workspace.buffer)
+        if out is None or lse is None:
+            out, lse = ensure_outputs(q, out, lse)
+        launch_call(q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
+                    None if workspace is None else workspace.buffer, fp8_qk=self.fp8_qk, portable=self.portable)
+        return out, lse
 
     def make_workspace(self, spec):
         return SplitBuffers(spec, fp8_qk=self.fp8_qk, portable=self.portable)

@@ -34,7 +34,7 @@ from .. import plan as _plan
 from .._device import capability, interpreting, num_sms
 from ..formats import get_format
 from .combine import combine_kernel
-from .launch import Launch
+from .launch import Launch, direct_context
 from .portable.bf16_few import bf16_few_kernel
 from .portable.fp8_few import fp8_few_kernel
 from .portable.nvfp4_few import nvfp4_few_kernel
@@ -287,7 +287,25 @@ _BOUND: dict = {}
 _MAX_BOUND = 4096
 
 
-def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers, q_pe=None) -> None:
+def launch_call(q: torch.Tensor, rows: torch.Tensor, fmt, indices: torch.Tensor, sm_scale: float,
+                valid_counts: Optional[torch.Tensor], k_scale: float, out: torch.Tensor, lse: torch.Tensor,
+                split_buffers: Optional[torch.Tensor] = None, *, fp8_qk: bool = False, portable: bool = False) -> None:
+    """:func:`plan_for` and :func:`attention_fwd` in one step, for a backend's calls: the plan is looked up together
+    with the launch's bound arguments, from the tensors' shapes, strides and alignment (one lookup, each tensor
+    property read once).  ``fmt``: a :class:`~sparsemla.formats.KVFormat`; ``out`` / ``lse`` given; arguments not
+    checked (the public API has)."""
+    _run(None, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers, None,
+         _CHOICES[fp8_qk, portable])
+
+
+# the plan options a launch_call passes, as one interned tuple (part of its cache key)
+_CHOICES = {(a, b): (a, b) for a in (False, True) for b in (False, True)}
+
+
+def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers, q_pe=None,
+         choice=None) -> None:
+    """Launch ``plan`` (None: the plan :func:`plan_for` gives with ``choice`` = (fp8_qk, portable), cached with the
+    bound arguments) on these tensors."""
     qs, os_, ls_ = q.stride(), out.stride(), lse.stride()
     pq = q.data_ptr()
     if q_pe is None:  # the RoPE part is q[..., 512:] (bf16: 1024 bytes in); NoPE: never read, q stands in
@@ -295,16 +313,27 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
     else:
         rs, pqr = q_pe.stride(), q_pe.data_ptr()
     ishape = indices.shape
+    if not ishape[0]:
+        return
     is0 = indices.stride()[0]
     has_vc = valid_counts is not None
-    # keyed by the plan's and the format's identity (hashing them hashes their fields), checked on a hit
-    sig = (id(plan), id(fmt), has_vc, ishape, qs, rs, is0, os_, ls_, lse.shape[1])
-    b = _BOUND.get(sig)
-    if b is None or b.plan is not plan or b.fmt is not fmt:
-        if len(_BOUND) >= _MAX_BOUND:
-            _BOUND.clear()
-        b = _BOUND[sig] = _Bound(plan, fmt, has_vc, ishape[0], lse.shape[1], ishape[1], qs, rs, is0, os_, ls_,
-                                 q.device)
+    pr = rows.data_ptr()
+    if plan is None:
+        # what the plan depends on beyond the launch's key: the options, q's and the rows' alignment, the device and
+        # the kernels found unavailable so far
+        sig = (choice, id(fmt), has_vc, ishape, qs, rs, is0, os_, ls_, lse.shape[1], (pq | pqr) & 15, pr & 15,
+               q.device, _plan._UNAVAILABLE_SET)
+        b = _BOUND.get(sig)
+        if b is None or b.fmt is not fmt:
+            plan = plan_for(q, rows, fmt, ishape[1], fp8_qk=choice[0], portable=choice[1])
+            b = _bind(sig, plan, fmt, has_vc, ishape, lse, qs, rs, is0, os_, ls_, q.device)
+        plan = b.plan
+    else:
+        # keyed by the plan's and the format's identity (hashing them hashes their fields), checked on a hit
+        sig = (id(plan), id(fmt), has_vc, ishape, qs, rs, is0, os_, ls_, lse.shape[1])
+        b = _BOUND.get(sig)
+        if b is None or b.plan is not plan or b.fmt is not fmt:
+            b = _bind(sig, plan, fmt, has_vc, ishape, lse, qs, rs, is0, os_, ls_, q.device)
     vc = valid_counts if has_vc else indices  # a dummy pointer when absent
     if b.n_all:
         if split_buffers is None:
@@ -316,7 +345,7 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
     else:
         o_dst, l_dst = out, lse
     # The launcher takes tensors as addresses; read once, they also give the alignment check.
-    pr, pi, pv, po, pl = rows.data_ptr(), indices.data_ptr(), vc.data_ptr(), o_dst.data_ptr(), l_dst.data_ptr()
+    pi, pv, po, pl = indices.data_ptr(), vc.data_ptr(), o_dst.data_ptr(), l_dst.data_ptr()
     scale = float(sm_scale) * LOG2E
     o0, o1, o2 = b.o_strides
     l0, l1, l2 = b.l_strides
@@ -327,7 +356,9 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
         addrs = (pq, qs[0], qs[1], pqr, rs[0], rs[1], pr, pi, is0, pv, po, o0, o1, o2, pl, l0, l1, l2, scale, *b.tail)
     aligned = not (pq | pqr | pr | pi | pv | po | pl) & 15
     launch = b.launch
-    if not (aligned and launch.launch_known(b.gx, 1, 1, b.key, addrs)):
+    # the device, stream and launch hooks read once for both launches (the combine's too)
+    ctx = direct_context() if launch.direct else None
+    if not (aligned and launch.launch_in(ctx, b.gx, 1, 1, b.key, addrs)):
         qr = q_pe if q_pe is not None else (q[..., V_DIM:] if fmt.rope_dim else q)
         args = (q, *addrs[1:3], qr, *addrs[4:6], rows, indices, is0, vc, o_dst, *addrs[11:14], l_dst, *addrs[15:])
         key = b.key if aligned else None
@@ -351,9 +382,16 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
         caddrs = (po, pl, p_out, c[0], c[1], p_lse, c[2], c[3], c[4], c[5])
         # the partials' lse part starts n_o (a multiple of 512) elements into the buffer: aligned with it
         caligned = not (po | p_out | p_lse) & 15
-        if not (caligned and b.combine.launch_known(*b.cgrid, c, caddrs)):
+        if not (caligned and b.combine.launch_in(ctx, *b.cgrid, c, caddrs)):
             b.combine(b.cgrid, (o_dst, l_dst, out, c[0], c[1], lse, c[2], c[3], c[4], c[5]),
                       c if caligned else None, caddrs)
+
+
+def _bind(sig, plan, fmt, has_vc, ishape, lse, qs, rs, is0, os_, ls_, device) -> "_Bound":
+    if len(_BOUND) >= _MAX_BOUND:
+        _BOUND.clear()
+    b = _BOUND[sig] = _Bound(plan, fmt, has_vc, ishape[0], lse.shape[1], ishape[1], qs, rs, is0, os_, ls_, device)
+    return b
 
 
 def _first_line(exc: BaseException) -> str:
@@ -418,4 +456,5 @@ def probe_builds(device=None) -> Optional[dict]:
     return _plan.unavailable_kernels()
 
 
-__all__ = ["attention_fwd", "per_call_partials", "plan_for", "probe_builds", "runner_split_elements", "split_elements"]
+__all__ = ["attention_fwd", "launch_call", "per_call_partials", "plan_for", "probe_builds", "runner_split_elements",
+           "split_elements"]

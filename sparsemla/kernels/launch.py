@@ -75,6 +75,22 @@ class Launch:
                 self._compiled.clear()  # bounded: a caller whose integers keep changing recompiles nothing
             self._compiled[(_device(), key)] = _direct_launch(k, self._tail)
 
+    @property
+    def direct(self) -> bool:
+        """Whether this kernel's launches can take the direct path (see :func:`direct_context`)."""
+        return self._direct
+
+    def launch_in(self, ctx, gx: int, gy: int, gz: int, key, addrs: Sequence[int]) -> bool:
+        """:meth:`launch_known` with the device and stream of ``ctx`` (:func:`direct_context`, read once for
+        launches made back to back); False when it did nothing."""
+        if ctx is None or not self._direct:
+            return False
+        go = self._compiled.get((ctx[0], key))
+        if go is None:
+            return False
+        go(gx, gy, gz, ctx[1], addrs)
+        return True
+
     def launch_known(self, gx: int, gy: int, gz: int, key, addrs: Sequence[int]) -> bool:
         """Launch on ``(gx, gy, gz)`` if this specialization (``key``, as in :meth:`__call__`) was compiled and
         the direct path applies; False when it did nothing (the caller then makes the regular call).  The least
@@ -87,6 +103,15 @@ class Launch:
             return False
         go(gx, gy, gz, _stream(dev), addrs)
         return True
+
+
+def direct_context():
+    """``(device, stream)`` for :meth:`Launch.launch_in` now, or None while a launch hook is installed (every launch
+    then goes through Triton).  Call it only where some launch is ``direct``: it reads the CUDA device."""
+    if _hooks():
+        return None
+    dev = _device()
+    return dev, _stream(dev)
 
 
 def _direct_launch(k, tail: tuple):
