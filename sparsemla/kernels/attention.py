@@ -295,11 +295,7 @@ def launch_call(q: torch.Tensor, rows: torch.Tensor, fmt, indices: torch.Tensor,
     property read once).  ``fmt``: a :class:`~sparsemla.formats.KVFormat`; ``out`` / ``lse`` given; arguments not
     checked (the public API has)."""
     _run(None, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers, None,
-         _CHOICES[fp8_qk, portable])
-
-
-# the plan options a launch_call passes, as one interned tuple (part of its cache key)
-_CHOICES = {(a, b): (a, b) for a in (False, True) for b in (False, True)}
+         (fp8_qk, portable))
 
 
 def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers, q_pe=None,

@@ -81,8 +81,10 @@ class Launch:
         return self._direct
 
     def launch_in(self, ctx, gx: int, gy: int, gz: int, key, addrs: Sequence[int]) -> bool:
-        """:meth:`launch_known` with the device and stream of ``ctx`` (:func:`direct_context`, read once for
-        launches made back to back); False when it did nothing."""
+        """Launch on ``(gx, gy, gz)`` on the device and stream of ``ctx`` (:func:`direct_context`, which callers
+        read once for launches made back to back) if this specialization (``key``, as in :meth:`__call__`) was
+        compiled there and the direct path applies; False when it did nothing (the caller then makes the regular
+        call).  The least host time a launch can take here: one dictionary lookup and Triton's C launch function."""
         if ctx is None or not self._direct:
             return False
         go = self._compiled.get((ctx[0], key))
@@ -92,17 +94,8 @@ class Launch:
         return True
 
     def launch_known(self, gx: int, gy: int, gz: int, key, addrs: Sequence[int]) -> bool:
-        """Launch on ``(gx, gy, gz)`` if this specialization (``key``, as in :meth:`__call__`) was compiled and
-        the direct path applies; False when it did nothing (the caller then makes the regular call).  The least
-        host time a launch can take here: one dictionary lookup and Triton's C launch function."""
-        if not self._direct:
-            return False
-        dev = _device()
-        go = self._compiled.get((dev, key))
-        if go is None or _hooks():
-            return False
-        go(gx, gy, gz, _stream(dev), addrs)
-        return True
+        """:meth:`launch_in` on the current device and stream."""
+        return self._direct and self.launch_in(direct_context(), gx, gy, gz, key, addrs)
 
 
 def direct_context():
