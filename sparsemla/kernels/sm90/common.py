@@ -23,7 +23,8 @@ PUBLISH = gl.constexpr(129)  # arrivals of one warpgroup's publish() on an mbarr
 def publish(bar):
     """One warpgroup (4 warps) hands what it stored to shared memory with generic stores, and is done reading
     there, to the waiters on the mbarrier ``bar``, which counts :data:`PUBLISH` arrivals for each warpgroup that
-    publishes on it (sm90-bf16's row max / sum vectors).
+    publishes on it.  Used for sm90-bf16's row max / sum vectors, and in every sm_90 kernel for the hand-offs
+    made once a program (q and its scales, the final row sums, sm90-few's merge of the two warpgroups).
 
     After a warpgroup barrier one thread's ordinary arrival (a release) is what the waiters' wait acquires: the
     memory model needs nothing more.  Every thread also arrives by cp.async: at once where it has no copy in

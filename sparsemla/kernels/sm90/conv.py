@@ -30,12 +30,12 @@ writers produce; other scales round once, like a bf16 cache; fp16 could overflow
 copied.  Converting to fp16 saves a third of the producer's instructions against bf16 (no detour through
 fp32), measured in SASS: about 800 against 1230 a thread and block for nvfp4.
 
-mbarriers: ``q_bar`` (q staged: one cp.async arrival per producer thread; fp16 q: one arrival), ``ready[b]``
-(tile b and sV[b]; the producer fences its generic-proxy stores for the async proxy first), ``free[b]`` (count 2: both
-warpgroups done reading tile b; warpgroup 0 arrives when its PV of the block is done, before the next
-block's QK is), ``p_ready`` / ``p_free`` (P and alpha handed from warpgroup 0 to
-warpgroup 1), ``l_bar`` (warpgroup 0's final row sums, so that both halves of the output are normalized by
-the same l).
+mbarriers: ``q_bar`` (q staged: one cp.async arrival per producer thread; fp16 q: the producer's
+``common.publish``), ``ready[b]`` (tile b and sV[b]; the producer fences its generic-proxy stores for the async
+proxy first), ``free[b]`` (count 2: both warpgroups done reading tile b; warpgroup 0 arrives when its PV of the
+block is done, before the next block's QK is), ``p_ready`` / ``p_free`` (P and alpha handed from warpgroup 0 to
+warpgroup 1), ``l_bar`` (warpgroup 0's final row sums, through ``common.publish``, so that both halves of the
+output are normalized by the same l).
 
 Shared memory: q 72 KB + 2 tiles x 72 KB + P 8 KB + small vectors, 231,120 bytes of the 232,448 an SM gives a
 block (NoPE 206,512: no rope buffers).  Registers: 168 at launch for 12 warps; warpgroup 0 gets 208 (O 128 +
@@ -60,7 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import compat
-from .common import NEG_BIG, named_asm, named_barrier, normalizer, program_coords
+from .common import NEG_BIG, PUBLISH, named_asm, named_barrier, normalizer, program_coords, publish
 from .rows import block_indices, copy_rows, e4m3_words_bf16, e4m3_words_f16, fp4_words_f16, pow2_scale
 
 # warpgroup 0's S [64 heads, 64 rows] and each warpgroup's O [64 heads, 256 columns] on wgmma
@@ -261,8 +261,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     else:
         _stage_q_f16(q_row, qe_row, hm, qL, qR, qE, sQ, ROPE)
         fence_async_shared()  # q is read by the consumers' wgmma (async proxy)
-        compat.barrier()
-        mbarrier.arrive(q_bar, count=1)
+        publish(q_bar)
 
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
@@ -457,8 +456,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         mbarrier.arrive(free.index(b), count=1)
     # both warpgroups normalize with these row sums
     sL.store(l_i)
-    compat.barrier()
-    mbarrier.arrive(l_bar, count=1)
+    publish(l_bar)
     inv_l, lse = normalizer(m_i, l_i)
     if not DS and not FP4:
         inv_l = inv_l * k_scale
@@ -547,7 +545,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     if Q16:
         mbarrier.init(q_bar, count=128)  # one cp.async arrival per producer thread
     else:
-        mbarrier.init(q_bar, count=1)  # the producer, after a warpgroup barrier
+        mbarrier.init(q_bar, count=PUBLISH)  # the producer's publish() of fp16 q and its scales
     for b in gl.static_range(2):
         if B16:
             mbarrier.init(ready.index(b), count=129)  # each producer thread's cp.async arrival, and sV[b]'s
@@ -556,7 +554,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
         mbarrier.init(free.index(b), count=2)   # both consumer warpgroups
     mbarrier.init(p_ready, count=1)
     mbarrier.init(p_free, count=1)
-    mbarrier.init(l_bar, count=1)
+    mbarrier.init(l_bar, count=PUBLISH)  # warpgroup 0's publish() of its row sums
     # (constexprs reach a partition as constexprs only when written into warp_specialize's argument tuples)
     ca = (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls,
           stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,

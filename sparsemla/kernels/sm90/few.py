@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import compat
-from .common import NEG_BIG, absmax, normalizer, program_coords, rcp
+from .common import NEG_BIG, PUBLISH, absmax, normalizer, program_coords, publish, rcp
 from .rows import (L_QK64, L_V, LO_SHIFT, SC_L, acc_dim, block_indices, e4m3_view, fp4_values, load_q_group,
                    load_q_rope,
                    pow2_scale, producer, pv_rows, pv_values, relabel64, store_e4m3_terms)
@@ -498,8 +498,7 @@ def _q_ready(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H,
             c = _stage_q(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H, qn, qr, DS, ROPE, CHUNKS)
             vec.index(0).store(gl.full([16], 1.0, gl.float32, HEAD) * c)  # c for warpgroup 1
         fence_async_shared()
-        compat.barrier()
-        mbarrier.arrive(q_bar, count=1)
+        publish(q_bar)
     else:
         mbarrier.wait(q_bar, 0)
         fence_async_shared()
@@ -516,8 +515,7 @@ def _publish(m_i, l_i, vec, done_bar):
     """Warpgroup 1, its accumulators stored for the merge: its running max and sum to warpgroup 0."""
     vec.index(0).store(m_i)
     vec.index(1).store(l_i)
-    compat.barrier()
-    mbarrier.arrive(done_bar, count=1)
+    publish(done_bar)
 
 
 @gluon.jit
@@ -747,8 +745,8 @@ def few_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr
     ready = gl.allocate_shared_memory(gl.int64, [n_st, 1], bl)
     free = gl.allocate_shared_memory(gl.int64, [n_st, 1], bl)
     done_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
-    mbarrier.init(q_bar, count=1)
-    mbarrier.init(done_bar, count=1)
+    mbarrier.init(q_bar, count=PUBLISH)  # warpgroup 0's publish() of q
+    mbarrier.init(done_bar, count=PUBLISH)  # warpgroup 1's publish() of its accumulators, max and sum
     for i in gl.static_range(n_st):
         mbarrier.init(ready.index(i), count=128)  # one cp.async arrival per producer thread
         mbarrier.init(free.index(i), count=1)     # the consuming warpgroup

@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import compat
-from .common import NEG_BIG, absmax, program_coords, rcp
+from .common import NEG_BIG, PUBLISH, absmax, program_coords, publish, rcp
 from .rows import (L_QK64, L_V, SC_L, block_indices, e4m3_view, load_q_group, load_q_rope, pow2_scale, producer,
                    pv_rows,
                    pv_values, relabel64, store_e4m3_terms)
@@ -306,8 +306,7 @@ def _stage_q(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H,
         if not DS:
             amax = gl.maximum(amax, absmax(xr))
     q_amax.index(WG).store(gl.full([64], 1.0, gl.float32, HEAD) * amax)
-    compat.barrier()
-    mbarrier.arrive(q_bar.index(WG), count=1)
+    publish(q_bar.index(WG))
     mbarrier.wait(q_bar.index(1 - WG), 0)
     amax = gl.maximum(amax, gl.max(q_amax.index(1 - WG).load(HEAD), 0))
     e = gl.floor(gl.log2(gl.maximum(amax, 1e-30)))
@@ -323,8 +322,7 @@ def _stage_q(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H,
         else:
             qn.index(8).store(relabel64(xr * c).to(gl.float16))
     fence_async_shared()  # generic stores -> the wgmma (async proxy) reads of q
-    compat.barrier()
-    mbarrier.arrive(q_bar.index(2 + WG), count=1)
+    publish(q_bar.index(2 + WG))
     mbarrier.wait(q_bar.index(3 - WG), 0)
     return c
 
@@ -351,8 +349,7 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H
         if not DS:
             amax = gl.maximum(amax, gl.max(gl.abs(xr), 1))
     q_amax.index(WG).store(amax)
-    compat.barrier()
-    mbarrier.arrive(q_bar.index(WG), count=1)
+    publish(q_bar.index(WG))
     mbarrier.wait(q_bar.index(1 - WG), 0)
     c, inv_c = pow2_scale(gl.maximum(amax, q_amax.index(1 - WG).load(hl)))
     for G in gl.static_range(2):  # loaded again (from L1 / L2): q is not held across the wait
@@ -364,8 +361,7 @@ def _stage_q8(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, t, g, H
         else:
             store_e4m3_terms(qr.index(0), qr.index(1), xr * c[:, None], 1.0)
     fence_async_shared()  # generic stores -> the wgmma (async proxy) reads of q
-    compat.barrier()
-    mbarrier.arrive(q_bar.index(2 + WG), count=1)
+    publish(q_bar.index(2 + WG))
     mbarrier.wait(q_bar.index(3 - WG), 0)
     return gl.convert_layout(inv_c, HEAD)
 
@@ -498,8 +494,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
     # the normaliser: this warpgroup's blocks plus the other's (both use the same running max)
     l_own = gl.convert_layout(gl.sum(gl.sum(l_acc, 1), 0), HEAD)  # lanes first: a small cross-warp scratch
     row_sum.index(WG).store(l_own)
-    compat.barrier()
-    mbarrier.arrive(l_bar.index(WG), count=1)
+    publish(l_bar.index(WG))
     mbarrier.wait(l_bar.index(1 - WG), 0)  # also: the other warpgroup has read every stage for the last time
     l_i = l_own + row_sum.index(1 - WG).load(HEAD)
     m_i = run_max.index(WG).load(HEAD)
@@ -581,12 +576,12 @@ def wide_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
         mbarrier.init(ready.index(i), count=128)  # one cp.async arrival per producer thread
         mbarrier.init(free.index(i), count=2)     # both consumer warpgroups read every block
     for i in gl.static_range(2):
-        mbarrier.init(q_bar.index(i), count=1)
-        mbarrier.init(q_bar.index(2 + i), count=1)
+        mbarrier.init(q_bar.index(i), count=PUBLISH)  # q's hand-offs, once a program (publish())
+        mbarrier.init(q_bar.index(2 + i), count=PUBLISH)
         mbarrier.init(m_bar.index(i), count=1)
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(p_free.index(i), count=1)
-        mbarrier.init(l_bar.index(i), count=1)
+        mbarrier.init(l_bar.index(i), count=PUBLISH)
     # (constexprs in warp_specialize's argument tuples written there, not in tuples assigned to names: see few.py)
     ca = (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot,
           stride_os, stride_oh,
