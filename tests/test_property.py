@@ -198,3 +198,21 @@ def test_the_gpu_pool_plans_every_kernel_in_its_first_cases():
         planned = {str(rc.planned_kernel(rp.case_spec(seed, i, 0, c, rc.GPU))) for i, c in enumerate(configs)}
         missing = [k for k in names if not any(p.startswith(k) for p in planned)]
         assert not missing, f"seed {seed}: no configuration plans {missing}"
+
+
+def test_consan_driver_covers_every_sm90_kernel():
+    """tests/helpers/reliab_consan.py (Triton's concurrency sanitizer over the sm_90 kernels, on the GPU machine):
+    every sm_90 kernel of the plan, in every mode it has, and each variant a call the plan accepts when that
+    kernel is forced (so that no variant silently runs another kernel)."""
+    import reliab_consan
+
+    from sparsemla.plan import SM90_KERNELS, plan_attention
+
+    seen = set()
+    for name, (kernel, fmt, heads, fp8_qk) in reliab_consan.VARIANTS.items():
+        plan = plan_attention(fmt, 3, heads, 320, capability=(9, 0), num_sms=132, kernel=kernel, fp8_qk=fp8_qk)
+        assert plan.kernel == kernel and plan.fp8_qk == fp8_qk, (name, plan)
+        seen.add((kernel, fp8_qk))
+    assert {k for k, _ in seen} == set(SM90_KERNELS)
+    assert ("sm90-few", True) in seen and ("sm90-wide", True) in seen
+    assert reliab_consan.main(["--list"]) == 0
