@@ -22,7 +22,6 @@ Exit status 1 when a variant failed (an assertion, a wrong result, a timeout).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -133,12 +132,9 @@ def main(argv=None) -> int:
                    variants=len(rows), failed=failed, seconds=round(time.time() - t0, 1), rows=rows)
     print(f"consan: {len(rows) - len(failed)} of {len(rows)} variants clean, {len(failed)} failed "
           f"({summary['seconds']} s, Triton {triton.__version__})")
-    root = os.environ.get("RELIAB_OUT") or (os.path.join(os.environ["OUT"], "reliability") if os.environ.get("OUT")
-                                            else None)
-    if root:
-        os.makedirs(root, exist_ok=True)
-        with open(os.path.join(root, "consan.json"), "w") as f:
-            json.dump(summary, f, indent=1, default=str)
+    sys.path.insert(0, HERE)
+    from reliab_property import write_summary
+    write_summary(summary, "consan.json")
     return 1 if failed else 0
 
 
