@@ -84,6 +84,10 @@ def _variants():
             v[f"conv-{fid}{suffix}"] = ("conv", "conv_kernel", sig, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                 num_groups=2, has_valid_counts=vc, named=suffix == "-named"))
+        if kind == "fp8_ds_mla" and fid != "fp8_ds_mla-nope-compact" and conv.CLUSTER_OK:
+            v[f"conv-{fid}-cluster"] = ("conv", "conv_kernel", SIG_K, conv.meta(
+                kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
+                num_groups=1, has_valid_counts=True, cluster=True))
     return v
 
 
@@ -144,7 +148,7 @@ def compile_variant(name: str):
 
     mod, fn_name, sig, meta = VARIANTS[name]
     fn = getattr(importlib.import_module(f"sparsemla.kernels.sm90.{mod}"), fn_name)
-    options = {k: meta[k] for k in ("num_warps", "maxnreg", "enable_fp_fusion")}
+    options = {k: meta[k] for k in ("num_warps", "maxnreg", "enable_fp_fusion", "num_ctas") if k in meta}
     cons = {k: v for k, v in meta.items() if k not in options}
     sig = dict(sig, **{k: "constexpr" for k in cons})
     log = io.StringIO()

@@ -48,6 +48,11 @@ in warpgroup 0 (and on Triton 3.9 its wgmma descriptors no longer spilled).  On 
 (decode within 1-3 % of the default, docs/design/kernels.md); Triton 3.9, where it removes the spill, is not
 yet measured.
 
+``CL`` (``meta(cluster=True)``; opt-in, Triton >= 3.9, fp8_ds_mla rows, 65-128 heads): a cluster of two CTAs
+serves a token's 128 heads, 64 each, and each CTA's producer converts 32 of every block's 64 rows into both CTAs'
+tiles by ``st.async`` (``_convert_blocks_cl``), so that a token's rows are converted once, not once per 64 heads;
+docs/design/kernels.md has the protocol.
+
 Gluon kernels do not run under the Triton interpreter: ``tests/test_sm90_compile.py`` compiles every variant
 for sm_90 on the CPU; ``tests/gpu/test_sm90_conv_gpu.py`` checks the numbers against the float64 reference.
 """
@@ -113,6 +118,46 @@ L_B16 = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
 # fp8_ds_mla's bf16 rope [64 rows, 64] (8 elements a thread, the rows of L_W8R): copied by cp.async
 L_B16R = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [0, 1]))
 
+# CL (``meta(cluster=True)``; Triton >= 3.9): a cluster of two CTAs serves one token's 128 heads, 64 each, and
+# each CTA's producer converts half of every block's rows into both CTAs' tiles.  In Gluon's cluster model one
+# program spans both CTAs: a tensor of the program is split over them ("split": CTA c holds the second half of
+# dim 0 when c = 1) or held whole by each ("whole").  q, S, P, O and the per-head vectors are split on the heads;
+# the tiles and the row validity are whole (every CTA's MMAs read all 64 rows); the producer's rows are split.
+
+
+@gluon.constexpr_function
+def cga(layout, cl, split=True):
+    """``layout`` as the CL kernel needs it: split over the cluster's two CTAs on dim 0 (``split``) or held whole
+    by each CTA; ``layout`` itself where ``cl`` is False (one CTA: the layouts the default kernel is built with)."""
+    cl = getattr(cl, "value", cl)
+    layout = getattr(layout, "value", layout)
+    if not cl:
+        return layout
+    bases = [[int(split and d == 0) for d in range(len(layout.warps_per_cta))]]
+    if isinstance(layout, gl.NVMMADistributedLayout):
+        return gl.NVMMADistributedLayout(version=layout.version, warps_per_cta=layout.warps_per_cta,
+                                         instr_shape=layout.instr_shape, cga_layout=bases)
+    return gl.BlockedLayout(layout.size_per_thread, layout.threads_per_warp, layout.warps_per_cta, layout.order,
+                            cga_layout=bases)
+
+
+@gluon.constexpr_function
+def NH(cl):
+    """Head groups of 64 in one program: 2 for the CL kernel (one per CTA), else 1."""
+    return 2 if getattr(cl, "value", cl) else 1
+
+
+# The producer's converted piece [64 rows, 64 words] for both CTAs' tiles at once: [2 (destination CTA), 64, 64],
+# the rows split over the CTAs, each thread holding its values for both destinations (the same registers);
+# V2_CL is its slice, the layout e4m3_words_bf16 gives for L_W8R's words (so converting to it moves nothing).
+V3_CL = gl.constexpr(gl.BlockedLayout([2, 1, 8], [1, 8, 4], [1, 4, 1], [1, 2, 0], cga_layout=[[0, 1, 0]]))
+V2_CL = gl.constexpr(gl.SliceLayout(0, V3_CL.value))
+# the consumers' signal that they are done with a tile: SIG_N words from each warpgroup to both CTAs
+SIG_CL = gl.constexpr(gl.BlockedLayout([2, 1, 1], [1, 1, 32], [1, 1, 4], [2, 1, 0], cga_layout=[[0, 1, 0]]))
+SIG_N = gl.constexpr(2)  # int32 values per (destination, source CTA) in a signal
+# what each CTA's free[b] receives a block: two warpgroups x two CTAs x SIG_N words
+SIG_BYTES = gl.constexpr(2 * 2 * SIG_N.value * 4)
+
 
 @gluon.jit
 def _ptrs(idx, kv_ptr, BPT: gl.constexpr):
@@ -130,7 +175,8 @@ def _words(base, valid, off: gl.constexpr, N: gl.constexpr, lay: gl.constexpr):
 
 
 @gluon.jit
-def _load_piece(base, valid, P: gl.constexpr, SCALE_OFF: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr):
+def _load_piece(base, valid, P: gl.constexpr, SCALE_OFF: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr,
+                CL: gl.constexpr = False):
     """Raw words of 128-dim piece P of 64 rows and their scales, zeros for invalid rows: e4m3 [64, 32] (L_W8R
     for fp8_ds_mla, L_W8 for plain fp8) and, fp8_ds_mla, the group scale [64] fp32; nvfp4 [64, 16] (L_W2) and
     the 8 block scales [64, 8] u8 (L_W2S).  Plain fp8: the scale is 0 (unused)."""
@@ -144,7 +190,7 @@ def _load_piece(base, valid, P: gl.constexpr, SCALE_OFF: gl.constexpr, DS: gl.co
         sc = gl.load(sbase[:, None] + so[None, :], mask=gl.convert_layout(valid, sl)[:, None], other=0)
     else:
         if DS:
-            raw = _words(base, valid, 128 * P, 32, L_W8R)
+            raw = _words(base, valid, 128 * P, 32, cga(L_W8R, CL))
             sc = gl.load((base + (SCALE_OFF + 4 * P)).to(gl.pointer_type(gl.float32)), mask=valid, other=0.0)
         else:
             raw = _words(base, valid, 128 * P, 32, L_W8)
@@ -176,13 +222,83 @@ def _load_rope(base, valid, ROPE_OFF: gl.constexpr, FP4: gl.constexpr):
 
 
 @gluon.jit
-def _copy_rope_bf16(dst, base, valid, ROPE_OFF: gl.constexpr):
+def _copy_rope_bf16(dst, base, valid, ROPE_OFF: gl.constexpr, CL: gl.constexpr = False):
     """cp.async of fp8_ds_mla's bf16 rope of the rows ``base`` into ``dst`` [64, 64] bf16 (zeros for invalid
-    rows): the values need no conversion, so they need not pass through registers."""
-    sl: gl.constexpr = gl.SliceLayout(1, L_B16R)
+    rows): the values need no conversion, so they need not pass through registers.  CL: each CTA copies all 64
+    rows into its own tile (``base`` whole)."""
+    lay: gl.constexpr = cga(L_B16R, CL, False)
+    sl: gl.constexpr = gl.SliceLayout(1, lay)
     rows = gl.multiple_of(gl.convert_layout(base, sl) + ROPE_OFF, 16).to(gl.pointer_type(gl.bfloat16))
-    copy_rows(dst, rows, 0, 64, gl.convert_layout(valid, sl), L_B16R)
+    copy_rows(dst, rows, 0, 64, gl.convert_layout(valid, sl), lay)
     async_copy.commit_group()
+
+
+@gluon.jit
+def _send_piece(raw, sc, kLc, kRc, b, P: gl.constexpr, bar):
+    """CL: dequantize this CTA's rows of piece P (``_load_piece``, fp8_ds_mla) and store them into tile b of both
+    CTAs (``st.async``, which counts the bytes on each CTA's ``bar``).  ``kLc`` / ``kRc``: the tiles as words
+    [2 tiles, 2 destination CTAs, 64, 128]."""
+    v = gl.convert_layout(e4m3_words_bf16(raw, gl.broadcast(sc[:, None], raw)[0]), V2_CL)
+    v2 = gl.expand_dims(v, 0) + gl.zeros([2, 64, 64], gl.int32, V3_CL)  # the same registers for both CTAs
+    if P < 2:
+        dst = kLc.index(b).slice(64 * P, 64, dim=2)
+    else:
+        dst = kRc.index(b).slice(64 * (P - 2), 64, dim=2)
+    compat.async_store(dst, v2, bar)
+
+
+@gluon.jit
+def _signal(sig, bar):
+    """CL: one warpgroup tells both CTAs' producers that it is done with a tile: ``SIG_N`` words into each CTA's
+    ``sig`` [2 destination CTAs, 2 source CTAs, SIG_N] by ``st.async`` on each CTA's ``bar`` (the tile's ``free``,
+    which expects SIG_BYTES from the four warpgroups of the cluster).  Call it after a warpgroup barrier."""
+    compat.async_store(sig, gl.full([2, 2, SIG_N], 1, gl.int32, SIG_CL), bar)
+
+
+@gluon.jit
+def _convert_blocks_cl(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLc, kRc, kE, sV, ready, free, BPT: gl.constexpr,
+                       ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr):
+    """CL, fp8_ds_mla rows: the producer's loop of the default kernel over this CTA's 32 rows of each block (two
+    pieces ahead), each converted piece stored into both CTAs' tiles by ``st.async``; each CTA copies the bf16 rope
+    and stores the validity of all 64 rows itself.  ``ready[b]``: this producer's arrival (after its rope copies
+    and validity stores) and the tile's bytes from both producers.  ``free[b]``: the producer's arrival and the
+    four consumer warpgroups' signals (``_signal``), waited for before a tile is written again -- and at the end,
+    so that no signal is still on its way to this CTA when it exits."""
+    rl: gl.constexpr = gl.SliceLayout(1, cga(L_W8R, True))  # this CTA's rows
+    el: gl.constexpr = gl.SliceLayout(1, cga(L_B16R, True, False))  # all 64 rows
+    TILE_BYTES: gl.constexpr = 64 * 512 * 2  # kL and kR of one tile, bf16
+    base, valid = _ptrs(block_indices(idx_row, k_begin, k_end, rl), kv_ptr, BPT)
+    raw, sc = _load_piece(base, valid, 0, SCALE_OFF, True, False, True)
+    raw1, sc1 = _load_piece(base, valid, 1, SCALE_OFF, True, False, True)
+    for i in range(n_blocks):
+        b = i % 2
+        nbase, nvalid = _ptrs(block_indices(idx_row, k_begin + (i + 1) * 64, k_end, rl), kv_ptr, BPT)
+        ebase, evalid = _ptrs(block_indices(idx_row, k_begin + i * 64, k_end, el), kv_ptr, BPT)
+        raw2, sc2 = _load_piece(base, valid, 2, SCALE_OFF, True, False, True)
+        if i >= 2:  # both CTAs' consumers are done with block i - 2 in this tile
+            mbarrier.expect(free.index(b), SIG_BYTES)
+            mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)
+        if ROPE:
+            _copy_rope_bf16(kE.index(b), ebase, evalid, ROPE_OFF, True)
+        sV.index(b).store(evalid.to(gl.float32))
+        _send_piece(raw, sc, kLc, kRc, b, 0, ready.index(b))
+        raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, True, False, True)
+        _send_piece(raw1, sc1, kLc, kRc, b, 1, ready.index(b))
+        raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, True, False, True)
+        _send_piece(raw2, sc2, kLc, kRc, b, 2, ready.index(b))
+        raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, True, False, True)
+        _send_piece(raw3, sc3, kLc, kRc, b, 3, ready.index(b))
+        base = nbase
+        valid = nvalid
+        if ROPE:
+            async_copy.wait_group(0)  # this thread's rope copies have landed
+        fence_async_shared()  # the rope -> the consumers' wgmma (async proxy)
+        compat.barrier()      # every producer thread has copied its rope and stored its validity
+        mbarrier.expect(ready.index(b), TILE_BYTES)
+    for i in range(gl.maximum(n_blocks - 2, 0), n_blocks):
+        b = i % 2
+        mbarrier.expect(free.index(b), SIG_BYTES)
+        mbarrier.wait(free.index(b), (i // 2) & 1)
 
 
 @gluon.jit
@@ -234,7 +350,8 @@ def _q_part(q_row, hm, col0: gl.constexpr, N: gl.constexpr, AGAIN: gl.constexpr 
 
 @gluon.jit
 def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
-              DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, B16: gl.constexpr):
+              DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, B16: gl.constexpr,
+              CL: gl.constexpr):
     """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run two
     pieces ahead of the conversion: piece P + 2 (after the last value piece: the rope, then the next block's
     first two pieces) is loaded before piece P is converted; the next block's rows are looked up at the start
@@ -247,16 +364,17 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     q_bar, ready, free = bars
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     # q [64 heads, 576] (rows of heads >= H zero-filled)
-    heads = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, L_B16))
+    LB: gl.constexpr = cga(L_B16, CL)
+    heads = g * 64 + gl.arange(0, 64 * NH(CL), layout=gl.SliceLayout(1, LB))
     hm = heads < H
     q_row = gl.multiple_of(q_ptr + t.to(gl.int64) * stride_qt + gl.where(hm, heads, 0).to(gl.int64) * stride_qh, 16)
     qe_row = gl.multiple_of(qr_ptr + t.to(gl.int64) * stride_rt + gl.where(hm, heads, 0).to(gl.int64) * stride_rh, 16)
     if DS or B16:
         # bf16, as it is, by cp.async
-        copy_rows(qL.index(0), q_row, 0, 256, hm, L_B16)
-        copy_rows(qR.index(0), q_row, 256, 256, hm, L_B16)
+        copy_rows(qL.index(0), q_row, 0, 256, hm, LB)
+        copy_rows(qR.index(0), q_row, 256, 256, hm, LB)
         if ROPE:
-            copy_rows(qE.index(0), qe_row, 0, 64, hm, L_B16)
+            copy_rows(qE.index(0), qe_row, 0, 64, hm, LB)
         async_copy.mbarrier_arrive(q_bar, increment_count=False)
     else:
         _stage_q_f16(q_row, qe_row, hm, qL, qR, qE, sQ, ROPE)
@@ -267,6 +385,9 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     if B16:
         _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE, ROPE_OFF)
+    elif CL:
+        _convert_blocks_cl(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE,
+                           SCALE_OFF, ROPE_OFF)
     else:
         # the rows in the layout of the pieces (rl) and, for plain fp8, of its 64-byte rope (el; fp8_ds_mla's and
         # nvfp4's rope is read with the pieces' pointers)
@@ -358,10 +479,12 @@ def _qk(qL, qR, qE, kL, kR, kE, b, z, s_zero, ROPE: gl.constexpr):
 
 
 @gluon.jit
-def _out_store(acc, inv_l, col0: gl.constexpr, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H):
-    """Columns col0 .. col0 + 255 of heads 64 g .. 64 g + 63: acc [64, 256] x inv_l (per head)."""
-    heads = g * 64 + gl.arange(0, 64, layout=OROW)
-    cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, O_LAYOUT))
+def _out_store(acc, inv_l, col0: gl.constexpr, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H,
+               CL: gl.constexpr = False):
+    """Columns col0 .. col0 + 255 of heads 64 g .. 64 g + 63 (CL: 0 .. 127): acc [64, 256] x inv_l (per head)."""
+    OL: gl.constexpr = cga(O_LAYOUT, CL)
+    heads = g * 64 + gl.arange(0, 64 * NH(CL), layout=gl.SliceLayout(1, OL))
+    cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, OL))
     o = acc * inv_l[:, None]
     optr = (o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads.to(gl.int64)[:, None] * stride_oh
             + cols[None, :])
@@ -370,10 +493,10 @@ def _out_store(acc, inv_l, col0: gl.constexpr, o_ptr, stride_ot, stride_os, stri
 
 @gluon.jit
 def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS: gl.constexpr,
-                      NAMED: gl.constexpr):
+                      NAMED: gl.constexpr, CL: gl.constexpr = False):
     """Block i's online softmax on its scores sc (tile b's invalid rows masked), O rescaled; P and alpha handed to
     warpgroup 1 (through sP / sA once it is done with block i - 1's).  Returns (m, l, O)."""
-    ok = sV.index(b).load(SCOL) != 0.0  # tile b's valid rows (the producer's, behind ready[b])
+    ok = sV.index(b).load(gl.SliceLayout(0, cga(S_LAYOUT, CL))) != 0.0  # tile b's valid rows (the producer's, behind ready[b])
     if DS:
         sc = sc * ss
     else:
@@ -383,7 +506,7 @@ def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, 
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(sc - m_new[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
-    acc = acc * gl.convert_layout(alpha, OROW)[:, None]
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, cga(O_LAYOUT, CL)))[:, None]
     if NAMED:
         named_barrier(P_FREE_SYNC)
     else:
@@ -401,21 +524,24 @@ def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, 
 
 @gluon.jit
 def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-         NAMED: gl.constexpr):
+         NAMED: gl.constexpr, CL: gl.constexpr):
     """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
-    qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV = smem
+    qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV, sig = smem
     q_bar, ready, free, p_ready, p_free, l_bar = bars
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
+    SL: gl.constexpr = cga(S_LAYOUT, CL)
+    OL: gl.constexpr = cga(O_LAYOUT, CL)
+    HM: gl.constexpr = 64 * NH(CL)
     ss = sm_scale_log2
     if not DS and not FP4:
         ss = ss * k_scale  # plain fp8 rows hold value / k_scale
-    s_zero = gl.zeros([64, 64], gl.float32, S_LAYOUT)
-    m_i = gl.full([64], NEG_BIG, gl.float32, SROW)
-    l_i = gl.zeros([64], gl.float32, SROW)
-    acc = gl.zeros([64, 256], gl.float32, O_LAYOUT)
+    s_zero = gl.zeros([HM, 64], gl.float32, SL)
+    m_i = gl.full([HM], NEG_BIG, gl.float32, gl.SliceLayout(1, SL))
+    l_i = gl.zeros([HM], gl.float32, gl.SliceLayout(1, SL))
+    acc = gl.zeros([HM, 256], gl.float32, OL)
     mbarrier.wait(q_bar, 0)
     if not DS:
         ss = ss * sQ.load(SROW)  # fp16 q: each head's power-of-two scale undone on its scores
@@ -433,7 +559,8 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in the
         # loop instead of their wgmma descriptors being hoisted out of it (and spilled)
         z = i // (n_blocks + 1)
-        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED)
+        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
+                                          CL)
         # P for this warpgroup's PV from shared memory as well: as a register operand its 16 registers would be
         # live beside O and the next S, past the 192 that ptxas needs to keep the wgmma pipeline unserialized
         acc = warpgroup_mma(sP, kL.index(b + z), acc, is_async=True)
@@ -445,36 +572,47 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         # the producer then converts the block after next while that QK runs
         acc = warpgroup_mma_wait(1, deps=(acc, ))
         compat.barrier()  # every warp's reads of tile b are done
-        mbarrier.arrive(free.index(b), count=1)
+        if CL:
+            _signal(sig.index(2 * b), free.index(b))
+        else:
+            mbarrier.arrive(free.index(b), count=1)
         sc = warpgroup_mma_wait(0, deps=(sc, ))
     if n_blocks > 0:
         i = n_blocks - 1
         b = i % 2
-        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED)
+        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
+                                          CL)
         acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(sP, kL.index(b), acc, is_async=True), ))
         compat.barrier()  # every warp's reads of tile b are done
-        mbarrier.arrive(free.index(b), count=1)
+        if CL:
+            _signal(sig.index(2 * b), free.index(b))
+        else:
+            mbarrier.arrive(free.index(b), count=1)
     # both warpgroups normalize with these row sums
     sL.store(l_i)
     publish(l_bar)
     inv_l, lse = normalizer(m_i, l_i)
     if not DS and not FP4:
         inv_l = inv_l * k_scale
-    _out_store(acc, gl.convert_layout(inv_l, OROW), 0, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H)
-    heads = g * 64 + gl.arange(0, 64, layout=SROW)
+    _out_store(acc, gl.convert_layout(inv_l, gl.SliceLayout(1, OL)), 0, o_ptr, stride_ot, stride_os, stride_oh, t,
+               s, g, H, CL)
+    heads = g * 64 + gl.arange(0, HM, layout=gl.SliceLayout(1, SL))
     gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
 
 
 @gluon.jit
-def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr):
+def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr,
+         CL: gl.constexpr):
     """Warpgroup 1: PV for output columns 256-511 with warpgroup 0's P and alpha."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
-    qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV = smem
+    qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV, sig = smem
     q_bar, ready, free, p_ready, p_free, l_bar = bars
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
-    acc = gl.zeros([64, 256], gl.float32, O_LAYOUT)
+    OL: gl.constexpr = cga(O_LAYOUT, CL)
+    OR: gl.constexpr = gl.SliceLayout(1, OL)
+    acc = gl.zeros([64 * NH(CL), 256], gl.float32, OL)
     if NAMED:
         if n_blocks > 0:
             named_barrier(P_FREE_ARRIVE)  # sP is free for block 0's P
@@ -487,7 +625,7 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
         else:
             mbarrier.wait(p_ready, i & 1)
         fence_async_shared()
-        acc = acc * sA.load(OROW)[:, None]
+        acc = acc * sA.load(OR)[:, None]
         acc = warpgroup_mma(sP, kR.index(b + z), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         if NAMED:
@@ -496,13 +634,16 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
         compat.barrier()  # every warp's MMA has read P, alpha and tile b
         if not NAMED:
             mbarrier.arrive(p_free, count=1)
-        mbarrier.arrive(free.index(b), count=1)
+        if CL:
+            _signal(sig.index(2 * b + 1), free.index(b))
+        else:
+            mbarrier.arrive(free.index(b), count=1)
     mbarrier.wait(l_bar, 0)
     # the same normalizer as warpgroup 0 (m does not enter 1 / l)
-    inv_l, lse_unused = normalizer(gl.zeros([64], gl.float32, OROW), sL.load(OROW))
+    inv_l, lse_unused = normalizer(gl.zeros([64 * NH(CL)], gl.float32, OR), sL.load(OR))
     if not DS and not FP4:
         inv_l = inv_l * k_scale
-    _out_store(acc, inv_l, 256, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H)
+    _out_store(acc, inv_l, 256, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H, CL)
 
 
 @gluon.jit
@@ -511,37 +652,60 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
                 BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
                 NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr,
-                B16: gl.constexpr = False, NAMED: gl.constexpr = False):
+                B16: gl.constexpr = False, NAMED: gl.constexpr = False, CL: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
-    default partition, warpgroup 0) and maxnreg=168 (see ``meta``)."""
+    default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
+    with num_ctas=2) x 128 heads x one split, NG = 1."""
     # the 16-bit type of q, the tiles and P: fp16 where the values are exact in it (nvfp4, fp8), else bf16
     Q16: gl.constexpr = DS or B16  # bf16 q and tiles, q copied as it is, one softmax scale for every head
     if Q16:
         TD: gl.constexpr = gl.bfloat16
     else:
         TD: gl.constexpr = gl.float16
-    half: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], TD)
-    small: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], TD)
-    vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    qL = gl.allocate_shared_memory(TD, [1, 64, 256], half)
-    qR = gl.allocate_shared_memory(TD, [1, 64, 256], half)
-    qE = gl.allocate_shared_memory(TD, [1, 64, 64], small)
-    kL = gl.allocate_shared_memory(TD, [2, 64, 256], half)
-    kR = gl.allocate_shared_memory(TD, [2, 64, 256], half)
-    kE = gl.allocate_shared_memory(TD, [2, 64, 64], small)
-    sP = gl.allocate_shared_memory(TD, [64, 64], small)
-    sA = gl.allocate_shared_memory(gl.float32, [64], vec)
-    sL = gl.allocate_shared_memory(gl.float32, [64], vec)
-    sQ = gl.allocate_shared_memory(gl.float32, [64], vec)  # fp16 q: 1 / each head's scale
+    if CL:
+        # q, P and the per-head vectors split over the two CTAs (64 heads each); the tiles, the row validity
+        # whole in each; every mbarrier one per CTA
+        half: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, 256], TD, cga_layout=[[1, 0]])
+        small: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, 64], TD, cga_layout=[[1, 0]])
+        halfk: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], TD, cga_layout=[[0, 0]])
+        smallk: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], TD, cga_layout=[[0, 0]])
+        vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0], cga_layout=[[1]])
+        vecv: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0], cga_layout=[[0]])
+        bl: gl.constexpr = mbarrier.MBarrierLayout(cga_layout=[[1]])
+        NC: gl.constexpr = 2
+    else:
+        half: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], TD)
+        small: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], TD)
+        halfk: gl.constexpr = half
+        smallk: gl.constexpr = small
+        vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        vecv: gl.constexpr = vec
+        bl: gl.constexpr = mbarrier.MBarrierLayout()
+        NC: gl.constexpr = 1
+    qL = gl.allocate_shared_memory(TD, [1, 64 * NC, 256], half)
+    qR = gl.allocate_shared_memory(TD, [1, 64 * NC, 256], half)
+    qE = gl.allocate_shared_memory(TD, [1, 64 * NC, 64], small)
+    kL = gl.allocate_shared_memory(TD, [2, 64, 256], halfk)
+    kR = gl.allocate_shared_memory(TD, [2, 64, 256], halfk)
+    kE = gl.allocate_shared_memory(TD, [2, 64, 64], smallk)
+    sP = gl.allocate_shared_memory(TD, [64 * NC, 64], small)
+    sA = gl.allocate_shared_memory(gl.float32, [64 * NC], vec)
+    sL = gl.allocate_shared_memory(gl.float32, [64 * NC], vec)
+    sQ = gl.allocate_shared_memory(gl.float32, [64 * NC], vec)  # fp16 q: 1 / each head's scale
     # tile b's valid rows (1.0 / 0.0), written by the producer with the tile
-    sV = gl.allocate_shared_memory(gl.float32, [2, 64], vec)
-    bl: gl.constexpr = mbarrier.MBarrierLayout()
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
-    ready = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
-    free = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
-    p_ready = gl.allocate_shared_memory(gl.int64, [1], bl)
-    p_free = gl.allocate_shared_memory(gl.int64, [1], bl)
-    l_bar = gl.allocate_shared_memory(gl.int64, [1], bl)
+    sV = gl.allocate_shared_memory(gl.float32, [2, 64], vecv)
+    q_bar = gl.allocate_shared_memory(gl.int64, [NC], bl)
+    ready = gl.allocate_shared_memory(gl.int64, [2, NC], bl)
+    free = gl.allocate_shared_memory(gl.int64, [2, NC], bl)
+    p_ready = gl.allocate_shared_memory(gl.int64, [NC], bl)
+    p_free = gl.allocate_shared_memory(gl.int64, [NC], bl)
+    l_bar = gl.allocate_shared_memory(gl.int64, [NC], bl)
+    if CL:
+        # the consumers' signals (``_signal``): [tile x warpgroup, destination CTA, source CTA, SIG_N]
+        sig = gl.allocate_shared_memory(gl.int32, [4, 2, 2, SIG_N],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0], cga_layout=[[1, 0, 0]]))
+    else:
+        sig = sV  # (unused)
     if Q16:
         mbarrier.init(q_bar, count=128)  # one cp.async arrival per producer thread
     else:
@@ -551,19 +715,30 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
             mbarrier.init(ready.index(b), count=129)  # each producer thread's cp.async arrival, and sV[b]'s
         else:
             mbarrier.init(ready.index(b), count=1)  # the producer, after a warpgroup barrier
-        mbarrier.init(free.index(b), count=2)   # both consumer warpgroups
+        if CL:
+            mbarrier.init(free.index(b), count=1)  # the producer's expect; the bytes of four warpgroups' signals
+        else:
+            mbarrier.init(free.index(b), count=2)   # both consumer warpgroups
     mbarrier.init(p_ready, count=1)
     mbarrier.init(p_free, count=1)
     mbarrier.init(l_bar, count=PUBLISH)  # warpgroup 0's publish() of its row sums
+    if CL:
+        compat.cluster_barrier(relaxed=True)  # both CTAs' mbarriers initialized before either sends to the other
     # (constexprs reach a partition as constexprs only when written into warp_specialize's argument tuples)
     ca = (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls,
           stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-          (qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV), (q_bar, ready, free, p_ready, p_free, l_bar))
+          (qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV, sig), (q_bar, ready, free, p_ready, p_free, l_bar))
     # the producer stores bf16 pairs as 32-bit words: the same bytes under the same 128-byte swizzle
     words: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     if B16:
         kLw = kL
         kRw = kR
+    elif CL:
+        # [tile, destination CTA, 64, 128]: the tiles as the producer's st.async addresses them
+        words_cl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3,
+                                                      cga_layout=[[1, 0, 0]])
+        kLw = compat.reinterpret(kL, gl.int32, [2, 2, 64, 128], words_cl)
+        kRw = compat.reinterpret(kR, gl.int32, [2, 2, 64, 128], words_cl)
     else:
         kLw = compat.reinterpret(kL, gl.int32, [2, 64, 128], words)
         kRw = compat.reinterpret(kR, gl.int32, [2, 64, 128], words)
@@ -578,12 +753,17 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
         PR: gl.constexpr = B16_PRODUCER_REGS
     else:
         PR: gl.constexpr = PRODUCER_REGS
-    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED)), (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED)),
-                        (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16))],
+    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL)),
+                        (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL)),
+                        (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL))],
                        [4, 4], [WG1_REGS, PR])
 
 
 KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this kernel reads
+# Whether the installed Triton builds the 2-CTA kernel (``meta(cluster=True)``): 3.9 does; 3.8 has Gluon's
+# st.async into another CTA's shared memory (``async_store``) but failed on a slice of a layout split over CTAs
+# in a small kernel; 3.6 has neither.
+CLUSTER_OK = compat.async_store is not compat._no_async_store and hasattr(gl.shared_memory_descriptor, "reinterpret")
 
 
 # How sparsemla.kernels.attention launches it (one cached launch per plan, compile-time arguments from
@@ -595,12 +775,20 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 # each at launch (warpgroup 0: 208 after setmaxnreg, warpgroup 1: 160, the producer: 136).
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
-         has_valid_counts: bool, named: bool = False) -> dict:
+         has_valid_counts: bool, named: bool = False, cluster: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
-    ``num_groups`` = ceil(heads / 64))."""
+    ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8_ds_mla rows, 65-128
+    heads, Triton >= 3.9), one program per token and split: ``num_groups`` must then be 1."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+    if cluster and (kind != "fp8_ds_mla" or num_groups != 1 or named):
+        raise ValueError(f"cluster: the 2-CTA kernel reads fp8_ds_mla rows with num_groups=1 and the default "
+                         f"hand-offs, got kind={kind!r}, num_groups={num_groups}, named={named}")
     ds, fp4 = kind == "fp8_ds_mla", kind == "nvfp4_ds_mla"
-    return dict(BPT=bytes_per_row, ROPE=rope_dim, SCALE_OFF=scale_offset if ds or fp4 else 0,
-                ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
-                FP4=fp4, B16=kind == "bf16", NAMED=named, num_warps=4, maxnreg=168, enable_fp_fusion=True)
+    m = dict(BPT=bytes_per_row, ROPE=rope_dim, SCALE_OFF=scale_offset if ds or fp4 else 0,
+             ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
+             FP4=fp4, B16=kind == "bf16", NAMED=named, CL=bool(cluster), num_warps=4, maxnreg=168,
+             enable_fp_fusion=True)
+    if cluster:
+        m["num_ctas"] = 2
+    return m
