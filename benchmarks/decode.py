@@ -4,13 +4,15 @@
     python3 benchmarks/decode.py --formats fp8_ds_mla --heads 128 --reps 50          # print only
     python3 benchmarks/decode.py --dry-run --results /tmp/r.jsonl                      # CPU check
     python3 benchmarks/decode.py --conv --heads 64,128 --formats bf16,fp8_ds_mla               # + sm90-conv forced
+    python3 benchmarks/decode.py --cluster --heads 128 --formats fp8_ds_mla                    # + sm90-cluster forced
 
 Per format, one cache of b requests x 32,768 tokens (shuffled 64-token blocks, heavy-tailed values written
 through the library's cache write), then per head count the same queries and indices for everyone:
 
 * ``sparsemla``: ``sparse_mla_decode`` with its default backend; ``sparsemla-fp8qk``: backend
   ``triton-fp8qk`` (the FP8-QK mode; fp8 and fp8_ds_mla rows, sm_90); with ``--conv``, ``sparsemla-conv``:
-  the launcher on a plan forced to ``sm90-conv`` (sm_90), beside the plan's choice where that is another kernel
+  the launcher on a plan forced to ``sm90-conv`` (sm_90), beside the plan's choice where that is another kernel;
+  with ``--cluster``, ``sparsemla-cluster``: forced to ``sm90-cluster`` (its rows and heads, Triton >= 3.9)
   (bf16 rows above 64 heads, small batches);
 * the peer that reads the same bytes: FlashMLA for fp8_ds_mla (q padded to 64 / 128 heads), FlashInfer for
   bf16 and fp8 (page size 1), prepared once outside the timed call (``sparsemla.bench.peers``).
@@ -36,11 +38,12 @@ import torch  # noqa: E402
 
 from sparsemla.bench import drivers as D  # noqa: E402
 from sparsemla.bench.accounting import achieved, attention_work  # noqa: E402
-from sparsemla.plan import CONV_KINDS  # noqa: E402  (the row kinds sm90-conv reads, rope and NoPE)
+from sparsemla.plan import CLUSTER_HEADS, CLUSTER_KINDS, CONV_KINDS  # noqa: E402  (rows and heads they read)
 
 FP8QK_BACKEND = "triton-fp8qk"
 FP8QK_FORMATS = ("fp8", "fp8_ds_mla", "fp8-nope", "fp8_ds_mla-nope")
 CONV_KERNEL = "sm90-conv"
+CLUSTER_KERNEL = "sm90-cluster"
 ALL_FORMATS = "bf16,fp8,fp8_ds_mla,nvfp4_ds_mla,bf16-nope,fp8-nope,fp8_ds_mla-nope,nvfp4_ds_mla-nope"
 CHECK_TOKENS = 4
 REL_TOL = 2e-2  # a wrong kernel is far off; the formats' own error is ~1e-3 against float64 on their rows
@@ -102,9 +105,9 @@ def measure(rec, cfg_name: str, wl, impl: str, make, *, variant=None, check=True
     D.print_row(row)
 
 
-def run_decode(rec, config_names, formats, *, fp8qk=True, peers=True, conv=False):
-    """Every (format, configuration): sparsemla, its FP8-QK mode, (``conv``) the forced sm90-conv kernel and the
-    same-format peer."""
+def run_decode(rec, config_names, formats, *, fp8qk=True, peers=True, conv=False, cluster=False):
+    """Every (format, configuration): sparsemla, its FP8-QK mode, (``conv``) the forced sm90-conv kernel,
+    (``cluster``) the forced sm90-cluster kernel and the same-format peer."""
     from sparsemla.bench import peers as P
     from sparsemla.bench.workload import build_queries, build_workload
     from sparsemla.formats import get_format
@@ -131,6 +134,11 @@ def run_decode(rec, config_names, formats, *, fp8qk=True, peers=True, conv=False
                     rec.attempt(f"{name} {fname} {CONV_KERNEL}",
                                 lambda: measure(rec, name, wl, "sparsemla-conv",
                                                 lambda: forced_call(wl, CONV_KERNEL)))
+                if (cluster and fmt.name in CLUSTER_KINDS and CLUSTER_HEADS[0] <= cfg.num_heads <= CLUSTER_HEADS[1]
+                        and not rec.dry):
+                    rec.attempt(f"{name} {fname} {CLUSTER_KERNEL}",
+                                lambda: measure(rec, name, wl, "sparsemla-cluster",
+                                                lambda: forced_call(wl, CLUSTER_KERNEL)))
                 if not peers:
                     continue
                 for peer, fmts in P.PEER_FORMATS.items():
@@ -153,10 +161,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-fp8qk", action="store_true", help="leave out the FP8-QK mode")
     ap.add_argument("--conv", action="store_true", help="add the sm90-conv kernel, forced (sm_90), as impl "
                     "sparsemla-conv")
+    ap.add_argument("--cluster", action="store_true", help="add the sm90-cluster kernel, forced (sm_90, Triton "
+                    ">= 3.9), as impl sparsemla-cluster")
     a = ap.parse_args(argv)
     names = a.configs.split(",") if a.configs else [f"D-h{h}" for h in D.int_list(a.heads)]
     rec = D.Recorder(a)
-    run_decode(rec, names, D.fmt_list(a.formats), fp8qk=not a.no_fp8qk, peers=not a.no_peers, conv=a.conv)
+    run_decode(rec, names, D.fmt_list(a.formats), fp8qk=not a.no_fp8qk, peers=not a.no_peers, conv=a.conv,
+               cluster=a.cluster)
     return rec.finish()
 
 

@@ -365,7 +365,8 @@ def later_section(rows: Sequence[dict]) -> List[dict]:
     out = ["## Later partial runs", "",
            "Decode rows measured after the full runs of the decode and small-batch tables, by runs for the formats "
            "that changed (peers in the same process as the rows beside them): top-k 2048, 32K-token contexts, "
-           "CUDA-graph replay; `sparsemla-conv` is the `sm90-conv` kernel forced.", ""]
+           "CUDA-graph replay; `sparsemla-conv` is the `sm90-conv` kernel forced, `sparsemla-cluster` the "
+           "`sm90-cluster` kernel.", ""]
     body = []
     order = {f: i for i, f in enumerate(FORMATS)}
     key = (lambda r: (r["kind"], r["commit"], r["heads"] if r["kind"] == "decode" else 0, r["config"],

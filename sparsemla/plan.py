@@ -16,6 +16,10 @@ kernel             rows                                        takes a call when
 ``sm90-conv``      fp8, fp8_ds_mla, nvfp4_ds_mla (rope, NoPE)  sm_90, H > 32 otherwise (64 heads a program, a
                    and bf16 (H <= 64, one wave)                converting producer warpgroup, 16-byte aligned q;
                                                                not in the FP8-QK mode)
+``sm90-cluster``   fp8_ds_mla (rope, NoPE)                     only when asked for (``kernel="sm90-cluster"``):
+                                                               sm_90, 65-128 heads, Triton >= 3.9; sm90-conv as
+                                                               a cluster of two CTAs, 64 heads each, each
+                                                               converting half of every block's rows for both
 ``sm90-wide``      fp8, fp8_ds_mla                             sm_90, H > 32 in the FP8-QK mode or with q rows
                                                                not 16-byte aligned (64 heads a program)
 ``sm90-bf16``      bf16 (cache or prefill workspace)           sm_90, H > 32 (64 heads a program); sm90-conv
@@ -46,15 +50,23 @@ from typing import FrozenSet, Optional, Tuple
 
 from .formats import KVFormat, get_format
 
-KERNELS = ("sm90-few", "sm90-conv", "sm90-wide", "sm90-bf16", "portable-wide", "portable-fp8", "portable-nvfp4",
-           "portable-bf16")
-SM90_KERNELS = ("sm90-few", "sm90-conv", "sm90-wide", "sm90-bf16")
+KERNELS = ("sm90-few", "sm90-conv", "sm90-cluster", "sm90-wide", "sm90-bf16", "portable-wide", "portable-fp8",
+           "portable-nvfp4", "portable-bf16")
+SM90_KERNELS = ("sm90-few", "sm90-conv", "sm90-cluster", "sm90-wide", "sm90-bf16")
 CONV_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # sm90-conv: rows it stages as 16-bit tiles
 # Kinds the plan gives sm90-conv by itself (ahead of sm90-wide, but not in the FP8-QK mode, which it does not
 # have).  H200, b 128, 64 / 128 heads, one process (decode.py --conv, Triton 3.6): plain fp8 105.9 / 198.9 us against
 # sm90-wide's 117.1 / 209.1, NoPE 92.8 / 178.3 against 109.5 / 195.5; forced, per release (other processes): 108.5 /
 # 204.7 against 119.2 / 220.4 on 3.8, 111.9 / 207.2 against 128.1 / 232.1 on 3.9.
 CONV_AUTO_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")
+# sm90-cluster (sm90-conv's 2-CTA kernel): its rows, its head counts (two CTAs of 64 heads; above 64, where a
+# token's rows would otherwise be converted by two programs), the Triton release that builds it.  Not yet measured
+# against sm90-conv: the plan takes it only when asked for.
+CLUSTER_KINDS = ("fp8_ds_mla",)
+CLUSTER_HEADS = (65, 128)
+CLUSTER_MIN_TRITON = (3, 9)
+# Kernels the plan takes only when asked for (``kernel=``), never by itself.
+FORCED_ONLY = ("sm90-cluster",)
 # bf16 rows: sm90-conv (a producer keeping two whole 64-row blocks in flight) where a call is one wave of 64-head
 # programs, each streaming its own rows from memory (decode); sm90-bf16 (both warpgroups on QK, a pair of blocks at a
 # time) beyond.  H200, one process: D-h64 (b 128) 132.5 us against 162.7 (NoPE rows 132.7 against 151.4); D-h128
@@ -170,6 +182,16 @@ def _sm90_why_not(kernel: str, kind: str, num_tokens: int, num_heads: int, num_s
         if not q_aligned:
             return "it needs 16-byte aligned q rows"
         return None
+    if kernel == "sm90-cluster":
+        if kind not in CLUSTER_KINDS:
+            return f"it reads {', '.join(CLUSTER_KINDS)} rows, not {kind}"
+        if not CLUSTER_HEADS[0] <= num_heads <= CLUSTER_HEADS[1]:
+            return f"it serves {CLUSTER_HEADS[0]}-{CLUSTER_HEADS[1]} heads (two CTAs of 64)"
+        if not q_aligned:
+            return "it needs 16-byte aligned q rows"
+        if triton_release() < CLUSTER_MIN_TRITON:
+            return "its Gluon build (st.async into another CTA's shared memory) needs Triton >= 3.9"
+        return None
     if kernel == "sm90-wide":
         if kind not in WIDE_KINDS:
             return f"it reads {', '.join(WIDE_KINDS)} rows, not {kind}"
@@ -210,6 +232,8 @@ def _auto_why_not(kernel: str, kind: str, num_tokens: int, num_heads: int, num_s
     """Why the plan does not choose ``kernel`` by itself for a call it can serve (None: it may).  sm90-conv:
     :data:`CONV_AUTO_KINDS`, and bf16 rows within :data:`CONV_BF16_MAX_HEADS` heads and one wave of programs;
     never in the FP8-QK mode."""
+    if kernel in FORCED_ONLY:
+        return f"it is not yet measured faster than sm90-conv; kernel={kernel!r} forces it"
     if kernel != "sm90-conv":
         return None
     if fp8_qk:
@@ -228,6 +252,8 @@ def _splits(kernel: str, num_tokens: int, num_heads: int, topk: int, hpp: int, b
     programs = max(1, num_tokens * -(-num_heads // hpp))
     if kernel in ("sm90-few", "sm90-wide", "sm90-conv"):
         return max(1, min(num_sms // programs, max(1, topk // 128), 64))
+    if kernel == "sm90-cluster":  # a program is two CTAs
+        return max(1, min((num_sms // 2) // programs, max(1, topk // 128), 64))
     want = max(1, (2 * num_sms) // programs)
     if programs <= 2:
         return max(1, min(want, topk // 32, 64))
@@ -262,7 +288,7 @@ def _plan(kind, num_tokens, num_heads, topk, capability, num_sms, fp8_qk, portab
             raise ValueError(f"fp8_qk: the FP8-QK mode runs on the sm_90 kernels, which cannot serve this call: "
                              f"{reason}")
     if chosen in SM90_KERNELS:
-        hpp = 16 if chosen == "sm90-few" else 64
+        hpp = 16 if chosen == "sm90-few" else 128 if chosen == "sm90-cluster" else 64
         block_n, warps, stages = 64, 4, 1
     elif chosen == "portable-wide":
         hpp = 64
@@ -293,6 +319,8 @@ _WHY = {
     "portable-fp8": "few heads: e4m3 rows converted on the operand registers (mma.sync)",
     "portable-nvfp4": "few heads: e2m1 rows converted on the operand registers (mma.sync)",
     "portable-bf16": "few heads: bf16 rows straight from memory (mma.sync)",
+    "sm90-cluster": ("fp8_ds_mla rows on Hopper at 65-128 heads, asked for: sm90-conv as a cluster of two CTAs (64 "
+                     "heads each) whose producers each convert half of every block's rows into both CTAs' tiles"),
     "sm90-conv": ("e4m3 / fp8_ds_mla / e2m1 rows on Hopper above 32 heads (bf16 rows at 33-64 heads, one wave): a "
                   "producer warpgroup converts (or copies) each row once into a 16-bit tile, the MMA warpgroups run "
                   "on it (64 heads a program)"),
@@ -387,3 +415,14 @@ def unavailable_set() -> FrozenSet[str]:
 def split_buffer_shapes(num_tokens: int, num_heads: int, num_splits: int):
     """Shapes of the fp32 split partials: (o_part [T, S, H, 512], lse_part [T, S, H])."""
     return (num_tokens, num_splits, num_heads, 512), (num_tokens, num_splits, num_heads)
+
+
+@functools.lru_cache(maxsize=1)
+def triton_release() -> Tuple[int, int]:
+    """(major, minor) of the installed Triton ((0, 0) when it cannot be read)."""
+    try:
+        import triton
+        major, minor = triton.__version__.split(".")[:2]
+        return int(major), int(minor)
+    except Exception:
+        return (0, 0)

@@ -158,3 +158,30 @@ def test_conv_kernel_plans():
     assert (p.kernel, p.heads_per_program, p.num_groups) == ("sm90-conv", 64, 2)
     assert plan_attention("fp8_ds_mla", 128, 64, 2048, fp8_qk=True, **H200).kernel == "sm90-wide"
     assert "not sm90-conv: it has no FP8-QK variant" in explain("fp8_ds_mla", 128, 64, 2048, fp8_qk=True, **H200)
+
+
+def test_cluster_kernel_plans(monkeypatch):
+    """sm90-cluster (sm90-conv as a cluster of two CTAs) only when asked for: fp8_ds_mla rows (with or without
+    rope) at 65-128 heads on Triton >= 3.9, one program of 128 heads per token and split, the splits sized for
+    programs of two SMs; the reasons it refuses the rest."""
+    monkeypatch.setattr(P, "triton_release", lambda: (3, 9))
+    P._plan.cache_clear()
+    for kind in ("fp8_ds_mla", "fp8_ds_mla-nope", "fp8_ds_mla-nope-compact"):
+        for tokens, heads in ((1, 65), (4, 96), (128, 128)):
+            assert plan_attention(kind, tokens, heads, 2048, **H200).kernel != "sm90-cluster"
+            p = plan_attention(kind, tokens, heads, 2048, kernel="sm90-cluster", **H200)
+            assert (p.kernel, p.heads_per_program, p.num_groups, p.grid) == ("sm90-cluster", 128, 1, p.num_splits)
+            assert p.num_splits == max(1, min(66 // tokens, 2048 // 128, 64)) and p.rows_per_split % 64 == 0
+    assert "not sm90-cluster: it is not yet measured faster" in explain("fp8_ds_mla", 128, 128, 2048, **H200)
+    for kind, heads, opts, msg in (("nvfp4_ds_mla", 128, H200, "reads fp8_ds_mla rows, not nvfp4_ds_mla"),
+                                   ("fp8_ds_mla", 64, H200, "serves 65-128 heads"),
+                                   ("fp8_ds_mla", 129, H200, "serves 65-128 heads"),
+                                   ("fp8_ds_mla", 128, dict(H200, q_aligned=False), "aligned q rows"),
+                                   ("fp8_ds_mla", 128, ADA, "built for sm_90")):
+        with pytest.raises(ValueError, match=f"kernel: sm90-cluster cannot serve .*{msg}"):
+            plan_attention(kind, 4, heads, 2048, kernel="sm90-cluster", **opts)
+    monkeypatch.setattr(P, "triton_release", lambda: (3, 8))
+    P._plan.cache_clear()
+    with pytest.raises(ValueError, match="needs Triton >= 3.9"):
+        plan_attention("fp8_ds_mla", 4, 128, 2048, kernel="sm90-cluster", **H200)
+    P._plan.cache_clear()

@@ -200,14 +200,17 @@ def test_the_gpu_pool_plans_every_kernel_in_its_first_cases():
         assert not missing, f"seed {seed}: no configuration plans {missing}"
 
 
-def test_consan_driver_covers_every_sm90_kernel():
+def test_consan_driver_covers_every_sm90_kernel(monkeypatch):
     """tests/helpers/reliab_consan.py (Triton's concurrency sanitizer over the sm_90 kernels, on the GPU machine):
     every sm_90 kernel of the plan, in every mode it has, and each variant a call the plan accepts when that
     kernel is forced (so that no variant silently runs another kernel)."""
     import reliab_consan
 
+    from sparsemla import plan as P
     from sparsemla.plan import SM90_KERNELS, plan_attention
 
+    monkeypatch.setattr(P, "triton_release", lambda: P.CLUSTER_MIN_TRITON)  # sm90-cluster plans on any release
+    P._plan.cache_clear()
     seen = set()
     for name, (kernel, fmt, heads, fp8_qk) in reliab_consan.VARIANTS.items():
         plan = plan_attention(fmt, 3, heads, 320, capability=(9, 0), num_sms=132, kernel=kernel, fp8_qk=fp8_qk)
@@ -216,3 +219,4 @@ def test_consan_driver_covers_every_sm90_kernel():
     assert {k for k, _ in seen} == set(SM90_KERNELS)
     assert ("sm90-few", True) in seen and ("sm90-wide", True) in seen
     assert reliab_consan.main(["--list"]) == 0
+    P._plan.cache_clear()

@@ -44,7 +44,7 @@ LOG2E = 1.4426950408889634
 V_DIM = 512
 
 # Kernels whose runtime arguments include k_scale (rows that may be plain fp8, which hold value / k_scale).
-_TAKES_K_SCALE = ("portable-fp8", "portable-wide", "sm90-few", "sm90-wide", "sm90-conv")
+_TAKES_K_SCALE = ("portable-fp8", "portable-wide", "sm90-few", "sm90-wide", "sm90-conv", "sm90-cluster")
 
 _LAUNCHES: dict = {}
 # torch.cuda.is_current_stream_capturing() without its Python wrapper (on the path of every split call)
@@ -65,10 +65,10 @@ def _sm90_launch(plan, fmt, has_vc: bool) -> Launch:
         from .sm90 import wide
         return Launch(wide.wide_kernel, wide.meta(kind=plan.kind, scale_offset=max(lay.scale_offset, 0),
                                                   fp8_qk=plan.fp8_qk, **common), {})
-    if plan.kernel == "sm90-conv":
+    if plan.kernel in ("sm90-conv", "sm90-cluster"):
         from .sm90 import conv
-        return Launch(conv.conv_kernel, conv.meta(kind=plan.kind, scale_offset=max(lay.scale_offset, 0), **common),
-                      {})
+        return Launch(conv.conv_kernel, conv.meta(kind=plan.kind, scale_offset=max(lay.scale_offset, 0),
+                                                  cluster=plan.kernel == "sm90-cluster", **common), {})
     from .sm90 import bf16
     return Launch(bf16.bf16_kernel, bf16.meta(**common), {})
 

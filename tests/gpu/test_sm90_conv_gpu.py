@@ -13,8 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from attn_cases import SEED, make_case, rel_err  # noqa: E402
 from sm90_gpu import (check_case, check_ds_scales_far_apart, check_k_scale_applied_once,  # noqa: E402
-                      check_reference, cluster_kernel, cluster_plan, named_hand_off, plan_for, run,
-                      skip_unless_sm90)
+                      check_reference, named_hand_off, plan_for, run, skip_unless_sm90)
 
 from sparsemla.formats import get_format  # noqa: E402
 from sparsemla.kernels.attention import attention_fwd  # noqa: E402
@@ -161,20 +160,20 @@ def test_conv_named_hand_off_matches_reference(fmt, heads, topk, splits):
         check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8_ds_mla-nope-compact"])
 @pytest.mark.parametrize("tokens,heads,topk,splits", [(5, 128, 2048, 1), (5, 128, 2051, 3), (3, 65, 64, 1),
                                                       (4, 96, 320, 2), (1, 128, 2048, 32), (128, 128, 2048, 1)])
-def test_conv_cluster_matches_reference(fmt, tokens, heads, topk, splits):
-    """The 2-CTA kernel (``conv.meta(cluster=True)``: each CTA converts half of every block's rows into both CTAs'
-    tiles): against the float64 reference -- one block, odd block counts, a split per block, head counts that
-    are not a multiple of 64, a full batch (every SM busy, clusters scheduled in waves); -1 padding, valid counts
-    with garbage past them and poisoned outputs as in every case here."""
+def test_cluster_matches_reference(fmt, tokens, heads, topk, splits):
+    """``sm90-cluster``, sm90-conv's 2-CTA kernel (each CTA converts half of every block's rows into both CTAs'
+    tiles), forced: against the float64 reference -- one block, odd block counts, a split per block, head counts
+    that are not a multiple of 64, a full batch (clusters in waves over every SM); -1 padding, valid counts with
+    garbage past them and poisoned outputs as in every case here."""
     skip_unless_sm90()
-    from sparsemla.kernels.sm90 import conv
-    if not conv.CLUSTER_OK:
-        pytest.skip("the 2-CTA kernel needs Triton >= 3.9")
+    from sparsemla.plan import CLUSTER_MIN_TRITON, triton_release
+    if triton_release() < CLUSTER_MIN_TRITON:
+        pytest.skip("sm90-cluster needs Triton >= 3.9")
     c = make_case(fmt, tokens, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda")
     sm = c["fmt"].head_dim ** -0.5
-    with cluster_kernel():
-        out, lse = run(c, sm, cluster_plan(c, splits))
+    out, lse = run(c, sm, plan_for(c, "sm90-cluster", splits))
     check_reference(c, sm, out, lse)
+    assert "sm90-cluster" not in unavailable_kernels(), unavailable_kernels()["sm90-cluster"]

@@ -829,6 +829,6 @@ def planned_kernel(spec: Spec, capability=(9, 0), num_sms: int = 132) -> Optiona
 def plan_kernel_names() -> List[str]:
     try:
         from sparsemla import plan as P
-        return list(P.KERNELS)
+        return [k for k in P.KERNELS if k not in P.FORCED_ONLY]  # the kernels the plan chooses by itself
     except Exception:
         return []

@@ -112,38 +112,6 @@ def check_ds_scales_far_apart(fmt, kernel):
 
 
 @contextlib.contextmanager
-def cluster_kernel():
-    """Inside: ``sm90-conv``'s 2-CTA kernel (``conv.meta(cluster=True)``) for the plans :func:`cluster_plan` makes
-    (one program per token and split, num_groups 1), which the planner does not choose.  The launcher's caches are
-    emptied on the way in and out; on the way out the kernel must have built."""
-    from sparsemla.kernels import attention
-    from sparsemla.kernels.sm90 import conv
-    from sparsemla.plan import unavailable_kernels
-
-    def clear():
-        for cache in (attention._BY_PLAN, attention._LAUNCHES, attention._BOUND):
-            cache.clear()
-
-    default = conv.meta
-    conv.meta = lambda **kw: default(**kw, cluster=kw["num_groups"] == 1 and kw["kind"] == "fp8_ds_mla")
-    clear()
-    try:
-        yield
-    finally:
-        conv.meta = default
-        clear()
-    assert "sm90-conv" not in unavailable_kernels(), unavailable_kernels()["sm90-conv"]
-
-
-def cluster_plan(c, splits=None):
-    """:func:`plan_for` ``sm90-conv`` on case ``c`` (65-128 heads) as the 2-CTA kernel runs it: one program (a
-    cluster of two CTAs, 64 heads each) per token and split."""
-    plan = plan_for(c, "sm90-conv", splits)
-    assert plan.num_groups == 2, plan
-    return dataclasses.replace(plan, num_groups=1, heads_per_program=128)
-
-
-@contextlib.contextmanager
 def named_hand_off(module, kernel):
     """Inside: the sm_90 kernel of ``module`` (``sparsemla.kernels.sm90.conv`` or ``.bf16``; plan kernel ``kernel``)
     built with ``meta(named=True)`` -- its hand-offs between MMA warpgroups through named barriers -- which the

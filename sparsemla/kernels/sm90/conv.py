@@ -496,7 +496,8 @@ def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, 
                       NAMED: gl.constexpr, CL: gl.constexpr = False):
     """Block i's online softmax on its scores sc (tile b's invalid rows masked), O rescaled; P and alpha handed to
     warpgroup 1 (through sP / sA once it is done with block i - 1's).  Returns (m, l, O)."""
-    ok = sV.index(b).load(gl.SliceLayout(0, cga(S_LAYOUT, CL))) != 0.0  # tile b's valid rows (the producer's, behind ready[b])
+    # tile b's valid rows (the producer's, behind ready[b])
+    ok = sV.index(b).load(gl.SliceLayout(0, cga(S_LAYOUT, CL))) != 0.0
     if DS:
         sc = sc * ss
     else:
