@@ -62,7 +62,7 @@ CONV_AUTO_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")
 # sm90-cluster (sm90-conv's 2-CTA kernel): its rows, its head counts (two CTAs of 64 heads; above 64, where a
 # token's rows would otherwise be converted by two programs), the Triton release that builds it.  Not yet measured
 # against sm90-conv: the plan takes it only when asked for.
-CLUSTER_KINDS = ("fp8_ds_mla",)
+CLUSTER_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")
 CLUSTER_HEADS = (65, 128)
 CLUSTER_MIN_TRITON = (3, 9)
 # Kernels the plan takes only when asked for (``kernel=``), never by itself.

@@ -161,19 +161,20 @@ def test_conv_kernel_plans():
 
 
 def test_cluster_kernel_plans(monkeypatch):
-    """sm90-cluster (sm90-conv as a cluster of two CTAs) only when asked for: fp8_ds_mla rows (with or without
-    rope) at 65-128 heads on Triton >= 3.9, one program of 128 heads per token and split, the splits sized for
-    programs of two SMs; the reasons it refuses the rest."""
+    """sm90-cluster (sm90-conv as a cluster of two CTAs) only when asked for: fp8, fp8_ds_mla and nvfp4 rows (with
+    or without rope) at 65-128 heads on Triton >= 3.9, one program of 128 heads per token and split, the splits
+    sized for programs of two SMs; the reasons it refuses the rest."""
     monkeypatch.setattr(P, "triton_release", lambda: (3, 9))
     P._plan.cache_clear()
-    for kind in ("fp8_ds_mla", "fp8_ds_mla-nope", "fp8_ds_mla-nope-compact"):
+    for kind in ("fp8_ds_mla", "fp8_ds_mla-nope", "fp8_ds_mla-nope-compact", "fp8", "nvfp4_ds_mla",
+                 "nvfp4_ds_mla-nope"):
         for tokens, heads in ((1, 65), (4, 96), (128, 128)):
             assert plan_attention(kind, tokens, heads, 2048, **H200).kernel != "sm90-cluster"
             p = plan_attention(kind, tokens, heads, 2048, kernel="sm90-cluster", **H200)
             assert (p.kernel, p.heads_per_program, p.num_groups, p.grid) == ("sm90-cluster", 128, 1, p.num_splits)
             assert p.num_splits == max(1, min(66 // tokens, 2048 // 128, 64)) and p.rows_per_split % 64 == 0
     assert "not sm90-cluster: it is not yet measured faster" in explain("fp8_ds_mla", 128, 128, 2048, **H200)
-    for kind, heads, opts, msg in (("nvfp4_ds_mla", 128, H200, "reads fp8_ds_mla rows, not nvfp4_ds_mla"),
+    for kind, heads, opts, msg in (("bf16", 128, H200, "reads fp8, fp8_ds_mla, nvfp4_ds_mla rows, not bf16"),
                                    ("fp8_ds_mla", 64, H200, "serves 65-128 heads"),
                                    ("fp8_ds_mla", 129, H200, "serves 65-128 heads"),
                                    ("fp8_ds_mla", 128, dict(H200, q_aligned=False), "aligned q rows"),

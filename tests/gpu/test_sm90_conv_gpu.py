@@ -160,20 +160,50 @@ def test_conv_named_hand_off_matches_reference(fmt, heads, topk, splits):
         check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8_ds_mla-nope-compact"])
-@pytest.mark.parametrize("tokens,heads,topk,splits", [(5, 128, 2048, 1), (5, 128, 2051, 3), (3, 65, 64, 1),
-                                                      (4, 96, 320, 2), (1, 128, 2048, 32), (128, 128, 2048, 1)])
-def test_cluster_matches_reference(fmt, tokens, heads, topk, splits):
-    """``sm90-cluster``, sm90-conv's 2-CTA kernel (each CTA converts half of every block's rows into both CTAs'
-    tiles), forced: against the float64 reference -- one block, odd block counts, a split per block, head counts
-    that are not a multiple of 64, a full batch (clusters in waves over every SM); -1 padding, valid counts with
-    garbage past them and poisoned outputs as in every case here."""
+CLUSTER_SHAPES = [(5, 128, 2048, 1), (5, 128, 2051, 3), (3, 65, 64, 1), (4, 96, 320, 2), (1, 128, 2048, 32),
+                  (128, 128, 2048, 1)]
+
+
+def _skip_unless_cluster():
     skip_unless_sm90()
     from sparsemla.plan import CLUSTER_MIN_TRITON, triton_release
     if triton_release() < CLUSTER_MIN_TRITON:
         pytest.skip("sm90-cluster needs Triton >= 3.9")
-    c = make_case(fmt, tokens, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda")
+
+
+@pytest.mark.parametrize("fmt,tokens,heads,topk,splits",
+                         [("fp8_ds_mla",) + s for s in CLUSTER_SHAPES]
+                         + [(f,) + s for f in ("fp8_ds_mla-nope", "fp8_ds_mla-nope-compact", "nvfp4_ds_mla",
+                                               "nvfp4_ds_mla-nope", "fp8", "fp8-nope")
+                            for s in (CLUSTER_SHAPES[1], CLUSTER_SHAPES[3], CLUSTER_SHAPES[5])])
+def test_cluster_matches_reference(fmt, tokens, heads, topk, splits):
+    """``sm90-cluster``, sm90-conv's 2-CTA kernel (each CTA converts half of every block's rows into both CTAs'
+    tiles), forced: against the float64 reference -- one block, odd block counts, a split per block, head counts
+    that are not a multiple of 64, a full batch (clusters in waves over every SM); every row format it reads, k_scale
+    on fp8 rows; -1 padding, valid counts with garbage past them and poisoned outputs as in every case here."""
+    _skip_unless_cluster()
+    k_scale = _k_scale(fmt)
+    c = make_case(fmt, tokens, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda",
+                  k_scale=k_scale)
     sm = c["fmt"].head_dim ** -0.5
-    out, lse = run(c, sm, plan_for(c, "sm90-cluster", splits))
-    check_reference(c, sm, out, lse)
+    out, lse = run(c, sm, plan_for(c, "sm90-cluster", splits), k_scale)
+    check_reference(c, sm, out, lse, k_scale)
     assert "sm90-cluster" not in unavailable_kernels(), unavailable_kernels()["sm90-cluster"]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4_ds_mla", "fp8"])
+def test_cluster_fp16_q_across_the_bf16_range(fmt):
+    """sm90-cluster's fp16 q (nvfp4, fp8 rows), each CTA scaling its 64 heads: heads whose q spans 2^-100 .. 2^100,
+    one head all zeros, one with a single huge entry among tiny ones (``test_conv_fp16_q_across_the_bf16_range``
+    at 128 heads)."""
+    _skip_unless_cluster()
+    k_scale = _k_scale(fmt)
+    c = make_case(fmt, 3, 128, 512, ctx=1024, block_size=64, device="cuda", k_scale=k_scale)
+    q = c["q"].float() * torch.exp2(torch.linspace(-100, 100, 128, device="cuda").round())[None, :, None]
+    q[:, 69] = 0.0
+    q[:, 70] = q[:, 70] * 2.0 ** -40
+    q[:, 70, 7] = 2.0 ** 40
+    c["q"] = q.to(torch.bfloat16)
+    sm = 2.0 ** -110
+    out, lse = run(c, sm, plan_for(c, "sm90-cluster", 1), k_scale)
+    check_reference(c, sm, out, lse, k_scale)

@@ -84,7 +84,7 @@ def _variants():
             v[f"conv-{fid}{suffix}"] = ("conv", "conv_kernel", sig, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                 num_groups=2, has_valid_counts=vc, named=suffix == "-named"))
-        if kind == "fp8_ds_mla" and fid != "fp8_ds_mla-nope-compact" and conv.CLUSTER_OK:
+        if fid in ("fp8", "fp8_ds_mla", "fp8_ds_mla-nope", "nvfp4_ds_mla", "nvfp4_ds_mla-nope") and conv.CLUSTER_OK:
             v[f"conv-{fid}-cluster"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                 num_groups=1, has_valid_counts=True, cluster=True))

@@ -151,7 +151,11 @@ def NH(cl):
 # the rows split over the CTAs, each thread holding its values for both destinations (the same registers);
 # V2_CL is its slice, the layout e4m3_words_bf16 gives for L_W8R's words (so converting to it moves nothing).
 V3_CL = gl.constexpr(gl.BlockedLayout([2, 1, 8], [1, 8, 4], [1, 4, 1], [1, 2, 0], cga_layout=[[0, 1, 0]]))
-V2_CL = gl.constexpr(gl.SliceLayout(0, V3_CL.value))
+# the same for fp4_words_f16's words (16 a thread) and for e4m3_words_f16's of plain fp8's pieces and rope (L_W8's
+# and L_W2C's lanes along the row); nvfp4's e4m3 rope has V3_CL's
+V3_FP4 = gl.constexpr(gl.BlockedLayout([2, 1, 16], [1, 8, 4], [1, 4, 1], [1, 2, 0], cga_layout=[[0, 1, 0]]))
+V3_F8 = gl.constexpr(gl.BlockedLayout([2, 1, 8], [1, 4, 8], [1, 4, 1], [2, 1, 0], cga_layout=[[0, 1, 0]]))
+V3_F8R = gl.constexpr(gl.BlockedLayout([2, 1, 8], [1, 8, 4], [1, 4, 1], [2, 1, 0], cga_layout=[[0, 1, 0]]))
 # the consumers' signal that they are done with a tile: SIG_N words from each warpgroup to both CTAs
 SIG_CL = gl.constexpr(gl.BlockedLayout([2, 1, 1], [1, 1, 32], [1, 1, 4], [2, 1, 0], cga_layout=[[0, 1, 0]]))
 SIG_N = gl.constexpr(2)  # int32 values per (destination, source CTA) in a signal
@@ -181,10 +185,11 @@ def _load_piece(base, valid, P: gl.constexpr, SCALE_OFF: gl.constexpr, DS: gl.co
     for fp8_ds_mla, L_W8 for plain fp8) and, fp8_ds_mla, the group scale [64] fp32; nvfp4 [64, 16] (L_W2) and
     the 8 block scales [64, 8] u8 (L_W2S).  Plain fp8: the scale is 0 (unused)."""
     if FP4:
-        raw = _words(base, valid, 64 * P, 16, L_W2)
+        raw = _words(base, valid, 64 * P, 16, cga(L_W2, CL))
         # block 8 P + j of a row: its scale byte is at 8 (j % 4) + 2 P + j // 4 (kv-formats.md)
-        sl: gl.constexpr = gl.SliceLayout(1, L_W2S)
-        j = gl.arange(0, 8, layout=gl.SliceLayout(0, L_W2S))
+        l_w2s: gl.constexpr = gl.SliceLayout(2, cga(L_W2B, CL))
+        sl: gl.constexpr = gl.SliceLayout(1, l_w2s)
+        j = gl.arange(0, 8, layout=gl.SliceLayout(0, l_w2s))
         so = SCALE_OFF + 2 * P + 8 * (j % 4) + j // 4
         sbase = gl.convert_layout(base, sl)  # the same rows in each thread
         sc = gl.load(sbase[:, None] + so[None, :], mask=gl.convert_layout(valid, sl)[:, None], other=0)
@@ -193,7 +198,7 @@ def _load_piece(base, valid, P: gl.constexpr, SCALE_OFF: gl.constexpr, DS: gl.co
             raw = _words(base, valid, 128 * P, 32, cga(L_W8R, CL))
             sc = gl.load((base + (SCALE_OFF + 4 * P)).to(gl.pointer_type(gl.float32)), mask=valid, other=0.0)
         else:
-            raw = _words(base, valid, 128 * P, 32, L_W8)
+            raw = _words(base, valid, 128 * P, 32, cga(L_W8, CL))
             sc = 0.0
     return raw, sc
 
@@ -234,17 +239,28 @@ def _copy_rope_bf16(dst, base, valid, ROPE_OFF: gl.constexpr, CL: gl.constexpr =
 
 
 @gluon.jit
-def _send_piece(raw, sc, kLc, kRc, b, P: gl.constexpr, bar):
-    """CL: dequantize this CTA's rows of piece P (``_load_piece``, fp8_ds_mla) and store them into tile b of both
-    CTAs (``st.async``, which counts the bytes on each CTA's ``bar``).  ``kLc`` / ``kRc``: the tiles as words
-    [2 tiles, 2 destination CTAs, 64, 128]."""
-    v = gl.convert_layout(e4m3_words_bf16(raw, gl.broadcast(sc[:, None], raw)[0]), V2_CL)
-    v2 = gl.expand_dims(v, 0) + gl.zeros([2, 64, 64], gl.int32, V3_CL)  # the same registers for both CTAs
+def _send(v, dst, bar, V3: gl.constexpr):
+    """CL: this CTA's rows of converted words ``v`` [64, N] into ``dst`` [2 destination CTAs, 64, N] -- both CTAs'
+    tiles -- by ``st.async``, which counts the bytes on each CTA's ``bar``.  ``V3``: the layout whose dim-0 slice
+    ``v`` has (the converted words as they come; converting to it moves nothing)."""
+    v = gl.convert_layout(v, gl.SliceLayout(0, V3))
+    compat.async_store(dst, gl.expand_dims(v, 0) + gl.zeros(dst.shape, gl.int32, V3), bar)  # the same registers
+
+
+@gluon.jit
+def _send_piece(raw, sc, kLc, kRc, b, P: gl.constexpr, bar, DS: gl.constexpr, FP4: gl.constexpr):
+    """CL: dequantize this CTA's rows of piece P (``_load_piece``) and send them into tile b of both CTAs
+    (``_send``).  ``kLc`` / ``kRc``: the tiles as words [2 tiles, 2 destination CTAs, 64, 128]."""
     if P < 2:
         dst = kLc.index(b).slice(64 * P, 64, dim=2)
     else:
         dst = kRc.index(b).slice(64 * (P - 2), 64, dim=2)
-    compat.async_store(dst, v2, bar)
+    if FP4:
+        _send(fp4_words_f16(gl.convert_layout(raw.reshape([64, 8, 2]), cga(L_W2B, True)), sc), dst, bar, V3_FP4)
+    elif DS:
+        _send(e4m3_words_bf16(raw, gl.broadcast(sc[:, None], raw)[0]), dst, bar, V3_CL)
+    else:
+        _send(e4m3_words_f16(raw), dst, bar, V3_F8)
 
 
 @gluon.jit
@@ -257,43 +273,67 @@ def _signal(sig, bar):
 
 @gluon.jit
 def _convert_blocks_cl(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLc, kRc, kE, sV, ready, free, BPT: gl.constexpr,
-                       ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr):
-    """CL, fp8_ds_mla rows: the producer's loop of the default kernel over this CTA's 32 rows of each block (two
-    pieces ahead), each converted piece stored into both CTAs' tiles by ``st.async``; each CTA copies the bf16 rope
-    and stores the validity of all 64 rows itself.  ``ready[b]``: this producer's arrival (after its rope copies
-    and validity stores) and the tile's bytes from both producers.  ``free[b]``: the producer's arrival and the
-    four consumer warpgroups' signals (``_signal``), waited for before a tile is written again -- and at the end,
-    so that no signal is still on its way to this CTA when it exits."""
-    rl: gl.constexpr = gl.SliceLayout(1, cga(L_W8R, True))  # this CTA's rows
+                       ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr, DS: gl.constexpr,
+                       FP4: gl.constexpr):
+    """CL: the producer's loop of the default kernel over this CTA's 32 rows of each block (two pieces ahead), each
+    converted piece sent into both CTAs' tiles by ``st.async`` (``_send``), and so the e4m3 rope of nvfp4 and fp8
+    rows; fp8_ds_mla's bf16 rope each CTA copies itself for all 64 rows (cp.async into its own tile), and each CTA
+    stores the validity of all 64 rows.  ``ready[b]``: this producer's arrival (after its rope copies and validity
+    stores) and the tile's bytes from both producers.  ``free[b]``: the producer's arrival and the four consumer
+    warpgroups' signals (``_signal``), waited for before a tile is written again -- and at the end, so that no signal
+    is still on its way to this CTA when it exits.  ``kE``: fp8_ds_mla's bf16 rope tiles, else the rope tiles as
+    words [2 tiles, 2 destination CTAs, 64, 32]."""
+    if FP4:
+        rl: gl.constexpr = gl.SliceLayout(1, cga(L_W2, True))  # this CTA's rows
+    elif DS:
+        rl: gl.constexpr = gl.SliceLayout(1, cga(L_W8R, True))
+    else:
+        rl: gl.constexpr = gl.SliceLayout(1, cga(L_W8, True))
     el: gl.constexpr = gl.SliceLayout(1, cga(L_B16R, True, False))  # all 64 rows
-    TILE_BYTES: gl.constexpr = 64 * 512 * 2  # kL and kR of one tile, bf16
+    sl: gl.constexpr = gl.SliceLayout(1, cga(L_W2C, True))  # this CTA's rows for plain fp8's rope
+    SEP: gl.constexpr = ROPE and not DS and not FP4  # a rope in its own layout
+    if ROPE and not DS:
+        TILE_BYTES: gl.constexpr = 64 * 576 * 2  # the tile, 16-bit values
+    else:
+        TILE_BYTES: gl.constexpr = 64 * 512 * 2  # kL and kR (fp8_ds_mla's rope is each CTA's own copy)
     base, valid = _ptrs(block_indices(idx_row, k_begin, k_end, rl), kv_ptr, BPT)
-    raw, sc = _load_piece(base, valid, 0, SCALE_OFF, True, False, True)
-    raw1, sc1 = _load_piece(base, valid, 1, SCALE_OFF, True, False, True)
+    raw, sc = _load_piece(base, valid, 0, SCALE_OFF, DS, FP4, True)
+    raw1, sc1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4, True)
     for i in range(n_blocks):
         b = i % 2
         nbase, nvalid = _ptrs(block_indices(idx_row, k_begin + (i + 1) * 64, k_end, rl), kv_ptr, BPT)
         ebase, evalid = _ptrs(block_indices(idx_row, k_begin + i * 64, k_end, el), kv_ptr, BPT)
-        raw2, sc2 = _load_piece(base, valid, 2, SCALE_OFF, True, False, True)
+        raw2, sc2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4, True)
         if i >= 2:  # both CTAs' consumers are done with block i - 2 in this tile
             mbarrier.expect(free.index(b), SIG_BYTES)
             mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)
-        if ROPE:
+        if ROPE and DS:
             _copy_rope_bf16(kE.index(b), ebase, evalid, ROPE_OFF, True)
         sV.index(b).store(evalid.to(gl.float32))
-        _send_piece(raw, sc, kLc, kRc, b, 0, ready.index(b))
-        raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, True, False, True)
-        _send_piece(raw1, sc1, kLc, kRc, b, 1, ready.index(b))
-        raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, True, False, True)
-        _send_piece(raw2, sc2, kLc, kRc, b, 2, ready.index(b))
-        raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, True, False, True)
-        _send_piece(raw3, sc3, kLc, kRc, b, 3, ready.index(b))
+        _send_piece(raw, sc, kLc, kRc, b, 0, ready.index(b), DS, FP4)
+        raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4, True)
+        _send_piece(raw1, sc1, kLc, kRc, b, 1, ready.index(b), DS, FP4)
+        if ROPE and not DS:
+            if SEP:
+                rope = _words(*_ptrs(block_indices(idx_row, k_begin + i * 64, k_end, sl), kv_ptr, BPT), ROPE_OFF, 16,
+                              cga(L_W2C, True))
+            else:
+                rope = _words(base, valid, ROPE_OFF, 16, cga(L_W2, True))
+        raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, True)
+        _send_piece(raw2, sc2, kLc, kRc, b, 2, ready.index(b), DS, FP4)
+        raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4, True)
+        _send_piece(raw3, sc3, kLc, kRc, b, 3, ready.index(b), DS, FP4)
+        if ROPE and not DS:
+            if SEP:
+                _send(e4m3_words_f16(rope), kE.index(b), ready.index(b), V3_F8R)
+            else:
+                _send(e4m3_words_f16(rope), kE.index(b), ready.index(b), V3_CL)
         base = nbase
         valid = nvalid
-        if ROPE:
+        if ROPE and DS:
             async_copy.wait_group(0)  # this thread's rope copies have landed
-        fence_async_shared()  # the rope -> the consumers' wgmma (async proxy)
-        compat.barrier()      # every producer thread has copied its rope and stored its validity
+            fence_async_shared()  # the rope -> the consumers' wgmma (async proxy)
+        compat.barrier()  # every producer thread has copied its rope and stored its validity
         mbarrier.expect(ready.index(b), TILE_BYTES)
     for i in range(gl.maximum(n_blocks - 2, 0), n_blocks):
         b = i % 2
@@ -317,34 +357,34 @@ def _piece_dst(kLw, kRw, b, P: gl.constexpr):
 
 
 @gluon.jit
-def _stage_q_f16(q_row, qe_row, hm, qL, qR, qE, sQ, ROPE: gl.constexpr):
+def _stage_q_f16(q_row, qe_row, hm, qL, qR, qE, sQ, ROPE: gl.constexpr, CL: gl.constexpr = False):
     """q rows [64 heads] (bf16; the rope part at ``qe_row``) -> fp16 in qL / qR / qE, each head times a power of
     two c (its amax x c in
     [2^14, 2^15): no overflow, and bf16's 8 significant bits stay exact down to 2^-22 of the amax), and 1 / c
     into sQ.  Two passes over q (the second from L1 / L2): the amax, then the scaled values."""
-    amax = gl.zeros([64], gl.float32, gl.SliceLayout(1, L_B16))
+    amax = gl.zeros([64 * NH(CL)], gl.float32, gl.SliceLayout(1, cga(L_B16, CL)))
     for j in gl.static_range(4):
-        amax = gl.maximum(amax, gl.max(gl.abs(_q_part(q_row, hm, 128 * j, 128)), 1))
+        amax = gl.maximum(amax, gl.max(gl.abs(_q_part(q_row, hm, 128 * j, 128, False, CL)), 1))
     if ROPE:
-        amax = gl.maximum(amax, gl.max(gl.abs(_q_part(qe_row, hm, 0, 64)), 1))
+        amax = gl.maximum(amax, gl.max(gl.abs(_q_part(qe_row, hm, 0, 64, False, CL)), 1))
     c, inv_c = pow2_scale(amax)  # amax c in [128, 256)
     c = c * 128.0
     for j in gl.static_range(2):
         qL.index(0).slice(128 * j, 128, dim=1).store(
-            (_q_part(q_row, hm, 128 * j, 128, True) * c[:, None]).to(gl.float16))
+            (_q_part(q_row, hm, 128 * j, 128, True, CL) * c[:, None]).to(gl.float16))
         qR.index(0).slice(128 * j, 128, dim=1).store(
-            (_q_part(q_row, hm, 256 + 128 * j, 128, True) * c[:, None]).to(gl.float16))
+            (_q_part(q_row, hm, 256 + 128 * j, 128, True, CL) * c[:, None]).to(gl.float16))
     if ROPE:
-        qE.index(0).store((_q_part(qe_row, hm, 0, 64, True) * c[:, None]).to(gl.float16))
+        qE.index(0).store((_q_part(qe_row, hm, 0, 64, True, CL) * c[:, None]).to(gl.float16))
     sQ.store(inv_c * 0.0078125)
 
 
 @gluon.jit
-def _q_part(q_row, hm, col0: gl.constexpr, N: gl.constexpr, AGAIN: gl.constexpr = False):
+def _q_part(q_row, hm, col0: gl.constexpr, N: gl.constexpr, AGAIN: gl.constexpr = False, CL: gl.constexpr = False):
     """q[:, col0 : col0 + N] of the rows ``q_row`` as fp32 [64, N] (L_B16; zeros for rows not in ``hm``).
     AGAIN: the second read of the same elements, volatile so that the compiler cannot keep the first read's
     values live instead (all of q: 288 values a thread)."""
-    c = gl.arange(0, N, layout=gl.SliceLayout(0, L_B16))
+    c = gl.arange(0, N, layout=gl.SliceLayout(0, cga(L_B16, CL)))
     return gl.load(q_row[:, None] + col0 + c[None, :], mask=hm[:, None], other=0.0, volatile=AGAIN).to(gl.float32)
 
 
@@ -377,7 +417,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
             copy_rows(qE.index(0), qe_row, 0, 64, hm, LB)
         async_copy.mbarrier_arrive(q_bar, increment_count=False)
     else:
-        _stage_q_f16(q_row, qe_row, hm, qL, qR, qE, sQ, ROPE)
+        _stage_q_f16(q_row, qe_row, hm, qL, qR, qE, sQ, ROPE, CL)
         fence_async_shared()  # q is read by the consumers' wgmma (async proxy)
         publish(q_bar)
 
@@ -387,7 +427,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
         _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE, ROPE_OFF)
     elif CL:
         _convert_blocks_cl(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE,
-                           SCALE_OFF, ROPE_OFF)
+                           SCALE_OFF, ROPE_OFF, DS, FP4)
     else:
         # the rows in the layout of the pieces (rl) and, for plain fp8, of its 64-byte rope (el; fp8_ds_mla's and
         # nvfp4's rope is read with the pieces' pointers)
@@ -545,7 +585,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
     acc = gl.zeros([HM, 256], gl.float32, OL)
     mbarrier.wait(q_bar, 0)
     if not DS:
-        ss = ss * sQ.load(SROW)  # fp16 q: each head's power-of-two scale undone on its scores
+        ss = ss * sQ.load(gl.SliceLayout(1, SL))  # fp16 q: each head's power-of-two scale undone on its scores
     if n_blocks > 0:
         mbarrier.wait(ready.index(0), 0)
         fence_async_shared()
@@ -745,6 +785,8 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
         kRw = compat.reinterpret(kR, gl.int32, [2, 64, 128], words)
     if Q16:
         kEw = kE  # fp8_ds_mla's bf16 rope is copied as it is (cp.async)
+    elif CL:
+        kEw = compat.reinterpret(kE, gl.int32, [2, 2, 64, 32], words_cl)
     else:
         kEw = compat.reinterpret(kE, gl.int32, [2, 64, 32], words)
     pa = (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K,
@@ -782,8 +824,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     heads, Triton >= 3.9), one program per token and split: ``num_groups`` must then be 1."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
-    if cluster and (kind != "fp8_ds_mla" or num_groups != 1 or named):
-        raise ValueError(f"cluster: the 2-CTA kernel reads fp8_ds_mla rows with num_groups=1 and the default "
+    if cluster and (kind == "bf16" or num_groups != 1 or named):
+        raise ValueError(f"cluster: the 2-CTA kernel reads quantized rows with num_groups=1 and the default "
                          f"hand-offs, got kind={kind!r}, num_groups={num_groups}, named={named}")
     ds, fp4 = kind == "fp8_ds_mla", kind == "nvfp4_ds_mla"
     m = dict(BPT=bytes_per_row, ROPE=rope_dim, SCALE_OFF=scale_offset if ds or fp4 else 0,
