@@ -12,7 +12,7 @@ through the library's cache write), then per head count the same queries and ind
 * ``sparsemla``: ``sparse_mla_decode`` with its default backend; ``sparsemla-fp8qk``: backend
   ``triton-fp8qk`` (the FP8-QK mode; fp8 and fp8_ds_mla rows, sm_90); with ``--conv``, ``sparsemla-conv``:
   the launcher on a plan forced to ``sm90-conv`` (sm_90), beside the plan's choice where that is another kernel;
-  with ``--cluster``, ``sparsemla-cluster``: forced to ``sm90-cluster`` (its rows and heads, Triton >= 3.9)
+  with ``--cluster``, ``sparsemla-cluster``: forced to ``sm90-cluster`` (its rows and heads, Triton >= 3.8)
   (bf16 rows above 64 heads, small batches);
 * the peer that reads the same bytes: FlashMLA for fp8_ds_mla (q padded to 64 / 128 heads), FlashInfer for
   bf16 and fp8 (page size 1), prepared once outside the timed call (``sparsemla.bench.peers``).
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--conv", action="store_true", help="add the sm90-conv kernel, forced (sm_90), as impl "
                     "sparsemla-conv")
     ap.add_argument("--cluster", action="store_true", help="add the sm90-cluster kernel, forced (sm_90, Triton "
-                    ">= 3.9), as impl sparsemla-cluster")
+                    ">= 3.8), as impl sparsemla-cluster")
     a = ap.parse_args(argv)
     names = a.configs.split(",") if a.configs else [f"D-h{h}" for h in D.int_list(a.heads)]
     rec = D.Recorder(a)

@@ -16,8 +16,8 @@ kernel             rows                                        takes a call when
 ``sm90-conv``      fp8, fp8_ds_mla, nvfp4_ds_mla (rope, NoPE)  sm_90, H > 32 otherwise (64 heads a program, a
                    and bf16 (H <= 64, one wave)                converting producer warpgroup, 16-byte aligned q;
                                                                not in the FP8-QK mode)
-``sm90-cluster``   fp8_ds_mla (rope, NoPE)                     only when asked for (``kernel="sm90-cluster"``):
-                                                               sm_90, 65-128 heads, Triton >= 3.9; sm90-conv as
+``sm90-cluster``   fp8, fp8_ds_mla, nvfp4_ds_mla (rope, NoPE)  only when asked for (``kernel="sm90-cluster"``):
+                                                               sm_90, 65-128 heads, Triton >= 3.8; sm90-conv as
                                                                a cluster of two CTAs, 64 heads each, each
                                                                converting half of every block's rows for both
 ``sm90-wide``      fp8, fp8_ds_mla                             sm_90, H > 32 in the FP8-QK mode or with q rows
@@ -64,7 +64,7 @@ CONV_AUTO_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")
 # against sm90-conv: the plan takes it only when asked for.
 CLUSTER_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")
 CLUSTER_HEADS = (65, 128)
-CLUSTER_MIN_TRITON = (3, 9)
+CLUSTER_MIN_TRITON = (3, 8)
 # Kernels the plan takes only when asked for (``kernel=``), never by itself.
 FORCED_ONLY = ("sm90-cluster",)
 # bf16 rows: sm90-conv (a producer keeping two whole 64-row blocks in flight) where a call is one wave of 64-head
@@ -190,7 +190,7 @@ def _sm90_why_not(kernel: str, kind: str, num_tokens: int, num_heads: int, num_s
         if not q_aligned:
             return "it needs 16-byte aligned q rows"
         if triton_release() < CLUSTER_MIN_TRITON:
-            return "its Gluon build (st.async into another CTA's shared memory) needs Triton >= 3.9"
+            return "its Gluon build (st.async into another CTA's shared memory) needs Triton >= 3.8"
         return None
     if kernel == "sm90-wide":
         if kind not in WIDE_KINDS:

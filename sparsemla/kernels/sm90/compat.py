@@ -11,6 +11,8 @@ serves every release:
 - ``async_store(dst, value, mbarrier)`` (``st.async`` into the shared memory of the cluster's CTAs) and
   ``cluster_barrier()`` (all threads of a cluster): from 3.8; before, stand-ins that fail when traced (only
   ``sm90-conv``'s 2-CTA kernel uses them, which the plan builds where ``conv.CLUSTER_OK``).
+- ``fence_mbarrier_init_cluster()``: makes this CTA's mbarrier initializations visible to the cluster before a
+  cluster barrier: ``mbarrier.fence_init_release_cluster`` on 3.8; 3.9 emits the fence itself (nothing to call).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -32,5 +34,11 @@ def _no_cluster_barrier():
     gl.static_assert(False, "a cluster barrier needs Triton >= 3.8")
 
 
+@gluon.jit
+def _fence_emitted_by_triton():
+    pass
+
+
 async_store = getattr(hopper, "async_store", None) or _no_async_store
 cluster_barrier = getattr(getattr(hopper, "cluster", None), "barrier", None) or _no_cluster_barrier
+fence_mbarrier_init_cluster = getattr(hopper.mbarrier, "fence_init_release_cluster", None) or _fence_emitted_by_triton

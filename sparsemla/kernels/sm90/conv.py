@@ -48,10 +48,10 @@ in warpgroup 0 (and on Triton 3.9 its wgmma descriptors no longer spilled).  On 
 (decode within 1-3 % of the default, docs/design/kernels.md); Triton 3.9, where it removes the spill, is not
 yet measured.
 
-``CL`` (``meta(cluster=True)``; opt-in, Triton >= 3.9, fp8_ds_mla rows, 65-128 heads): a cluster of two CTAs
-serves a token's 128 heads, 64 each, and each CTA's producer converts 32 of every block's 64 rows into both CTAs'
-tiles by ``st.async`` (``_convert_blocks_cl``), so that a token's rows are converted once, not once per 64 heads;
-docs/design/kernels.md has the protocol.
+``CL`` (``meta(cluster=True)``; plan kernel ``sm90-cluster``, Triton >= 3.8, quantized rows, 65-128 heads): a
+cluster of two CTAs serves a token's 128 heads, 64 each, and each CTA's producer converts 32 of every block's 64
+rows into both CTAs' tiles by ``st.async`` (``_convert_blocks_cl``), so that a token's rows are converted once, not
+once per 64 heads; docs/design/kernels.md has the protocol.
 
 Gluon kernels do not run under the Triton interpreter: ``tests/test_sm90_compile.py`` compiles every variant
 for sm_90 on the CPU; ``tests/gpu/test_sm90_conv_gpu.py`` checks the numbers against the float64 reference.
@@ -118,7 +118,7 @@ L_B16 = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
 # fp8_ds_mla's bf16 rope [64 rows, 64] (8 elements a thread, the rows of L_W8R): copied by cp.async
 L_B16R = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [0, 1]))
 
-# CL (``meta(cluster=True)``; Triton >= 3.9): a cluster of two CTAs serves one token's 128 heads, 64 each, and
+# CL (``meta(cluster=True)``; Triton >= 3.8): a cluster of two CTAs serves one token's 128 heads, 64 each, and
 # each CTA's producer converts half of every block's rows into both CTAs' tiles.  In Gluon's cluster model one
 # program spans both CTAs: a tensor of the program is split over them ("split": CTA c holds the second half of
 # dim 0 when c = 1) or held whole by each ("whole").  q, S, P, O and the per-head vectors are split on the heads;
@@ -764,6 +764,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     mbarrier.init(p_free, count=1)
     mbarrier.init(l_bar, count=PUBLISH)  # warpgroup 0's publish() of its row sums
     if CL:
+        compat.fence_mbarrier_init_cluster()
         compat.cluster_barrier(relaxed=True)  # both CTAs' mbarriers initialized before either sends to the other
     # (constexprs reach a partition as constexprs only when written into warp_specialize's argument tuples)
     ca = (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls,
@@ -800,13 +801,15 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                         (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL))],
                        [4, 4], [WG1_REGS, PR])
+    if CL:
+        # neither CTA exits while the other may still send to it (Triton 3.9 adds this barrier itself, 3.8 not)
+        compat.cluster_barrier()
 
 
 KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this kernel reads
-# Whether the installed Triton builds the 2-CTA kernel (``meta(cluster=True)``): 3.9 does; 3.8 has Gluon's
-# st.async into another CTA's shared memory (``async_store``) but failed on a slice of a layout split over CTAs
-# in a small kernel; 3.6 has neither.
-CLUSTER_OK = compat.async_store is not compat._no_async_store and hasattr(gl.shared_memory_descriptor, "reinterpret")
+# Whether the installed Triton builds the 2-CTA kernel (``meta(cluster=True)``): 3.8 and 3.9 (Gluon's st.async into
+# another CTA's shared memory, ``async_store``); 3.6 cannot address another CTA's shared memory.
+CLUSTER_OK = compat.async_store is not compat._no_async_store
 
 
 # How sparsemla.kernels.attention launches it (one cached launch per plan, compile-time arguments from
@@ -821,7 +824,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
          has_valid_counts: bool, named: bool = False, cluster: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8_ds_mla rows, 65-128
-    heads, Triton >= 3.9), one program per token and split: ``num_groups`` must then be 1."""
+    heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be 1."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     if cluster and (kind == "bf16" or num_groups != 1 or named):
