@@ -11,9 +11,9 @@ through the library's cache write), then per head count the same queries and ind
 
 * ``sparsemla``: ``sparse_mla_decode`` with its default backend; ``sparsemla-fp8qk``: backend
   ``triton-fp8qk`` (the FP8-QK mode; fp8 and fp8_ds_mla rows, sm_90); with ``--conv``, ``sparsemla-conv``:
-  the launcher on a plan forced to ``sm90-conv`` (sm_90), beside the plan's choice where that is another kernel;
-  with ``--cluster``, ``sparsemla-cluster``: forced to ``sm90-cluster`` (its rows and heads, Triton >= 3.8)
-  (bf16 rows above 64 heads, small batches);
+  the launcher on a plan forced to ``sm90-conv`` (sm_90), beside the plan's choice where that is another kernel
+  (bf16 rows above 64 heads, small batches); with ``--cluster``, ``sparsemla-cluster``: forced to
+  ``sm90-cluster`` (its rows and heads, Triton >= 3.8);
 * the peer that reads the same bytes: FlashMLA for fp8_ds_mla (q padded to 64 / 128 heads), FlashInfer for
   bf16 and fp8 (page size 1), prepared once outside the timed call (``sparsemla.bench.peers``).
 
