@@ -142,7 +142,7 @@ def cga(layout, cl, split=True):
 
 
 @gluon.constexpr_function
-def NH(cl):
+def head_groups(cl):
     """Head groups of 64 in one program: 2 for the CL kernel (one per CTA), else 1."""
     return 2 if getattr(cl, "value", cl) else 1
 
@@ -362,7 +362,7 @@ def _stage_q_f16(q_row, qe_row, hm, qL, qR, qE, sQ, ROPE: gl.constexpr, CL: gl.c
     two c (its amax x c in
     [2^14, 2^15): no overflow, and bf16's 8 significant bits stay exact down to 2^-22 of the amax), and 1 / c
     into sQ.  Two passes over q (the second from L1 / L2): the amax, then the scaled values."""
-    amax = gl.zeros([64 * NH(CL)], gl.float32, gl.SliceLayout(1, cga(L_B16, CL)))
+    amax = gl.zeros([64 * head_groups(CL)], gl.float32, gl.SliceLayout(1, cga(L_B16, CL)))
     for j in gl.static_range(4):
         amax = gl.maximum(amax, gl.max(gl.abs(_q_part(q_row, hm, 128 * j, 128, False, CL)), 1))
     if ROPE:
@@ -405,7 +405,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     # q [64 heads, 576] (rows of heads >= H zero-filled)
     LB: gl.constexpr = cga(L_B16, CL)
-    heads = g * 64 + gl.arange(0, 64 * NH(CL), layout=gl.SliceLayout(1, LB))
+    heads = g * 64 + gl.arange(0, 64 * head_groups(CL), layout=gl.SliceLayout(1, LB))
     hm = heads < H
     q_row = gl.multiple_of(q_ptr + t.to(gl.int64) * stride_qt + gl.where(hm, heads, 0).to(gl.int64) * stride_qh, 16)
     qe_row = gl.multiple_of(qr_ptr + t.to(gl.int64) * stride_rt + gl.where(hm, heads, 0).to(gl.int64) * stride_rh, 16)
@@ -523,7 +523,7 @@ def _out_store(acc, inv_l, col0: gl.constexpr, o_ptr, stride_ot, stride_os, stri
                CL: gl.constexpr = False):
     """Columns col0 .. col0 + 255 of heads 64 g .. 64 g + 63 (CL: 0 .. 127): acc [64, 256] x inv_l (per head)."""
     OL: gl.constexpr = cga(O_LAYOUT, CL)
-    heads = g * 64 + gl.arange(0, 64 * NH(CL), layout=gl.SliceLayout(1, OL))
+    heads = g * 64 + gl.arange(0, 64 * head_groups(CL), layout=gl.SliceLayout(1, OL))
     cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, OL))
     o = acc * inv_l[:, None]
     optr = (o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads.to(gl.int64)[:, None] * stride_oh
@@ -575,7 +575,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     SL: gl.constexpr = cga(S_LAYOUT, CL)
     OL: gl.constexpr = cga(O_LAYOUT, CL)
-    HM: gl.constexpr = 64 * NH(CL)
+    HM: gl.constexpr = 64 * head_groups(CL)
     ss = sm_scale_log2
     if not DS and not FP4:
         ss = ss * k_scale  # plain fp8 rows hold value / k_scale
@@ -653,7 +653,7 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     OL: gl.constexpr = cga(O_LAYOUT, CL)
     OR: gl.constexpr = gl.SliceLayout(1, OL)
-    acc = gl.zeros([64 * NH(CL), 256], gl.float32, OL)
+    acc = gl.zeros([64 * head_groups(CL), 256], gl.float32, OL)
     if NAMED:
         if n_blocks > 0:
             named_barrier(P_FREE_ARRIVE)  # sP is free for block 0's P
@@ -681,7 +681,7 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
             mbarrier.arrive(free.index(b), count=1)
     mbarrier.wait(l_bar, 0)
     # the same normalizer as warpgroup 0 (m does not enter 1 / l)
-    inv_l, lse_unused = normalizer(gl.zeros([64 * NH(CL)], gl.float32, OR), sL.load(OR))
+    inv_l, lse_unused = normalizer(gl.zeros([64 * head_groups(CL)], gl.float32, OR), sL.load(OR))
     if not DS and not FP4:
         inv_l = inv_l * k_scale
     _out_store(acc, inv_l, 256, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H, CL)
