@@ -440,15 +440,18 @@ CAUSE_PAIR = ("bf16 rows above 64 heads (and prefill) run the warp-specialized p
               "(q and two 64-row blocks fill the shared memory), so only the next pair of blocks is gathered "
               "ahead, which does not hide the gather latency of rows spread over a multi-GB cache.")
 CAUSE_BF16 = ("bf16 rows at 33-64 heads run sm90-conv's bf16 mode (a producer copying whole 64-row blocks, both tiles "
-              "in flight): 4.1 us a block at 64 heads where FlashInfer's kernel, with the same division of labour, "
-              "takes 2.8.  The copies are not what bounds it (publishing them asynchronously gained 2 us of 135); "
+              "in flight): 4.1 us a block at 64 heads where FlashInfer's kernel takes 2.8 (two warpgroups of up to "
+              "255 registers: one issues the copies and runs PV for half the columns, the other QK, the softmax "
+              "and the other half).  The copies are not what bounds it (publishing them asynchronously gained 2 us "
+              "of 135); "
               "the MMA warpgroups' chain and its mbarrier hand-offs are next to measure.  " + CAUSE_PAIR)
 CAUSE_CONV = ("These rows run sm90-conv above 32 heads: a producer warpgroup converts each 64-row block into a 16-bit "
               "tile, two MMA warpgroups run QK, the softmax and PV on it, 64 heads a program.  The first MMA "
               "warpgroup's chain (QK, softmax, the P hand-off, PV) leaves the tensor cores idle during each "
               "softmax: ~3.7 us a block at 64 heads where the MMAs need ~1.2; q and two tiles fill the shared "
               "memory (231 KB), so the producer converts at most one block ahead; at 128 heads the two programs "
-              "of a token each convert its rows.")
+              "of a token each convert its rows (sm90-cluster, two CTAs converting each row once for both, builds "
+              "on Triton 3.8 / 3.9 and is not yet measured).")
 CAUSE_FEW = ("The few-heads kernel is bound by its consumer warpgroups' instruction count (~7 cycles per "
              "instruction per warp), not by bytes: fp8_ds_mla's per-group scales add about a quarter to plain "
              "fp8's instructions per block.")
