@@ -66,6 +66,23 @@ def test_compiles_for_sm90_within_limits(compiled, name):
     # a wait that names accumulators still in flight makes ptxas serialize every wgmma (visible only in its
     # log): the kernel then runs about half as fast
     assert not r["serialized"], r
+    # only sm90-conv's 2-CTA kernel addresses another CTA's shared memory
+    assert (r["cluster"]["st_async"] > 0) == name.endswith("-cluster"), r["cluster"]
+
+
+@pytest.mark.parametrize("name", [n for n in sm90_sass.VARIANTS if n.endswith("-cluster")])
+def test_cluster_kernel_protocol(compiled, name):
+    """sm90-cluster's PTX: the producers' st.async stores reach both CTAs (``mapa`` to ranks 0 and 1); each tile's
+    ``ready`` mbarrier expects the whole tile from both producers (64 rows x 512 16-bit values, 576 where the e4m3
+    rope is converted and sent too) and each ``free`` mbarrier the consumers' signals (``conv.SIG_BYTES``); the
+    mbarrier initializations are fenced for the cluster, and cluster barriers (after them and at the end) keep
+    either CTA from sending before the other is ready or exiting while the other may still send to it."""
+    c = compiled[name]["cluster"]
+    sent_rope = "nope" not in name and "fp8_ds_mla" not in name
+    tile = 64 * (576 if sent_rope else 512) * 2
+    assert c["mapa_ranks"] == [0, 1], c
+    assert c["expect_tx"] == sorted({conv.SIG_BYTES.value, tile}), c
+    assert c["init_fence"] and c["cluster_barriers"] >= 2, c
 
 
 @pytest.mark.parametrize("name", [f"conv-{kind}" for kind in conv.KINDS] + ["bf16-bf16"])

@@ -180,7 +180,18 @@ def report(name: str) -> dict:
                 instructions=len(ins),
                 regs=regs, stack=stack, smem=k.metadata.shared, setmaxnreg="setmaxnreg" in ptx,
                 mbarrier_cp_async="cp.async.mbarrier.arrive.noinc" in ptx, serialized="serialized" in log,
-                ops={op: counts[op] for op in sorted(counts)})
+                ops={op: counts[op] for op in sorted(counts)}, cluster=_cluster_protocol(ptx))
+
+
+def _cluster_protocol(ptx: str) -> dict:
+    """What a 2-CTA kernel's PTX does across the cluster: its ``st.async`` stores, the CTA ranks its ``mapa``
+    addresses (literal ranks), the byte counts its mbarriers expect, its mbarrier-init fences and cluster barriers."""
+    ranks = re.findall(r"mapa\.shared::cluster\.u32\s+%r\d+, %r\d+, (\d+);", ptx)
+    tx = re.findall(r"mbarrier\.arrive\.expect_tx\S*\s+_, \[%r\d+\], (\d+);", ptx)
+    return dict(st_async=ptx.count("st.async"), mapa_ranks=sorted({int(r) for r in ranks}),
+                expect_tx=sorted({int(n) for n in tx}),
+                init_fence="fence.mbarrier_init.release.cluster" in ptx,
+                cluster_barriers=ptx.count("barrier.cluster.wait"))
 
 
 def _report_or_error(name):
