@@ -189,7 +189,7 @@ def _sm90_why_not(kernel: str, kind: str, num_tokens: int, num_heads: int, num_s
             return f"it serves {CLUSTER_HEADS[0]}-{CLUSTER_HEADS[1]} heads (two CTAs of 64)"
         if not q_aligned:
             return "it needs 16-byte aligned q rows"
-        if triton_release() < CLUSTER_MIN_TRITON:
+        if not cluster_builds():
             return "its Gluon build (st.async into another CTA's shared memory) needs Triton >= 3.8"
         return None
     if kernel == "sm90-wide":
@@ -250,10 +250,9 @@ def _auto_why_not(kernel: str, kind: str, num_tokens: int, num_heads: int, num_s
 
 def _splits(kernel: str, num_tokens: int, num_heads: int, topk: int, hpp: int, block_n: int, num_sms: int) -> int:
     programs = max(1, num_tokens * -(-num_heads // hpp))
-    if kernel in ("sm90-few", "sm90-wide", "sm90-conv"):
-        return max(1, min(num_sms // programs, max(1, topk // 128), 64))
-    if kernel == "sm90-cluster":  # a program is two CTAs
-        return max(1, min((num_sms // 2) // programs, max(1, topk // 128), 64))
+    if kernel in ("sm90-few", "sm90-wide", "sm90-conv", "sm90-cluster"):
+        sms = num_sms // 2 if kernel == "sm90-cluster" else num_sms  # an sm90-cluster program holds two SMs
+        return max(1, min(sms // programs, max(1, topk // 128), 64))
     want = max(1, (2 * num_sms) // programs)
     if programs <= 2:
         return max(1, min(want, topk // 32, 64))
@@ -319,8 +318,9 @@ _WHY = {
     "portable-fp8": "few heads: e4m3 rows converted on the operand registers (mma.sync)",
     "portable-nvfp4": "few heads: e2m1 rows converted on the operand registers (mma.sync)",
     "portable-bf16": "few heads: bf16 rows straight from memory (mma.sync)",
-    "sm90-cluster": ("fp8_ds_mla rows on Hopper at 65-128 heads, asked for: sm90-conv as a cluster of two CTAs (64 "
-                     "heads each) whose producers each convert half of every block's rows into both CTAs' tiles"),
+    "sm90-cluster": ("e4m3 / fp8_ds_mla / e2m1 rows on Hopper at 65-128 heads, asked for: sm90-conv as a cluster of "
+                     "two CTAs (64 heads each) whose producers each convert half of every block's rows into both "
+                     "CTAs' tiles"),
     "sm90-conv": ("e4m3 / fp8_ds_mla / e2m1 rows on Hopper above 32 heads (bf16 rows at 33-64 heads, one wave): a "
                   "producer warpgroup converts (or copies) each row once into a 16-bit tile, the MMA warpgroups run "
                   "on it (64 heads a program)"),
@@ -426,3 +426,9 @@ def triton_release() -> Tuple[int, int]:
         return int(major), int(minor)
     except Exception:
         return (0, 0)
+
+
+def cluster_builds() -> bool:
+    """Whether the installed Triton builds sm90-cluster (:data:`CLUSTER_MIN_TRITON`: Gluon's st.async into another
+    CTA's shared memory)."""
+    return triton_release() >= CLUSTER_MIN_TRITON

@@ -21,7 +21,7 @@ from sparsemla.cache import PagedKVCache  # noqa: E402
 from sparsemla.formats import get_format  # noqa: E402
 from sparsemla.indices import convert_indices  # noqa: E402
 from sparsemla.kernels.staging import gather_topk_fp8, upconvert_context  # noqa: E402
-from sparsemla.plan import CLUSTER_KINDS, CLUSTER_MIN_TRITON, CONV_KINDS, triton_release  # noqa: E402
+from sparsemla.plan import CLUSTER_KINDS, CONV_KINDS, cluster_builds  # noqa: E402
 
 FORMATS = ["bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "fp8_ds_mla-nope", "nvfp4_ds_mla-nope", "fp8-nope",
            "bf16-nope"]
@@ -71,7 +71,7 @@ def main():
                 _attention(c, num_splits=splits, kernel="sm90-conv")  # forced: small cases plan sm90-few
             if heads > 32 and name == "bf16":
                 _attention(c, num_splits=splits, kernel="sm90-bf16")  # up to 64 heads the plan takes sm90-conv
-            if heads > 64 and name in CLUSTER_KINDS and triton_release() >= CLUSTER_MIN_TRITON:
+            if heads > 64 and name in CLUSTER_KINDS and cluster_builds():
                 _attention(c, num_splits=splits, kernel="sm90-cluster")  # only when asked for
             st = gather_topk_fp8(c["cache"].rows, c["fmt"], c["indices"], c["valid_counts"], 1.0)
             run_kernel(c["q"], st.view(torch.uint8).view(-1, st.shape[2]), get_format("fp8", c["fmt"].rope_dim),

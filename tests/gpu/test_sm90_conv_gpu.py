@@ -166,8 +166,8 @@ CLUSTER_SHAPES = [(5, 128, 2048, 1), (5, 128, 2051, 3), (3, 65, 64, 1), (4, 96, 
 
 def _skip_unless_cluster():
     skip_unless_sm90()
-    from sparsemla.plan import CLUSTER_MIN_TRITON, triton_release
-    if triton_release() < CLUSTER_MIN_TRITON:
+    from sparsemla.plan import cluster_builds
+    if not cluster_builds():
         pytest.skip("sm90-cluster needs Triton >= 3.8")
 
 

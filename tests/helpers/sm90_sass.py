@@ -54,6 +54,7 @@ def _variants():
     writing fp32 split partials (``-split``, each kind with rope); the conv and pair kernels also with their
     hand-offs through named barriers (``-named``, each kind with rope)."""
     from sparsemla.kernels.sm90 import bf16, conv, few, wide
+    from sparsemla.plan import cluster_builds
     v = {}
     for fid, (bpr, rope, rope_off, scale_off) in LAYOUTS.items():
         kind = fid.split("-")[0]
@@ -84,7 +85,7 @@ def _variants():
             v[f"conv-{fid}{suffix}"] = ("conv", "conv_kernel", sig, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                 num_groups=2, has_valid_counts=vc, named=suffix == "-named"))
-        if fid in ("fp8", "fp8_ds_mla", "fp8_ds_mla-nope", "nvfp4_ds_mla", "nvfp4_ds_mla-nope") and conv.CLUSTER_OK:
+        if fid in ("fp8", "fp8_ds_mla", "fp8_ds_mla-nope", "nvfp4_ds_mla", "nvfp4_ds_mla-nope") and cluster_builds():
             v[f"conv-{fid}-cluster"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                 num_groups=1, has_valid_counts=True, cluster=True))

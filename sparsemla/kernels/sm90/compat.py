@@ -10,7 +10,7 @@ serves every release:
   and layout: the method ``_reinterpret`` up to 3.8, ``reinterpret`` from 3.9.
 - ``async_store(dst, value, mbarrier)`` (``st.async`` into the shared memory of the cluster's CTAs) and
   ``cluster_barrier()`` (all threads of a cluster): from 3.8; before, stand-ins that fail when traced (only
-  ``sm90-conv``'s 2-CTA kernel uses them, which the plan builds where ``conv.CLUSTER_OK``).
+  ``sm90-conv``'s 2-CTA kernel uses them, which the plan builds where ``plan.cluster_builds()``).
 - ``fence_mbarrier_init_cluster()``: makes this CTA's mbarrier initializations visible to the cluster before a
   cluster barrier: ``mbarrier.fence_init_release_cluster`` on 3.8; 3.9 emits the fence itself (nothing to call).
 """

@@ -217,13 +217,13 @@ def _store_piece(raw, sc, dst, DS: gl.constexpr, FP4: gl.constexpr):
 
 
 @gluon.jit
-def _load_rope(base, valid, ROPE_OFF: gl.constexpr, FP4: gl.constexpr):
+def _load_rope(base, valid, ROPE_OFF: gl.constexpr, FP4: gl.constexpr, CL: gl.constexpr = False):
     """The e4m3 rope of 64 rows as words [64, 16] (nvfp4 L_W2, fp8 L_W2C), zeros for invalid rows.  ``base`` in
     the layout of the value pieces (nvfp4) or of L_W2C (fp8).  fp8_ds_mla's bf16 rope: ``_copy_rope_bf16``."""
     if FP4:
-        return _words(base, valid, ROPE_OFF, 16, L_W2)
+        return _words(base, valid, ROPE_OFF, 16, cga(L_W2, CL))
     else:
-        return _words(base, valid, ROPE_OFF, 16, L_W2C)
+        return _words(base, valid, ROPE_OFF, 16, cga(L_W2C, CL))
 
 
 @gluon.jit
@@ -251,10 +251,7 @@ def _send(v, dst, bar, V3: gl.constexpr):
 def _send_piece(raw, sc, kLc, kRc, b, P: gl.constexpr, bar, DS: gl.constexpr, FP4: gl.constexpr):
     """CL: dequantize this CTA's rows of piece P (``_load_piece``) and send them into tile b of both CTAs
     (``_send``).  ``kLc`` / ``kRc``: the tiles as words [2 tiles, 2 destination CTAs, 64, 128]."""
-    if P < 2:
-        dst = kLc.index(b).slice(64 * P, 64, dim=2)
-    else:
-        dst = kRc.index(b).slice(64 * (P - 2), 64, dim=2)
+    dst = _piece_dst(kLc, kRc, b, P, 2)
     if FP4:
         _send(fp4_words_f16(gl.convert_layout(raw.reshape([64, 8, 2]), cga(L_W2B, True)), sc), dst, bar, V3_FP4)
     elif DS:
@@ -315,10 +312,10 @@ def _convert_blocks_cl(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLc, kRc, kE, 
         _send_piece(raw1, sc1, kLc, kRc, b, 1, ready.index(b), DS, FP4)
         if ROPE and not DS:
             if SEP:
-                rope = _words(*_ptrs(block_indices(idx_row, k_begin + i * 64, k_end, sl), kv_ptr, BPT), ROPE_OFF, 16,
-                              cga(L_W2C, True))
+                rope = _load_rope(*_ptrs(block_indices(idx_row, k_begin + i * 64, k_end, sl), kv_ptr, BPT), ROPE_OFF,
+                                  FP4, True)
             else:
-                rope = _words(base, valid, ROPE_OFF, 16, cga(L_W2, True))
+                rope = _load_rope(base, valid, ROPE_OFF, FP4, True)
         raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, True)
         _send_piece(raw2, sc2, kLc, kRc, b, 2, ready.index(b), DS, FP4)
         raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4, True)
@@ -348,12 +345,13 @@ def _store_rope(r, dst):
 
 
 @gluon.jit
-def _piece_dst(kLw, kRw, b, P: gl.constexpr):
-    """Tile b's dims 128 P .. 128 P + 127 as pairs of 16-bit values (kL: pieces 0, 1; kR: pieces 2, 3)."""
+def _piece_dst(kLw, kRw, b, P: gl.constexpr, DIM: gl.constexpr = 1):
+    """Tile b's dims 128 P .. 128 P + 127 as pairs of 16-bit values (kL: pieces 0, 1; kR: pieces 2, 3); the word
+    dim is ``DIM`` of a tile (2 in CL's [2 destination CTAs, 64, 128] views)."""
     if P < 2:
-        return kLw.index(b).slice(64 * P, 64, dim=1)
+        return kLw.index(b).slice(64 * P, 64, dim=DIM)
     else:
-        return kRw.index(b).slice(64 * (P - 2), 64, dim=1)
+        return kRw.index(b).slice(64 * (P - 2), 64, dim=DIM)
 
 
 @gluon.jit
@@ -807,9 +805,6 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
 
 
 KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this kernel reads
-# Whether the installed Triton builds the 2-CTA kernel (``meta(cluster=True)``): 3.8 and 3.9 (Gluon's st.async into
-# another CTA's shared memory, ``async_store``); 3.6 cannot address another CTA's shared memory.
-CLUSTER_OK = compat.async_store is not compat._no_async_store
 
 
 # How sparsemla.kernels.attention launches it (one cached launch per plan, compile-time arguments from
