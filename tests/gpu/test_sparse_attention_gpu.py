@@ -98,11 +98,15 @@ def test_a_kernel_that_does_not_build_falls_back(fmt, monkeypatch):
     want = plan_mod.plan_attention(fmt, 6, heads, 512).kernel
     assert want.startswith("sm90-")
 
-    class Broken:
+    class Broken:  # the launcher's interface (sparsemla.kernels.launch.Launch) with a build that always fails
         built = False
+        direct = False
+
+        def launch_in(self, ctx, gx, gy, gz, key, addrs):
+            return False  # never compiled
 
         def launch_known(self, gx, gy, gz, key, addrs):
-            return False  # never compiled
+            return False
 
         def __call__(self, grid, args, key=None, addrs=None):
             raise CompilationError("simulated", None, "the installed Triton cannot build this kernel")

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, ROOT)  # the parent imports sparsemla too (whether sm90-cluster builds), run from anywhere
 
 # name -> (plan kernel, row format, heads, FP8-QK mode): every sm_90 kernel over every kind of row it reads, with
 # and without a rope part where that changes the pipeline (fp8_ds_mla's bf16 rope is copied, the others converted)
