@@ -450,8 +450,9 @@ CAUSE_CONV = ("These rows run sm90-conv above 32 heads: a producer warpgroup con
               "warpgroup's chain (QK, softmax, the P hand-off, PV) leaves the tensor cores idle during each "
               "softmax: ~3.7 us a block at 64 heads where the MMAs need ~1.2; q and two tiles fill the shared "
               "memory (231 KB), so the producer converts at most one block ahead; at 128 heads the two programs "
-              "of a token each convert its rows (sm90-cluster, two CTAs converting each row once for both, builds "
-              "on Triton 3.8 / 3.9 and is not yet measured).")
+              "of a token each convert its rows (sm90-cluster, two CTAs converting each row once for both and "
+              "exchanging it through distributed shared memory, is correct on Triton 3.9 but measured 1.5-1.9x "
+              "slower than sm90-conv: docs/design/kernels.md).")
 CAUSE_FEW = ("The few-heads kernel is bound by its consumer warpgroups' instruction count (~7 cycles per "
              "instruction per warp), not by bytes: fp8_ds_mla's per-group scales add about a quarter to plain "
              "fp8's instructions per block.")
