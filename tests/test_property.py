@@ -219,4 +219,7 @@ def test_consan_driver_covers_every_sm90_kernel(monkeypatch):
     assert {k for k, _ in seen} == set(SM90_KERNELS)
     assert ("sm90-few", True) in seen and ("sm90-wide", True) in seen
     assert reliab_consan.main(["--list"]) == 0
+    for bad in ("0", "x", ""):
+        with pytest.raises(SystemExit):
+            reliab_consan.main(["--splits", bad, "--list"])
     P._plan.cache_clear()
