@@ -233,7 +233,7 @@ def _auto_why_not(kernel: str, kind: str, num_tokens: int, num_heads: int, num_s
     :data:`CONV_AUTO_KINDS`, and bf16 rows within :data:`CONV_BF16_MAX_HEADS` heads and one wave of programs;
     never in the FP8-QK mode."""
     if kernel in FORCED_ONLY:
-        return f"it is not yet measured faster than sm90-conv; kernel={kernel!r} forces it"
+        return f"it is measured slower than sm90-conv (docs/design/kernels.md); kernel={kernel!r} forces it"
     if kernel != "sm90-conv":
         return None
     if fp8_qk:
