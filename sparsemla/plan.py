@@ -60,8 +60,8 @@ CONV_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # sm90-conv: rows it
 # 204.7 against 119.2 / 220.4 on 3.8, 111.9 / 207.2 against 128.1 / 232.1 on 3.9.
 CONV_AUTO_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")
 # sm90-cluster (sm90-conv's 2-CTA kernel): its rows, its head counts (two CTAs of 64 heads; above 64, where a
-# token's rows would otherwise be converted by two programs), the Triton release that builds it.  Not yet measured
-# against sm90-conv: the plan takes it only when asked for.
+# token's rows would otherwise be converted by two programs), the Triton release that builds it.  Measured slower
+# than sm90-conv (docs/design/kernels.md): the plan takes it only when asked for.
 CLUSTER_KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")
 CLUSTER_HEADS = (65, 128)
 CLUSTER_MIN_TRITON = (3, 8)

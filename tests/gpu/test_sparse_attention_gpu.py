@@ -105,9 +105,6 @@ def test_a_kernel_that_does_not_build_falls_back(fmt, monkeypatch):
         def launch_in(self, ctx, gx, gy, gz, key, addrs):
             return False  # never compiled
 
-        def launch_known(self, gx, gy, gz, key, addrs):
-            return False
-
         def __call__(self, grid, args, key=None, addrs=None):
             raise CompilationError("simulated", None, "the installed Triton cannot build this kernel")
 
