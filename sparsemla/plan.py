@@ -36,7 +36,9 @@ cache (and, for ``sm90-bf16``, 16-byte aligned q rows), and a build that succeed
 kernels that failed to build are passed in ``unavailable`` and the portable kernels serve those calls.
 
 Splits (split-KV): a small batch does not fill the GPU, so each query's top-k list is cut into splits whose
-normalized partial outputs are merged by the combine kernel.  The warp-specialized kernels hold a whole SM
+normalized partial outputs are merged by the combine kernel -- or, with ``fused_combine``, by the attention
+kernel's own programs after a grid barrier (:data:`FUSED_KERNELS`; one launch instead of two, which is most of a
+small call's host time).  The warp-specialized kernels hold a whole SM
 (190-220 KB of shared memory): at most one program per SM, each split at least two 64-row blocks (one per
 consumer warpgroup).  The portable kernels hold ~200 registers a thread, so two 4-warp programs fit on an SM:
 aim for two programs per SM; each split keeps at least two tiles (up to 32 splits), or with one or two
@@ -72,6 +74,15 @@ FORCED_ONLY = ("sm90-cluster",)
 # time) beyond.  H200, one process: D-h64 (b 128) 132.5 us against 162.7 (NoPE rows 132.7 against 151.4); D-h128
 # 249.3 against 244.3 (NoPE 241.6 against 217.9); prefill P-h64 (4,096 tokens) 2,719 against 2,308.
 CONV_BF16_MAX_HEADS = 64
+
+# Kernels with a FUSED variant: the split partials merged by the kernel's own programs after a grid barrier, in a
+# cooperative launch (every program resident: at most one per SM, which a split plan of these kernels never
+# exceeds).  sm90-wide has none (the merge made its consumer spill more), the 2-CTA kernel neither.
+FUSED_KERNELS = ("sm90-few", "sm90-conv", "sm90-bf16")
+# Whether a split plan merges in the kernel by default (``fused_combine=None``).  Off until a run on the H200 with
+# the peers in the same process shows it no slower on the GPU than the combine kernel: it saves one launch of
+# host time a call (docs/design/dispatch.md); ``fused_combine=True`` asks for it.
+FUSED_COMBINE_DEFAULT = False
 
 # Row kinds: a format's name, or "staged" (FP8 rows gathered per query, [T, K, D]).
 ROW_KINDS = ("bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "staged")
@@ -114,6 +125,7 @@ class KernelPlan:
     num_splits, rows_per_split: split-KV factor and the top-k positions of one split (a multiple of block_n).
     fp8_qk: the FP8-QK mode (QK on e4m3 tensor cores; ``sm90-few`` / ``sm90-wide`` over e4m3 rows).
     why: one sentence saying why this kernel takes the call.
+    fused_combine: the splits are merged by the kernel's own programs (one launch), not the combine kernel.
     """
 
     kernel: str
@@ -127,6 +139,7 @@ class KernelPlan:
     rows_per_split: int
     fp8_qk: bool
     why: str
+    fused_combine: bool = False
 
     @property
     def grid(self) -> int:
@@ -261,7 +274,7 @@ def _splits(kernel: str, num_tokens: int, num_heads: int, topk: int, hpp: int, b
 
 @functools.lru_cache(maxsize=8192)
 def _plan(kind, num_tokens, num_heads, topk, capability, num_sms, fp8_qk, portable, interpret, q_aligned,
-          kv_aligned, kernel, tiling, unavailable, num_splits) -> KernelPlan:
+          kv_aligned, kernel, tiling, unavailable, num_splits, fused_combine=None) -> KernelPlan:
     args = (kind, num_tokens, num_heads, num_sms, capability, interpret, portable, q_aligned, kv_aligned, unavailable)
     if kernel is not None:
         if kernel not in KERNELS:
@@ -306,8 +319,11 @@ def _plan(kind, num_tokens, num_heads, topk, capability, num_sms, fp8_qk, portab
     splits = max(1, min(splits, -(-topk // block_n)))
     rows_per_split = -(-(-(-topk // splits)) // block_n) * block_n
     splits = max(1, -(-topk // rows_per_split))
-    return KernelPlan(chosen, kind, hpp, -(-num_heads // hpp), block_n, warps, stages, splits, rows_per_split,
-                      bool(fp8_qk), why)
+    groups = -(-num_heads // hpp)
+    want = FUSED_COMBINE_DEFAULT if fused_combine is None else fused_combine
+    fused = bool(want and chosen in FUSED_KERNELS and splits > 1 and num_tokens * groups * splits <= num_sms)
+    return KernelPlan(chosen, kind, hpp, groups, block_n, warps, stages, splits, rows_per_split, bool(fp8_qk), why,
+                      fused)
 
 
 _WHY = {
@@ -331,7 +347,8 @@ def plan_attention(fmt, num_tokens: int, num_heads: int, topk: int, *, capabilit
                    num_sms: int = 132, fp8_qk: bool = False, portable: bool = False, interpret: bool = False,
                    q_aligned: bool = True, kv_aligned: bool = True, staged: bool = False,
                    kernel: Optional[str] = None, tiling: Optional[Tuple[int, int, int]] = None,
-                   unavailable: FrozenSet[str] = frozenset(), num_splits: Optional[int] = None) -> KernelPlan:
+                   unavailable: FrozenSet[str] = frozenset(), num_splits: Optional[int] = None,
+                   fused_combine: Optional[bool] = None) -> KernelPlan:
     """The plan of one attention call (cached; pure).
 
     Args:
@@ -347,12 +364,15 @@ def plan_attention(fmt, num_tokens: int, num_heads: int, topk: int, *, capabilit
         tiling: ``(block_n, num_warps, num_stages)`` of a portable kernel (tuning).
         unavailable: kernels that did not build on the installed Triton.
         num_splits: force a split-KV factor (tests, benchmarks); it is capped at one block per split.
+        fused_combine: merge the splits in the kernel (True: wherever a kernel of :data:`FUSED_KERNELS` splits
+            within one program per SM; False: never; None: :data:`FUSED_COMBINE_DEFAULT`).
     """
     kind = row_kind(fmt, staged)
     return _plan(kind, int(num_tokens), int(num_heads), int(topk), tuple(capability), int(num_sms), bool(fp8_qk),
                  bool(portable), bool(interpret), bool(q_aligned), bool(kv_aligned), kernel,
                  None if tiling is None else tuple(int(v) for v in tiling), frozenset(unavailable),
-                 None if num_splits is None else max(1, int(num_splits)))
+                 None if num_splits is None else max(1, int(num_splits)),
+                 None if fused_combine is None else bool(fused_combine))
 
 
 def explain(fmt, num_tokens: int, num_heads: int, topk: int, *, mode: str = "decode", **options) -> str:
@@ -366,6 +386,9 @@ def explain(fmt, num_tokens: int, num_heads: int, topk: int, *, mode: str = "dec
              f"  {plan.heads_per_program} heads a program, {plan.num_groups} head group(s), "
              f"block {plan.block_n}, {plan.num_splits} split(s) of {plan.rows_per_split} positions"
              + (", FP8-QK" if plan.fp8_qk else "")]
+    if plan.num_splits > 1:
+        lines.append("  splits merged " + ("in the kernel after a grid barrier (one launch)" if plan.fused_combine
+                                           else "by the combine kernel (a second launch)"))
     o = dict(capability=(9, 0), num_sms=132, interpret=False, portable=False, q_aligned=True, kv_aligned=True,
              unavailable=frozenset())
     o.update({k: v for k, v in options.items() if k in o})

@@ -324,7 +324,7 @@ def test_a_kernel_that_does_not_build_falls_back_to_the_portable_kernels(monkeyp
         def __call__(self, grid, args, key=None, addrs=None):
             raise RuntimeError("error encountered during parsing")
 
-    monkeypatch.setattr(attn_mod, "_sm90_launch", lambda plan, fmt, has_vc: Broken())
+    monkeypatch.setattr(attn_mod, "_sm90_launch", lambda plan, fmt, has_vc, fused: Broken())
     monkeypatch.setattr(attn_mod, "_LAUNCHES", {})
     monkeypatch.setattr(attn_mod, "_BY_PLAN", {})
     monkeypatch.setattr(attn_mod, "_BOUND", {})

@@ -11,13 +11,19 @@ Every kernel takes the same runtime arguments (``k_scale`` only where the rows c
 
     q, stride_qt, stride_qh, q_rope, stride_rt, stride_rh, rows, indices, stride_it, valid_counts,
     o, stride_ot, stride_os, stride_oh, lse, stride_lt, stride_ls, stride_lh,
-    sm_scale * log2(e), [k_scale,] H, K, rows_per_split, num_splits
+    sm_scale * log2(e), [k_scale,] H, K, rows_per_split, num_splits,
+    [out, stride_ft, stride_fh, lse, stride_gt, stride_gh]      # the sm_90 kernels: the final outputs
 
 and runs ``tokens * num_splits * num_groups`` programs (head groups fastest, so programs reading the same rows run
 side by side).  ``q_rope`` is the RoPE part of the query (``q[..., 512:]`` or an engine's separate ``q_pe``:
 the kernels read it through its own pointer, so a query in two tensors needs no copy).  With more than one split
 the kernel writes normalized fp32 partials ``[T, S, H, 512]`` /
-``[T, S, H]`` and :mod:`.combine` merges them into ``out`` / ``lse``.
+``[T, S, H]`` and :mod:`.combine` merges them into ``out`` / ``lse`` -- or, where the plan says
+``fused_combine``, the kernel's own programs merge them after a grid barrier (one launch; the sm_90 kernels'
+``FUSED`` variants, launched cooperatively).  The partials live in a buffer whose first :data:`HEADER` fp32 words
+are that barrier's (zeroed when the buffer is first used, left zero by every barrier): the launcher's
+scratch, or a runner's ``split_buffers``; a call whose partials are a fresh allocation merges them by the combine
+kernel.
 
 A Hopper (Gluon) kernel that fails to build on the installed Triton is recorded
 (:func:`sparsemla.plan.unavailable_kernels`) and the call, and every later one, runs the portable kernels.
@@ -45,18 +51,22 @@ V_DIM = 512
 
 # Kernels whose runtime arguments include k_scale (rows that may be plain fp8, which hold value / k_scale).
 _TAKES_K_SCALE = ("portable-fp8", "portable-wide", "sm90-few", "sm90-wide", "sm90-conv", "sm90-cluster")
+# fp32 words at the start of every split-partials buffer: the in-kernel merge's grid barrier (count, generation)
+HEADER = 4
 
 _LAUNCHES: dict = {}
 # torch.cuda.is_current_stream_capturing() without its Python wrapper (on the path of every split call)
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 
 
-def _sm90_launch(plan, fmt, has_vc: bool) -> Launch:
+def _sm90_launch(plan, fmt, has_vc: bool, fused: bool) -> Launch:
     # Imported on first use: the Gluon modules need triton.experimental.gluon, and a Triton without it must still
     # serve every call with the portable kernels.
     lay = fmt.layout
     common = dict(bytes_per_row=fmt.bytes_per_token, rope_dim=fmt.rope_dim, rope_offset=max(lay.rope_offset, 0),
                   num_groups=plan.num_groups, has_valid_counts=has_vc)
+    if fused:  # only the plan's FUSED_KERNELS have the variant
+        common["fused"] = True
     if plan.kernel == "sm90-few":
         from .sm90 import few
         return Launch(few.few_kernel, few.meta(kind=plan.kind, scale_offset=max(lay.scale_offset, 0),
@@ -90,21 +100,22 @@ def _portable_launch(plan, fmt, has_vc: bool, interp: bool) -> Launch:
     return Launch(bf16_few_kernel, dict(ROPE=fmt.rope_dim, **common), options)
 
 
-def _launch_for(plan, fmt, has_vc: bool) -> Launch:
+def _launch_for(plan, fmt, has_vc: bool, fused: bool = False) -> Launch:
+    """The launch of ``plan``'s kernel; ``fused``: its variant that merges the splits itself."""
     # Plans are cached objects: look them up by identity first (hashing a plan hashes all of its fields).
-    hit = _BY_PLAN.get((id(plan), fmt, has_vc))
+    hit = _BY_PLAN.get((id(plan), fmt, has_vc, fused))
     if hit is not None and hit[0] is plan:
         return hit[1]
     key = (plan.kernel, plan.kind, plan.heads_per_program, plan.num_groups, plan.block_n, plan.num_warps,
-           plan.num_stages, plan.fp8_qk, fmt.id, has_vc)
+           plan.num_stages, plan.fp8_qk, fmt.id, has_vc, fused)
     launch = _LAUNCHES.get(key)
     if launch is None:
         if plan.kernel in _plan.SM90_KERNELS:
-            launch = _sm90_launch(plan, fmt, has_vc)
+            launch = _sm90_launch(plan, fmt, has_vc, fused)
         else:
             launch = _portable_launch(plan, fmt, has_vc, interpreting())
         _LAUNCHES[key] = launch
-    _BY_PLAN[(id(plan), fmt, has_vc)] = (plan, launch)
+    _BY_PLAN[(id(plan), fmt, has_vc, fused)] = (plan, launch)
     return launch
 
 
@@ -126,16 +137,17 @@ def _combine_launch(num_splits: int, pdl: bool) -> Launch:
 
 def plan_for(q: torch.Tensor, rows: torch.Tensor, fmt, topk: int, *, fp8_qk: bool = False, portable: bool = False,
              staged: bool = False, kernel: Optional[str] = None, num_splits: Optional[int] = None,
-             q_pe: Optional[torch.Tensor] = None) -> _plan.KernelPlan:
+             q_pe: Optional[torch.Tensor] = None, fused_combine: Optional[bool] = None) -> _plan.KernelPlan:
     """The plan of a call on these tensors: :func:`sparsemla.plan.plan_attention` with the device's facts, the
-    tensors' alignment and the kernels unavailable here (``kernel`` / ``num_splits``: forced, for tests;
-    ``q_pe``: the query's RoPE part in its own tensor, as :func:`attention_fwd` takes it)."""
+    tensors' alignment and the kernels unavailable here (``kernel`` / ``num_splits`` / ``fused_combine``: forced,
+    for tests and benchmarks; ``q_pe``: the query's RoPE part in its own tensor, as :func:`attention_fwd` takes
+    it)."""
     facts = _device_facts(q.device)
     qs, shape = q.stride(), q.shape
     q_aligned = _rows_aligned(q) and (q_pe is None or _rows_aligned(q_pe))
     return _plan._plan("staged" if staged else fmt.name, shape[0], shape[1], topk, facts[0], facts[1], fp8_qk,
                        portable, interpreting(), q_aligned, not (rows.data_ptr() & 15), kernel, None,
-                       _plan._UNAVAILABLE_SET, num_splits)
+                       _plan._UNAVAILABLE_SET, num_splits, fused_combine)
 
 
 def _rows_aligned(t: torch.Tensor) -> bool:
@@ -175,8 +187,9 @@ def attention_fwd(q: torch.Tensor, rows: torch.Tensor, fmt, indices: torch.Tenso
         plan: the call's plan (default: :func:`plan_for`).
         valid_counts: optional int32 ``[T]``.
         out, lse: bf16 ``[T, H, 512]`` (last dim contiguous) and fp32 ``[T, H]``; allocated when None.
-        split_buffers: a flat fp32 buffer of at least ``T * S * H * 513`` elements for the split partials (a
-            runner's, for CUDA-graph capture); allocated per call when None and the plan splits.
+        split_buffers: a flat fp32 buffer of at least :func:`split_elements` elements for the split partials (a
+            runner's, for CUDA-graph capture; its first :data:`HEADER` words are zeroed at its first use and
+            belong to the launcher from then on); the launcher's scratch when None and the plan splits.
         q_pe: optional bf16 ``[T, H, fmt.rope_dim]`` with a contiguous last dim: the query's RoPE part in a tensor
             of its own (an engine's ``(q_nope, q_pe)`` pair, read in place: no copy); ``q`` is then ``[T, H, 512]``.
 
@@ -198,20 +211,21 @@ def attention_fwd(q: torch.Tensor, rows: torch.Tensor, fmt, indices: torch.Tenso
 
 
 def _scratch(device: torch.device, n_o: int, n_all: int):
-    """(out partials, lse partials) for a call without a runner (see :func:`_partials`): views of one grow-only
-    fp32 buffer per (device, stream), reused call after call (a call's combine reads its partials before the next
-    call on that stream writes them).  Under CUDA-graph capture, and for a large buffer, views of a fresh
-    allocation instead, which nothing keeps alive past the call (a graph pool must hold no tensor that is not
-    an output: torch.compile's CUDA-graph trees check it)."""
+    """(out partials, lse partials, whether they may be merged in the kernel) for a call without a runner (see
+    :func:`_partials`): views of one grow-only fp32 buffer per (device, stream), reused call after call (a call's
+    merge reads its partials before the next call on that stream writes them).  Under CUDA-graph capture, and for
+    a large buffer, views of a fresh allocation instead, which nothing keeps alive past the call (a graph pool must
+    hold no tensor that is not an output: torch.compile's CUDA-graph trees check it); its barrier words are not
+    zeroed (that would be a launch more), so the combine kernel merges those."""
     if device.type != "cuda" or n_all > _SCRATCH_MAX or _capturing() or getattr(_LOCAL, "per_call", False):
-        buf = torch.empty(n_all, dtype=torch.float32, device=device)
-        return buf[:n_o], buf[n_o:]
+        buf = torch.empty(n_all + HEADER, dtype=torch.float32, device=device)
+        return buf[HEADER:HEADER + n_o], buf[HEADER + n_o:], False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     key = (idx, torch._C._cuda_getCurrentRawStream(idx))
     buf = _SCRATCH.get(key)
-    if buf is None or buf.numel() < n_all:
-        buf = _SCRATCH[key] = torch.empty(max(n_all, 1 << 20), dtype=torch.float32, device=device)
-    return _partials(buf, n_o, n_all)
+    if buf is None or buf.numel() < n_all + HEADER:
+        buf = _SCRATCH[key] = torch.zeros(max(n_all + HEADER, 1 << 20), dtype=torch.float32, device=device)
+    return (*_partials(buf, n_o, n_all), True)
 
 
 @contextlib.contextmanager
@@ -233,33 +247,39 @@ _SCRATCH_MAX = 1 << 24  # fp32 elements (64 MB); a call needing more allocates i
 
 
 def _partials(buf: torch.Tensor, n_o: int, n_all: int):
-    """(out partials, lse partials): the first ``n_o`` and the next ``n_all - n_o`` elements of ``buf``.  The views
-    live on the buffer (the scratch, or a runner's): slicing a tensor costs more host time than the rest of a
-    launch's arguments, and the buffers are long-lived (the views and the buffer keep each other alive: never
-    for a per-call buffer)."""
+    """(out partials, lse partials): after the :data:`HEADER` words, the first ``n_o`` and the next ``n_all - n_o``
+    elements of ``buf``.  The views live on the buffer (the scratch, or a runner's): slicing a tensor costs more
+    host time than the rest of a launch's arguments, and the buffers are long-lived (the views and the buffer keep
+    each other alive: never for a per-call buffer).  A buffer's header is zeroed at its first use here (the grid
+    barrier of the in-kernel merge counts from zero, and leaves it zero)."""
     try:
         views = buf._sparsemla_partials
     except AttributeError:
+        buf[:HEADER].zero_()
         views = buf._sparsemla_partials = {}
     v = views.get((n_o, n_all))
     if v is None:
-        v = views[(n_o, n_all)] = (buf[:n_o], buf[n_o:n_all])
+        v = views[(n_o, n_all)] = (buf[HEADER:HEADER + n_o], buf[HEADER + n_o:HEADER + n_all])
     return v
 
 
 class _Bound:
-    """What a launch of one plan takes that stays fixed while the tensors' shapes and strides do: the kernel, the
-    grid, the integer arguments, the split partials' sizes and the combine's launch (host time: building these on
-    every call costs more than the launch itself)."""
+    """What a launch of one plan takes that stays fixed while the tensors' shapes and strides do: the kernel (and
+    its variant that merges the splits itself, where the plan says so), the grid, the integer arguments, the split
+    partials' sizes and the combine's launch (host time: building these on every call costs more than the launch
+    itself)."""
 
-    __slots__ = ("plan", "fmt", "launch", "gx", "o_strides", "l_strides", "tail", "key", "takes_k_scale", "n_o", "n_all",
-                 "combine", "cgrid", "cints")
+    __slots__ = ("plan", "fmt", "launch", "fused", "final", "gx", "o_strides", "l_strides", "tail", "key",
+                 "takes_k_scale", "n_o", "n_all", "combine", "cgrid", "cints")
 
     def __init__(self, plan, fmt, has_vc: bool, t: int, h: int, k_width: int, qs, rs, is0: int, os_, ls_, device):
         ns = plan.num_splits
         self.n_o = self.n_all = 0
         self.plan, self.fmt = plan, fmt
         self.launch = _launch_for(plan, fmt, has_vc)
+        self.fused = _launch_for(plan, fmt, has_vc, True) if plan.fused_combine else None
+        # the sm_90 kernels also take the final out / lse and their strides (read by the FUSED variants only)
+        self.final = (os_[0], os_[1], ls_[0], ls_[1]) if plan.kernel in _plan.SM90_KERNELS else None
         self.gx = t * plan.grid
         if ns > 1:
             self.n_o = t * ns * h * V_DIM
@@ -272,7 +292,8 @@ class _Bound:
         self.tail = (h, k_width, plan.rows_per_split, ns)
         # Every pointer 16-byte aligned: the integers alone decide Triton's specialization (the pointers' dtypes
         # are fixed: q bf16, rows uint8, indices / counts int32, out bf16 or fp32 partials as ns says, lse fp32).
-        self.key = (qs[0], qs[1], rs[0], rs[1], is0, *self.o_strides, *self.l_strides, *self.tail)
+        self.key = (qs[0], qs[1], rs[0], rs[1], is0, *self.o_strides, *self.l_strides, *self.tail,
+                    *(self.final or ()))
         self.takes_k_scale = plan.kernel in _TAKES_K_SCALE
         self.combine = self.cgrid = self.cints = None
         if ns > 1:
@@ -331,17 +352,22 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
         if b is None or b.plan is not plan or b.fmt is not fmt:
             b = _bind(sig, plan, fmt, has_vc, ishape, lse, qs, rs, is0, os_, ls_, q.device)
     vc = valid_counts if has_vc else indices  # a dummy pointer when absent
+    fused = False
     if b.n_all:
         if split_buffers is None:
-            o_dst, l_dst = _scratch(q.device, b.n_o, b.n_all)
-        elif split_buffers.numel() < b.n_all:
-            raise ValueError(f"split_buffers: {split_buffers.numel()} fp32 elements, this call needs {b.n_all}")
+            o_dst, l_dst, fused = _scratch(q.device, b.n_o, b.n_all)
+        elif split_buffers.numel() < b.n_all + HEADER:
+            raise ValueError(f"split_buffers: {split_buffers.numel()} fp32 elements, this call needs "
+                             f"{b.n_all + HEADER}")
         else:
             o_dst, l_dst = _partials(split_buffers, b.n_o, b.n_all)
+            fused = True
     else:
         o_dst, l_dst = out, lse
+    fused = fused and b.fused is not None
     # The launcher takes tensors as addresses; read once, they also give the alignment check.
     pi, pv, po, pl = indices.data_ptr(), vc.data_ptr(), o_dst.data_ptr(), l_dst.data_ptr()
+    p_out, p_lse = out.data_ptr(), lse.data_ptr()
     scale = float(sm_scale) * LOG2E
     o0, o1, o2 = b.o_strides
     l0, l1, l2 = b.l_strides
@@ -350,13 +376,18 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
                  float(k_scale), *b.tail)
     else:
         addrs = (pq, qs[0], qs[1], pqr, rs[0], rs[1], pr, pi, is0, pv, po, o0, o1, o2, pl, l0, l1, l2, scale, *b.tail)
-    aligned = not (pq | pqr | pr | pi | pv | po | pl) & 15
-    launch = b.launch
+    f = b.final
+    if f is not None:
+        addrs = (*addrs, p_out, f[0], f[1], p_lse, f[2], f[3])
+    aligned = not (pq | pqr | pr | pi | pv | po | pl | p_out | p_lse) & 15
+    launch = b.fused if fused else b.launch
     # the device, stream and launch hooks read once for both launches (the combine's too)
     ctx = direct_context() if launch.direct else None
     if not (aligned and launch.launch_in(ctx, b.gx, 1, 1, b.key, addrs)):
         qr = q_pe if q_pe is not None else (q[..., V_DIM:] if fmt.rope_dim else q)
         args = (q, *addrs[1:3], qr, *addrs[4:6], rows, indices, is0, vc, o_dst, *addrs[11:14], l_dst, *addrs[15:])
+        if f is not None:  # the final outputs as tensors
+            args = (*args[:-6], out, f[0], f[1], lse, f[2], f[3])
         key = b.key if aligned else None
         if launch.built:
             launch((b.gx,), args, key, addrs)
@@ -372,8 +403,7 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
                                                 unavailable=_plan.unavailable_set(), staged=plan.kind == "staged")
                 _run(fallback, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers, q_pe)
                 return
-    if b.combine is not None:
-        p_out, p_lse = out.data_ptr(), lse.data_ptr()
+    if b.combine is not None and not fused:
         c = b.cints
         caddrs = (po, pl, p_out, c[0], c[1], p_lse, c[2], c[3], c[4], c[5])
         # the partials' lse part starts n_o (a multiple of 512) elements into the buffer: aligned with it
@@ -396,10 +426,11 @@ def _first_line(exc: BaseException) -> str:
 
 
 def split_elements(plan: _plan.KernelPlan, num_tokens: int, num_heads: int) -> int:
-    """fp32 elements of the split partials a call of this plan needs (0 without splits)."""
+    """fp32 elements of the split-partials buffer a call of this plan needs (0 without splits): the partials and
+    the :data:`HEADER` words before them."""
     if plan.num_splits <= 1:
         return 0
-    return num_tokens * plan.num_splits * num_heads * (V_DIM + 1)
+    return HEADER + num_tokens * plan.num_splits * num_heads * (V_DIM + 1)
 
 
 def runner_split_elements(fmt, max_tokens: int, num_heads: int, topk: int, device, *, fp8_qk: bool = False,
@@ -452,5 +483,5 @@ def probe_builds(device=None) -> Optional[dict]:
     return _plan.unavailable_kernels()
 
 
-__all__ = ["attention_fwd", "launch_call", "per_call_partials", "plan_for", "probe_builds", "runner_split_elements",
-           "split_elements"]
+__all__ = ["HEADER", "attention_fwd", "launch_call", "per_call_partials", "plan_for", "probe_builds",
+           "runner_split_elements", "split_elements"]

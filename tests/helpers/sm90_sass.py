@@ -31,9 +31,16 @@ if ROOT not in sys.path:
 SIG = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "qr_ptr": "*bf16", "stride_rt": "i32", "stride_rh": "i32", "kv_ptr": "*u8", "idx_ptr": "*i32",
        "stride_it": "i32", "vc_ptr": "*i32", "o_ptr": "*bf16", "stride_ot": "i32", "stride_os": "i32",
        "stride_oh": "i32", "lse_ptr": "*fp32", "stride_lt": "i32", "stride_ls": "i32", "stride_lh": "i32",
-       "sm_scale_log2": "fp32", "H": "i32", "K": "i32", "rows_per_split": "i32", "num_splits": "i32"}
+       "sm_scale_log2": "fp32", "H": "i32", "K": "i32", "rows_per_split": "i32", "num_splits": "i32",
+       "fo_ptr": "*bf16", "stride_ft": "i32", "stride_fh": "i32", "fl_ptr": "*fp32", "stride_gt": "i32",
+       "stride_gh": "i32"}
 SIG_K = dict(list(SIG.items())[:19] + [("k_scale", "fp32")] + list(SIG.items())[19:])
-SIG_K_SPLIT = dict(SIG_K, o_ptr="*fp32")  # several splits: fp32 partial outputs
+SIG_SPLIT = dict(SIG, o_ptr="*fp32")  # several splits: fp32 partial outputs
+SIG_K_SPLIT = dict(SIG_K, o_ptr="*fp32")
+# FUSED variants (the splits merged in the kernel, common.combine_in_kernel): one per kernel family
+FUSED = {"few-fp8_ds_mla-fused": ("few", "fp8_ds_mla"), "few-nvfp4_ds_mla-fused": ("few", "nvfp4_ds_mla"),
+         "conv-nvfp4_ds_mla-fused": ("conv", "nvfp4_ds_mla"), "conv-bf16-fused": ("conv", "bf16"),
+         "bf16-bf16-fused": ("bf16", "bf16")}
 
 
 # Row layouts by format id: (bytes per row, rope dims, rope offset, scale offset); the byte contract is
@@ -52,12 +59,21 @@ def _variants():
     """name -> (module, kernel, signature, meta); meta from the module's own ``meta`` (what ``launch`` uses),
     with two head groups and valid counts; the conv kernel also without valid counts (``-novc``, nvfp4),
     writing fp32 split partials (``-split``, each kind with rope); the conv and pair kernels also with their
-    hand-offs through named barriers (``-named``, each kind with rope)."""
+    hand-offs through named barriers (``-named``, each kind with rope); one variant per kernel family that merges
+    its splits in the kernel (``-fused``)."""
     from sparsemla.kernels.sm90 import bf16, conv, few, wide
     from sparsemla.plan import cluster_builds
     v = {}
     for fid, (bpr, rope, rope_off, scale_off) in LAYOUTS.items():
         kind = fid.split("-")[0]
+        for name, (mod, f) in FUSED.items():
+            if f == fid:
+                args = dict(bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, num_groups=2,
+                            has_valid_counts=True, fused=True)
+                module = {"few": few, "conv": conv, "bf16": bf16}[mod]
+                if mod != "bf16":
+                    args.update(kind=kind, scale_offset=scale_off)
+                v[name] = (mod, f"{mod}_kernel", SIG_SPLIT if mod == "bf16" else SIG_K_SPLIT, module.meta(**args))
         if kind == "bf16":
             for suffix, named in (("", False), ("-named", True)):
                 if suffix and fid != kind:
@@ -149,7 +165,8 @@ def compile_variant(name: str):
 
     mod, fn_name, sig, meta = VARIANTS[name]
     fn = getattr(importlib.import_module(f"sparsemla.kernels.sm90.{mod}"), fn_name)
-    options = {k: meta[k] for k in ("num_warps", "maxnreg", "enable_fp_fusion", "num_ctas") if k in meta}
+    options = {k: meta[k] for k in ("num_warps", "maxnreg", "enable_fp_fusion", "num_ctas", "launch_cooperative_grid")
+               if k in meta}
     cons = {k: v for k, v in meta.items() if k not in options}
     sig = dict(sig, **{k: "constexpr" for k in cons})
     log = io.StringIO()

@@ -39,7 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import compat
 
-from .common import NEG_BIG, PUBLISH, named_asm, named_barrier, program_coords, publish
+from .common import (NEG_BIG, PUBLISH, combine_in_kernel, fused_meta, named_asm, named_barrier, program_coords,
+                     publish)
 from .rows import copy_rows
 
 # Each consumer warpgroup (4 warps): S [64 heads, 64 rows] and O [64 heads, 256 columns] on wgmma; its own
@@ -323,8 +324,9 @@ def _wg1(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
 def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                 o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                 sm_scale_log2, H, K, rows_per_split, num_splits,
+                fo_ptr, stride_ft, stride_fh, fl_ptr, stride_gt, stride_gh,
                 BPT: gl.constexpr, ROPE: gl.constexpr, ROPE_OFF: gl.constexpr, NG: gl.constexpr,
-                HAS_VC: gl.constexpr, NAMED: gl.constexpr = False):
+                HAS_VC: gl.constexpr, NAMED: gl.constexpr = False, FUSED: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``launch``)."""
     half: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)
@@ -378,6 +380,9 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
          K, rows_per_split,
                      num_splits, smem, bars, BPT, ROPE, ROPE_OFF, NG, HAS_VC)),
     ], [4, 4], [232, 40])
+    if FUSED:  # the splits' partials merged by this grid's programs (common.combine_in_kernel)
+        combine_in_kernel(o_ptr, lse_ptr, fo_ptr, stride_ft, stride_fh, fl_ptr, stride_gt, stride_gh, H, num_splits,
+                          NG)
 
 
 
@@ -394,9 +399,10 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
 # multiple of 64); splits (no k_scale: bf16 rows are unscaled).
 
 def meta(*, bytes_per_row: int, rope_dim: int, rope_offset: int, num_groups: int, has_valid_counts: bool,
-         named: bool = False) -> dict:
+         named: bool = False, fused: bool = False) -> dict:
     """``bf16_kernel``'s constexprs and launch options: ``bytes_per_row`` the row stride in bytes (1152 or
     1024, or any larger multiple of 16), ``rope_dim`` 64 or 0, ``rope_offset`` the rope part's byte offset
-    (ignored without rope), ``num_groups`` = ceil(heads / 64)."""
+    (ignored without rope), ``num_groups`` = ceil(heads / 64); ``fused`` as in ``few.meta``."""
     return dict(BPT=bytes_per_row, ROPE=rope_dim, ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups,
-                HAS_VC=bool(has_valid_counts), NAMED=named, num_warps=4, maxnreg=168, enable_fp_fusion=True)
+                HAS_VC=bool(has_valid_counts), NAMED=named, num_warps=4, maxnreg=168,
+                enable_fp_fusion=True, **fused_meta(fused))

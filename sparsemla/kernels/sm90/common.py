@@ -1,10 +1,11 @@
 """What every sm_90 kernel shares: the program's coordinates, fast fp32 reciprocal / log2, the softmax
-normalizer, ``NEG_BIG``.
+normalizer, ``NEG_BIG``, and the merge of split partials inside the kernel (:func:`combine_in_kernel`).
 
 Output contract of every kernel here (the portable kernels' contract): with one split, ``o`` is the
 normalized output ``[tokens, heads, 512]`` and ``lse`` the natural-log log-sum-exp ``[tokens, heads]``
 (0 and -inf for a token without a valid row); with several, each split writes its normalized partial
-output and lse (strides ``stride_os`` / ``stride_ls``) and the combine kernel merges them.
+output and lse (strides ``stride_os`` / ``stride_ls``) and the combine kernel merges them -- or, in a
+``FUSED`` variant, the kernel's own programs merge them into ``fo`` / ``fl`` after a grid barrier.
 """
 from __future__ import annotations
 
@@ -107,3 +108,102 @@ def normalizer(m, l):
 def absmax(x):
     """max |x| over a 2-D tensor, as a scalar."""
     return gl.max(gl.max(gl.abs(x), 1), 0)
+
+
+# --- the merge of split partials inside the kernel (FUSED variants) ---------------------------------------------
+# A FUSED launch is cooperative (every program resident at once: the plan gives it at most one program per SM),
+# and its split partials live in a buffer whose first 16 bytes are the grid barrier's words, zero when the
+# buffer is first used (sparsemla.kernels.attention): [count, generation, -, -] just before the partial outputs.
+# Thread 0 of each program: fence its program's partial stores for the GPU (every thread's stores are ordered
+# before it by the CTA barrier in front), arrive on the count; the last to arrive resets the count and releases
+# the next generation, the others wait for it with acquiring loads (CUTLASS's split-K semaphore protocol).  The
+# count is back at 0 after every barrier, so the buffer serves the next call as it is.
+GRID_BARRIER = gl.constexpr("""{
+.reg .pred p, last;
+.reg .u32 gen, old, now;
+.reg .u64 gen_addr;
+mov.u32 $0, 0;
+setp.ne.u32 p, $1, 0;
+@p bra SMLA_DONE;
+add.u64 gen_addr, $2, 4;
+ld.relaxed.gpu.global.u32 gen, [gen_addr];
+fence.acq_rel.gpu;
+atom.acq_rel.gpu.global.add.u32 old, [$2], 1;
+add.u32 old, old, 1;
+setp.eq.u32 last, old, $3;
+@!last bra SMLA_WAIT;
+st.relaxed.gpu.global.u32 [$2], 0;
+red.release.gpu.global.add.u32 [gen_addr], 1;
+bra SMLA_DONE;
+SMLA_WAIT:
+ld.acquire.gpu.global.u32 now, [gen_addr];
+setp.eq.u32 p, now, gen;
+@p nanosleep.u32 32;
+@p bra SMLA_WAIT;
+SMLA_DONE:
+}""")
+COMBINE_SPLITS = gl.constexpr(8)  # splits merged per step: a [8, 512] fp32 tile, 32 registers a thread
+COMBINE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 4], [1, 0]))
+
+
+def fused_meta(fused: bool) -> dict:
+    """A kernel's ``meta`` entries for the FUSED variant (none without): the constexpr, and a cooperative launch,
+    which the driver refuses rather than start a grid whose programs cannot all be resident (the grid barrier
+    would wait for the missing ones forever)."""
+    return dict(FUSED=True, launch_cooperative_grid=True) if fused else {}
+
+
+@gluon.jit
+def grid_barrier(bar_ptr, num_programs):
+    """Every program of the grid waits here until all ``num_programs`` have arrived (the 4-warp partition that
+    runs after ``warp_specialize``; see GRID_BARRIER).  ``bar_ptr``: int32 pointer to the barrier's words."""
+    tid = gl.arange(0, 128, layout=PER_THREAD)
+    addr = gl.full([128], 0, gl.int64, PER_THREAD) + bar_ptr.to(gl.int64, bitcast=True)
+    count = gl.full([128], 0, gl.int32, PER_THREAD) + num_programs
+    compat.barrier()  # every thread's partial stores before thread 0's fence
+    gl.inline_asm_elementwise(GRID_BARRIER, "=r,r,l,r", [tid, addr, count], gl.int32, False, 1)
+    compat.barrier()  # no thread reads the partials before thread 0 has seen every program arrive
+
+
+@gluon.jit
+def combine_in_kernel(o_ptr, lse_ptr, fo_ptr, stride_ft, stride_fh, fl_ptr, stride_gt, stride_gh, H, num_splits,
+                      NG: gl.constexpr):
+    """The combine kernel's merge, by the programs of the attention kernel that wrote the partials: after a grid
+    barrier, program p merges heads p, p + G, ... (G programs; flat over tokens x heads) of
+    ``o_ptr`` fp32 [T, S, H, 512] / ``lse_ptr`` fp32 [T, S, H] (normalized partials, natural-log lse, -inf for an
+    empty split) into ``fo_ptr`` (bf16 [T, H, 512], strides ``stride_ft`` / ``stride_fh``) and ``fl_ptr`` (fp32
+    [T, H], strides ``stride_gt`` / ``stride_gh``):  out = sum_s exp(lse_s - lse) o_s,  lse = log sum_s exp(lse_s).
+    The barrier's words are the 16 bytes before ``o_ptr``."""
+    G = gl.num_programs(0)
+    grid_barrier(o_ptr.to(gl.pointer_type(gl.int32), bitcast=True) - 4, G)
+    T = G // (num_splits * NG)
+    L: gl.constexpr = COMBINE_LAYOUT
+    sp = gl.arange(0, COMBINE_SPLITS, layout=gl.SliceLayout(1, L))
+    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, L))
+    for item in range(gl.program_id(0), T * H, G):
+        t = item // H
+        h = item - t * H
+        row0 = t.to(gl.int64) * num_splits  # (token, split 0) in the partials
+        mx = gl.max(gl.full([COMBINE_SPLITS], float("-inf"), gl.float32, gl.SliceLayout(1, L)), 0)
+        for s0 in range(0, num_splits, COMBINE_SPLITS):
+            s = s0 + sp
+            lp = gl.load(lse_ptr + (row0 + s) * H + h, mask=s < num_splits, other=float("-inf"),
+                         cache_modifier=".cg")
+            mx = gl.maximum(mx, gl.max(lp, 0))
+        mx_safe = gl.where(mx == float("-inf"), 0.0, mx)
+        tot = gl.sum(gl.zeros([COMBINE_SPLITS], gl.float32, gl.SliceLayout(1, L)), 0)
+        acc = gl.zeros([512], gl.float32, gl.SliceLayout(0, L))
+        for s0 in range(0, num_splits, COMBINE_SPLITS):
+            s = s0 + sp
+            sm = s < num_splits
+            lp = gl.load(lse_ptr + (row0 + s) * H + h, mask=sm, other=float("-inf"), cache_modifier=".cg")
+            w = gl.exp(lp - mx_safe)  # 0 for an empty split (its partial output is never read)
+            tot = tot + gl.sum(w, 0)
+            part = gl.load(o_ptr + ((row0 + s) * H + h)[:, None] * 512 + cols[None, :],
+                           mask=(sm & (w > 0))[:, None], other=0.0, cache_modifier=".cg")
+            acc = acc + gl.sum(part * w[:, None], 0)
+        has = tot != 0  # NaN (a split's NaN lse) passes through to out and lse
+        inv = gl.where(has, 1.0 / gl.where(has, tot, 1.0), 0.0)
+        gl.store(fo_ptr + t.to(gl.int64) * stride_ft + h * stride_fh + cols, (acc * inv).to(fo_ptr.dtype.element_ty))
+        lse = gl.where(has, mx_safe + gl.log(gl.where(has, tot, 1.0)), float("-inf"))
+        gl.store(fl_ptr + t.to(gl.int64) * stride_gt + h * stride_gh, lse)

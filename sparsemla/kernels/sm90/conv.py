@@ -65,7 +65,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import compat
-from .common import NEG_BIG, PUBLISH, named_asm, named_barrier, normalizer, program_coords, publish
+from .common import (NEG_BIG, PUBLISH, combine_in_kernel, fused_meta, named_asm, named_barrier, normalizer,
+                     program_coords, publish)
 from .rows import block_indices, copy_rows, e4m3_words_bf16, e4m3_words_f16, fp4_words_f16, pow2_scale
 
 # warpgroup 0's S [64 heads, 64 rows] and each warpgroup's O [64 heads, 256 columns] on wgmma
@@ -689,9 +690,11 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
 def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                 o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                 sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+                fo_ptr, stride_ft, stride_fh, fl_ptr, stride_gt, stride_gh,
                 BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
                 NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr,
-                B16: gl.constexpr = False, NAMED: gl.constexpr = False, CL: gl.constexpr = False):
+                B16: gl.constexpr = False, NAMED: gl.constexpr = False, CL: gl.constexpr = False,
+                FUSED: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
     with num_ctas=2) x 128 heads x one split, NG = 1."""
@@ -802,6 +805,9 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     if CL:
         # neither CTA exits while the other may still send to it (Triton 3.9 adds this barrier itself, 3.8 not)
         compat.cluster_barrier()
+    if FUSED:  # the splits' partials merged by this grid's programs (common.combine_in_kernel)
+        combine_in_kernel(o_ptr, lse_ptr, fo_ptr, stride_ft, stride_fh, fl_ptr, stride_gt, stride_gh, H, num_splits,
+                          NG)
 
 
 KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this kernel reads
@@ -816,13 +822,15 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 # each at launch (warpgroup 0: 208 after setmaxnreg, warpgroup 1: 160, the producer: 136).
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
-         has_valid_counts: bool, named: bool = False, cluster: bool = False) -> dict:
+         has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
-    1."""
+    1.  ``fused`` as in ``few.meta`` (not with ``cluster``)."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+    if cluster and fused:
+        raise ValueError("fused: the 2-CTA kernel merges its splits by the combine kernel")
     if cluster and (kind == "bf16" or num_groups != 1 or named):
         raise ValueError(f"cluster: the 2-CTA kernel reads quantized rows with num_groups=1 and the default "
                          f"hand-offs, got kind={kind!r}, num_groups={num_groups}, named={named}")
@@ -830,7 +838,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     m = dict(BPT=bytes_per_row, ROPE=rope_dim, SCALE_OFF=scale_offset if ds or fp4 else 0,
              ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
              FP4=fp4, B16=kind == "bf16", NAMED=named, CL=bool(cluster), num_warps=4, maxnreg=168,
-             enable_fp_fusion=True)
+             enable_fp_fusion=True, **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m

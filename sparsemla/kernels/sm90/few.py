@@ -49,7 +49,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import compat
-from .common import NEG_BIG, PUBLISH, absmax, normalizer, program_coords, publish, rcp
+from .common import (NEG_BIG, PUBLISH, absmax, combine_in_kernel, fused_meta, normalizer, program_coords, publish,
+                     rcp)
 from .rows import (L_QK64, L_V, LO_SHIFT, SC_L, acc_dim, block_indices, e4m3_view, fp4_values, load_q_group,
                    load_q_rope,
                    pow2_scale, producer, pv_rows, pv_values, relabel64, store_e4m3_terms)
@@ -689,8 +690,10 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
 def few_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+               fo_ptr, stride_ft, stride_fh, fl_ptr, stride_gt, stride_gh,
                BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
-               NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, FP8_QK: gl.constexpr):
+               NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, FP8_QK: gl.constexpr,
+               FUSED: gl.constexpr = False):
     """One program = one query token x 16 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, consumer warpgroup 0) and maxnreg=168 (see the module docstring and ``launch``)."""
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -769,6 +772,9 @@ def few_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr
                             (_consumer, (ca, 1, DS, ROPE, FP8_QK, NG, HAS_VC)),
                             (producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, FP8_QK, NG, HAS_VC))],
                            [4, 4], [232, 40])
+    if FUSED:  # the splits' partials merged by this grid's programs (common.combine_in_kernel)
+        combine_in_kernel(o_ptr, lse_ptr, fo_ptr, stride_ft, stride_fh, fl_ptr, stride_gt, stride_gh, H, num_splits,
+                          NG)
 
 KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")  # the row formats this kernel reads
 
@@ -788,15 +794,17 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")  # the row formats this kernel rea
 # heads; top-k; rows per split (a multiple of 64); splits.
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
-         has_valid_counts: bool, fp8_qk: bool = False) -> dict:
+         has_valid_counts: bool, fp8_qk: bool = False, fused: bool = False) -> dict:
     """``few_kernel``'s constexprs and launch options for one variant.  ``kind``: one of ``KINDS``;
     ``bytes_per_row``: the row stride in bytes; ``rope_dim`` 64 or 0 (NoPE: no rope byte is read);
     ``rope_offset`` / ``scale_offset``: byte offsets of the rope part / the scales in a row (the format's
     layout; ignored where absent); ``num_groups``: ceil(heads / 16); ``fp8_qk``: the FP8-QK mode (fp8 /
-    fp8_ds_mla rows)."""
+    fp8_ds_mla rows); ``fused``: the splits' partials merged by the kernel's own programs after a grid barrier
+    (a cooperative launch; ``common.combine_in_kernel``) instead of by the combine kernel."""
     ds, fp4 = kind == "fp8_ds_mla", kind == "nvfp4_ds_mla"
     if kind not in KINDS or (fp8_qk and fp4):
         raise ValueError(f"kind: expected one of {KINDS} (fp8_qk: not nvfp4_ds_mla), got {kind!r}, fp8_qk={fp8_qk}")
     return dict(BPT=bytes_per_row, ROPE=rope_dim, SCALE_OFF=scale_offset if ds or fp4 else 0,
                 ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
-                FP4=fp4, FP8_QK=bool(fp8_qk), num_warps=4, maxnreg=168, enable_fp_fusion=True)
+                FP4=fp4, FP8_QK=bool(fp8_qk), num_warps=4, maxnreg=168, enable_fp_fusion=True,
+                **fused_meta(fused))

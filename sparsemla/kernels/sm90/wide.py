@@ -525,6 +525,7 @@ def _consumer(args, WG: gl.constexpr, DS: gl.constexpr, ROPE: gl.constexpr, FP8_
 def wide_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                 o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                 sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
+                fo_ptr, stride_ft, stride_fh, fl_ptr, stride_gt, stride_gh,
                 BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
                 NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP8_QK: gl.constexpr):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
@@ -604,7 +605,8 @@ KINDS = ("fp8", "fp8_ds_mla")  # the row formats this kernel reads
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
          has_valid_counts: bool, fp8_qk: bool = False) -> dict:
     """``wide_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
-    ``num_groups`` = ceil(heads / 64))."""
+    ``num_groups`` = ceil(heads / 64)).  It has no FUSED variant: the merge after its loop made its consumer warpgroup
+    spill 40 bytes more (SASS, Triton 3.6), and it serves only the FP8-QK mode and unaligned q above 32 heads."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     ds = kind == "fp8_ds_mla"
