@@ -186,3 +186,32 @@ def test_cluster_kernel_plans(monkeypatch):
     with pytest.raises(ValueError, match="needs Triton >= 3.8"):
         plan_attention("fp8_ds_mla", 4, 128, 2048, kernel="sm90-cluster", **H200)
     P._plan.cache_clear()
+
+
+def test_fused_combine_plans():
+    """A split plan merges its splits in the kernel (``fused_combine``) only when asked for while the default is
+    off, only on the kernels with a FUSED variant (sm90-few, sm90-conv, sm90-bf16), and only where every program of
+    the grid is resident at once (at most one per SM: the grid barrier's cooperative launch); one split has
+    nothing to merge.  ``explain`` says which merge a split plan gets."""
+    assert P.FUSED_KERNELS == ("sm90-few", "sm90-conv", "sm90-bf16")
+    default = plan_attention("fp8_ds_mla", 1, 16, 2048, **H200)
+    assert default.num_splits > 1 and default.fused_combine == P.FUSED_COMBINE_DEFAULT
+    for kind, tokens, heads, kernel in (("fp8_ds_mla", 1, 16, "sm90-few"), ("nvfp4_ds_mla", 2, 128, "sm90-few"),
+                                        ("fp8_ds_mla", 32, 64, "sm90-conv"), ("bf16", 1, 64, "sm90-conv"),
+                                        ("bf16", 1, 128, "sm90-bf16")):
+        p = plan_attention(kind, tokens, heads, 2048, fused_combine=True, **H200)
+        assert p.kernel == kernel and p.num_splits > 1 and p.fused_combine, p
+        assert tokens * p.grid <= H200["num_sms"]
+        assert not plan_attention(kind, tokens, heads, 2048, fused_combine=False, **H200).fused_combine
+        assert "splits merged in the kernel" in explain(kind, tokens, heads, 2048, fused_combine=True, **H200)
+        assert "by the combine kernel" in explain(kind, tokens, heads, 2048, fused_combine=False, **H200)
+    # not where it cannot apply: one split, sm90-wide, a forced split past one program per SM, the portable kernels
+    assert plan_attention("fp8_ds_mla", 128, 64, 2048, fused_combine=True, **H200).num_splits == 1
+    assert not plan_attention("fp8_ds_mla", 128, 64, 2048, fused_combine=True, **H200).fused_combine
+    wide = plan_attention("fp8", 34, 64, 2048, fp8_qk=True, fused_combine=True, **H200)
+    assert wide.kernel == "sm90-wide" and wide.num_splits > 1 and not wide.fused_combine
+    many = plan_attention("fp8_ds_mla", 5, 16, 2048, num_splits=64, fused_combine=True, **H200)
+    assert many.num_splits == 32 and 5 * many.grid > H200["num_sms"] and not many.fused_combine
+    portable = plan_attention("fp8_ds_mla", 1, 16, 2048, portable=True, fused_combine=True, **H200)
+    assert portable.num_splits > 1 and not portable.fused_combine
+    assert "splits merged" not in explain("fp8_ds_mla", 128, 64, 2048, fused_combine=True, **H200)

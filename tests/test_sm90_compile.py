@@ -70,6 +70,22 @@ def test_compiles_for_sm90_within_limits(compiled, name):
     assert (r["cluster"]["st_async"] > 0) == name.endswith("-cluster"), r["cluster"]
 
 
+@pytest.mark.parametrize("name", list(sm90_sass.VARIANTS))
+def test_only_fused_variants_merge_in_the_kernel(compiled, name):
+    """A FUSED variant (``-fused``: its splits merged by its own programs, common.combine_in_kernel) is launched
+    cooperatively and its PTX has the grid barrier once (thread 0's fence and arrival, the last arrival's release,
+    the others' acquiring loads) and reads the partials from L2; every other variant has none of it."""
+    r = compiled[name]
+    assert "error" not in r, r.get("error")
+    b = r["grid_barrier"]
+    if name.endswith("-fused"):
+        assert r["cooperative"], r
+        assert (b["fence"], b["arrive"], b["release"], b["acquire"]) == (1, 1, 1, 1), b
+        assert b["cg_loads"] > 0, b
+    else:
+        assert not r["cooperative"] and b == dict(fence=0, arrive=0, release=0, acquire=0, cg_loads=0), (r, b)
+
+
 @pytest.mark.parametrize("name", [n for n in sm90_sass.VARIANTS if n.endswith("-cluster")])
 def test_cluster_kernel_protocol(compiled, name):
     """sm90-cluster's PTX: the producers' st.async stores reach both CTAs (``mapa`` to ranks 0 and 1); each tile's

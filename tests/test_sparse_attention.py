@@ -258,6 +258,64 @@ def test_the_direct_launch_passes_what_the_regular_launch_does(monkeypatch, devi
         assert addrs[3] == q.data_ptr() + 1024  # the RoPE part's address: 512 bf16 values into each q row
 
 
+def test_a_fused_plan_is_one_launch_when_its_partials_persist(monkeypatch, device):
+    """A plan with ``fused_combine`` launches the kernel's FUSED variant and no combine where its partials live in a
+    buffer that persists (a runner's ``split_buffers``; the launcher's scratch on a GPU): the partials start
+    ``HEADER`` words into it, the header (the grid barrier's words) is zeroed at the buffer's first use, and the
+    final out / lse with their strides follow the common arguments.  Partials in a fresh allocation (here: no
+    runner off the GPU) go through the unfused kernel and the combine.  A runner buffer without room for the
+    header is refused."""
+    from sparsemla import plan as plan_mod
+    from sparsemla.kernels import attention as attn_mod
+
+    c = make_case("fp8_ds_mla", 3, 16, 256, device=device)
+    q, rows, idx, vc, fmt = c["q"], c["cache"].rows, c["indices"], c["valid_counts"], c["fmt"]
+    plan = plan_mod.plan_attention(fmt, 3, 16, 256, capability=(9, 0), num_sms=132, fused_combine=True)
+    assert plan.kernel == "sm90-few" and plan.num_splits == 2 and plan.fused_combine
+    seen = []
+
+    class Recorder:
+        built = True
+        direct = True
+
+        def __init__(self, name):
+            self.name = name
+
+        def launch_in(self, ctx, gx, gy, gz, key, addrs):
+            seen.append((self.name, "direct", tuple(addrs)))
+            return False
+
+        def __call__(self, grid, args, key=None, addrs=None):
+            as_addrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+            assert addrs is None or tuple(addrs) == as_addrs, (self.name, addrs, as_addrs)
+            seen.append((self.name, "regular", as_addrs))
+
+    monkeypatch.setattr(attn_mod, "_launch_for", lambda p, f, has_vc, fused=False: Recorder(
+        "fused" if fused else "attention"))
+    monkeypatch.setattr(attn_mod, "_combine_launch", lambda ns, pdl: Recorder("combine"))
+    monkeypatch.setattr(attn_mod, "_BOUND", {})
+    monkeypatch.setattr(attn_mod, "direct_context", lambda: ("device", "stream"))
+    n = attn_mod.split_elements(plan, 3, 16)
+    n_o = 3 * 2 * 16 * 512
+    assert n == attn_mod.HEADER + n_o + 3 * 2 * 16
+    buf = torch.full((n,), float("nan"), dtype=torch.float32, device=device)
+    out = torch.empty(3, 16, 512, dtype=torch.bfloat16, device=device)
+    lse = torch.empty(3, 16, dtype=torch.float32, device=device)
+    attn_mod.attention_fwd(q, rows, fmt, idx, 0.07, plan=plan, valid_counts=vc, out=out, lse=lse, split_buffers=buf)
+    assert [(s[0], s[1]) for s in seen] == [("fused", "direct"), ("fused", "regular")]
+    assert torch.equal(buf[:attn_mod.HEADER], torch.zeros(attn_mod.HEADER, device=device))
+    addrs = seen[0][2]
+    assert addrs[10] == buf.data_ptr() + 4 * attn_mod.HEADER  # the partial outputs, after the header
+    assert addrs[14] == buf.data_ptr() + 4 * (attn_mod.HEADER + n_o)  # the partial lse
+    assert addrs[-6:] == (out.data_ptr(), out.stride(0), out.stride(1), lse.data_ptr(), lse.stride(0), lse.stride(1))
+    seen.clear()
+    attn_mod.attention_fwd(q, rows, fmt, idx, 0.07, plan=plan, valid_counts=vc, out=out, lse=lse)
+    assert [s[0] for s in seen] == ["attention", "attention", "combine", "combine"]
+    with pytest.raises(ValueError, match=f"split_buffers: {n - 1} fp32 elements, this call needs {n}"):
+        attn_mod.attention_fwd(q, rows, fmt, idx, 0.07, plan=plan, valid_counts=vc, out=out, lse=lse,
+                               split_buffers=buf[:n - 1])
+
+
 def test_launch_call_plans_once_per_shape_alignment_and_unavailable_set(monkeypatch, device):
     """``launch_call`` (the backends' path) caches the plan with the launch's bound arguments: a repeated call plans
     nothing; q at an address that is not 16-byte aligned, or a kernel found unavailable since, gets a plan of its

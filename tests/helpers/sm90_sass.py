@@ -198,7 +198,17 @@ def report(name: str) -> dict:
                 instructions=len(ins),
                 regs=regs, stack=stack, smem=k.metadata.shared, setmaxnreg="setmaxnreg" in ptx,
                 mbarrier_cp_async="cp.async.mbarrier.arrive.noinc" in ptx, serialized="serialized" in log,
-                ops={op: counts[op] for op in sorted(counts)}, cluster=_cluster_protocol(ptx))
+                ops={op: counts[op] for op in sorted(counts)}, cluster=_cluster_protocol(ptx),
+                grid_barrier=_grid_barrier(ptx), cooperative=bool(getattr(k.metadata, "launch_cooperative_grid", 0)))
+
+
+def _grid_barrier(ptx: str) -> dict:
+    """The in-kernel merge's grid barrier in a FUSED variant's PTX: the fence and arrival of each program's thread
+    0, the last arrival's release of the next generation, the others' acquiring loads of it; and the L2 loads
+    (``ld.global.cg``) of the other programs' partials."""
+    return dict(fence=ptx.count("fence.acq_rel.gpu"), arrive=ptx.count("atom.acq_rel.gpu.global.add.u32"),
+                release=ptx.count("red.release.gpu.global.add.u32"),
+                acquire=ptx.count("ld.acquire.gpu.global.u32"), cg_loads=ptx.count("ld.global.cg"))
 
 
 def _cluster_protocol(ptx: str) -> dict:

@@ -147,10 +147,10 @@ COMBINE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 4], [1, 0]))
 
 
 def fused_meta(fused: bool) -> dict:
-    """A kernel's ``meta`` entries for the FUSED variant (none without): the constexpr, and a cooperative launch,
-    which the driver refuses rather than start a grid whose programs cannot all be resident (the grid barrier
-    would wait for the missing ones forever)."""
-    return dict(FUSED=True, launch_cooperative_grid=True) if fused else {}
+    """A kernel's ``meta`` entries for its FUSED constexpr; the FUSED variant is launched cooperatively, which the
+    driver refuses rather than start a grid whose programs cannot all be resident (the grid barrier would wait
+    for the missing ones forever)."""
+    return dict(FUSED=True, launch_cooperative_grid=True) if fused else dict(FUSED=False)
 
 
 @gluon.jit
