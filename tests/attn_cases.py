@@ -73,15 +73,15 @@ def make_case(fmt_name, num_tokens, num_heads, topk, *, ctx=None, block_size=32,
 
 
 def run_kernel(q, rows, fmt, indices, sm_scale, valid_counts=None, k_scale=1.0, *, num_splits=None, kernel=None,
-               portable=False, fp8_qk=False, staged=False):
+               portable=False, fp8_qk=False, staged=False, fused_combine=None):
     """The attention launcher with outputs poisoned (NaN) first, on the plan the tensors get (``num_splits`` /
-    ``kernel`` forced, ``portable``: the portable kernels only)."""
+    ``kernel`` / ``fused_combine`` forced, ``portable``: the portable kernels only)."""
     from sparsemla.kernels.attention import attention_fwd, plan_for
     t, h = q.shape[:2]
     out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device=q.device)
     lse = torch.full((t, h), float("nan"), dtype=torch.float32, device=q.device)
     plan = plan_for(q, rows, fmt, indices.shape[1], num_splits=num_splits, kernel=kernel, portable=portable,
-                    fp8_qk=fp8_qk, staged=staged)
+                    fp8_qk=fp8_qk, staged=staged, fused_combine=fused_combine)
     return attention_fwd(q, rows, fmt, indices, sm_scale, plan=plan, valid_counts=valid_counts, k_scale=k_scale,
                          out=out, lse=lse, staged=staged)
 

@@ -4,7 +4,8 @@
         python3 tests/gpu/sanitize_kernels.py [--formats F1,F2 | fp8_qk]
 
 Every attention kernel the plan can choose (the Hopper kernels forced where a small case would not pick them,
-and the portable ones), with splits, valid counts, -1 padding and empty rows; the staged path; index conversion,
+and the portable ones), with splits (merged by the combine kernel, and in the kernel where it has a FUSED
+variant), valid counts, -1 padding and empty rows; the staged path; index conversion,
 upconvert and cache writes into the last rows of an exactly sized cache.  ``fp8_qk``: only the FP8-QK variants;
 ``--formats``: only these formats' kernels (the FP8-QK variants of those among them), so that ``sanitize.sh`` can
 run several sanitizer processes side by side (``SANITIZE_SHARDS``).
@@ -71,6 +72,12 @@ def main():
                 _attention(c, num_splits=splits, kernel="sm90-conv")  # forced: small cases plan sm90-few
             if heads > 32 and name == "bf16":
                 _attention(c, num_splits=splits, kernel="sm90-bf16")  # up to 64 heads the plan takes sm90-conv
+            if splits != 1:  # the splits merged in the kernel (FUSED variants), where the plan's kernel has one
+                _attention(c, num_splits=splits, fused_combine=True)
+                if heads > 32 and name in CONV_KINDS:
+                    _attention(c, num_splits=splits, kernel="sm90-conv", fused_combine=True)
+                if heads > 32 and name == "bf16":
+                    _attention(c, num_splits=splits, kernel="sm90-bf16", fused_combine=True)
             if heads > 64 and name in CLUSTER_KINDS and cluster_builds():
                 _attention(c, num_splits=splits, kernel="sm90-cluster")  # only when asked for
             st = gather_topk_fp8(c["cache"].rows, c["fmt"], c["indices"], c["valid_counts"], 1.0)
