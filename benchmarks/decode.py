@@ -5,6 +5,7 @@
     python3 benchmarks/decode.py --dry-run --results /tmp/r.jsonl                      # CPU check
     python3 benchmarks/decode.py --conv --heads 64,128 --formats bf16,fp8_ds_mla               # + sm90-conv forced
     python3 benchmarks/decode.py --cluster --heads 128 --formats fp8_ds_mla                    # + sm90-cluster forced
+    python3 benchmarks/small_batch.py --fused                                                  # + splits merged in-kernel
 
 Per format, one cache of b requests x 32,768 tokens (shuffled 64-token blocks, heavy-tailed values written
 through the library's cache write), then per head count the same queries and indices for everyone:
@@ -13,7 +14,8 @@ through the library's cache write), then per head count the same queries and ind
   ``triton-fp8qk`` (the FP8-QK mode; fp8 and fp8_ds_mla rows, sm_90); with ``--conv``, ``sparsemla-conv``:
   the launcher on a plan forced to ``sm90-conv`` (sm_90), beside the plan's choice where that is another kernel
   (bf16 rows above 64 heads, small batches); with ``--cluster``, ``sparsemla-cluster``: forced to
-  ``sm90-cluster`` (its rows and heads, Triton >= 3.8);
+  ``sm90-cluster`` (its rows and heads, Triton >= 3.8); with ``--fused``, ``sparsemla-fused``: the plan's kernel
+  merging its splits itself (``fused_combine``) where a call splits (small batches);
 * the peer that reads the same bytes: FlashMLA for fp8_ds_mla (q padded to 64 / 128 heads), FlashInfer for
   bf16 and fp8 (page size 1), prepared once outside the timed call (``sparsemla.bench.peers``).
 
@@ -61,20 +63,31 @@ def ours_call(wl, backend="auto"):
     return call, out
 
 
-def forced_call(wl, kernel):
-    """The attention launcher on a plan forced to ``kernel`` (an opt-in kernel the public API does not pick),
-    the same rows, indices and outputs as ``ours_call``."""
-    from sparsemla.kernels.attention import attention_fwd, plan_for
+def forced_call(wl, kernel=None, fused_combine=None):
+    """The attention launcher on a plan forced to ``kernel`` (an opt-in kernel the public API does not pick) or to
+    merge its splits in the kernel (``fused_combine``), the same rows, indices and outputs as ``ours_call``; the
+    split partials in a buffer of their own, as a runner's (a call captured in a CUDA graph otherwise allocates
+    them, and merges them by the combine kernel)."""
+    from sparsemla.kernels.attention import attention_fwd, plan_for, split_elements
     t, h, _ = wl.q.shape
     rows = wl.cache.rows
-    plan = plan_for(wl.q, rows, wl.fmt, wl.indices.shape[1], kernel=kernel)
+    plan = plan_for(wl.q, rows, wl.fmt, wl.indices.shape[1], kernel=kernel, fused_combine=fused_combine)
     out = torch.empty(t, h, 512, dtype=torch.bfloat16, device=wl.q.device)
     lse = torch.empty(t, h, dtype=torch.float32, device=wl.q.device)
+    n = split_elements(plan, t, h)
+    split = torch.empty(n, dtype=torch.float32, device=wl.q.device) if n else None
 
     def call():
         return attention_fwd(wl.q, rows, wl.fmt, wl.indices, wl.sm_scale, plan=plan, valid_counts=wl.valid_counts,
-                             k_scale=wl.k_scale, out=out, lse=lse)
+                             k_scale=wl.k_scale, out=out, lse=lse, split_buffers=split)
+    call.plan = plan
     return call, out
+
+
+def fused_applies(wl) -> bool:
+    """Whether the plan of this workload can merge its splits in the kernel (``fused_combine``)."""
+    from sparsemla.kernels.attention import plan_for
+    return plan_for(wl.q, wl.cache.rows, wl.fmt, wl.indices.shape[1], fused_combine=True).fused_combine
 
 
 def check_against_reference(wl, call, out) -> float:
@@ -105,9 +118,10 @@ def measure(rec, cfg_name: str, wl, impl: str, make, *, variant=None, check=True
     D.print_row(row)
 
 
-def run_decode(rec, config_names, formats, *, fp8qk=True, peers=True, conv=False, cluster=False):
+def run_decode(rec, config_names, formats, *, fp8qk=True, peers=True, conv=False, cluster=False, fused=False):
     """Every (format, configuration): sparsemla, its FP8-QK mode, (``conv``) the forced sm90-conv kernel,
-    (``cluster``) the forced sm90-cluster kernel and the same-format peer."""
+    (``cluster``) the forced sm90-cluster kernel, (``fused``) the plan's kernel merging its splits itself where it
+    can, and the same-format peer."""
     from sparsemla.bench import peers as P
     from sparsemla.bench.workload import build_queries, build_workload
     from sparsemla.formats import get_format
@@ -139,6 +153,11 @@ def run_decode(rec, config_names, formats, *, fp8qk=True, peers=True, conv=False
                     rec.attempt(f"{name} {fname} {CLUSTER_KERNEL}",
                                 lambda: measure(rec, name, wl, "sparsemla-cluster",
                                                 lambda: forced_call(wl, CLUSTER_KERNEL)))
+                if fused and not rec.dry and fused_applies(wl):  # a Gluon kernel: not under the interpreter
+                    rec.attempt(f"{name} {fname} fused",
+                                lambda: measure(rec, name, wl, "sparsemla-fused",
+                                                lambda: forced_call(wl, fused_combine=True),
+                                                variant="splits merged in the kernel"))
                 if not peers:
                     continue
                 for peer, fmts in P.PEER_FORMATS.items():
@@ -163,11 +182,13 @@ def main(argv=None) -> int:
                     "sparsemla-conv")
     ap.add_argument("--cluster", action="store_true", help="add the sm90-cluster kernel, forced (sm_90, Triton "
                     ">= 3.8), as impl sparsemla-cluster")
+    ap.add_argument("--fused", action="store_true", help="add the plan's kernel merging its splits in the kernel "
+                    "(fused_combine, sm_90) where a call splits, as impl sparsemla-fused")
     a = ap.parse_args(argv)
     names = a.configs.split(",") if a.configs else [f"D-h{h}" for h in D.int_list(a.heads)]
     rec = D.Recorder(a)
     run_decode(rec, names, D.fmt_list(a.formats), fp8qk=not a.no_fp8qk, peers=not a.no_peers, conv=a.conv,
-               cluster=a.cluster)
+               cluster=a.cluster, fused=a.fused)
     return rec.finish()
 
 

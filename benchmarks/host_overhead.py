@@ -17,6 +17,9 @@ fills, so the GPU's speed does not enter.  Measured (aims in parentheses):
 * ``H-metadata``: ``BatchMetadata.from_tensors`` of 128 requests whose tensors are on the GPU (100 us);
 * ``H-launch``: the attention kernel of the b 128 call alone through the launcher (``attention_fwd`` with its plan
   and outputs given): the floor under the calls above;
+* ``H-launch-b1`` / ``H-launch-b1-fused``: the same for the b 1 call, whose plan splits: its kernel and the combine
+  kernel, and the kernel merging the splits itself (``fused_combine``: one launch), measured in turns, the
+  partials in one buffer (a runner's) for both;
 * ``H-vllm-bare`` / ``H-vllm-tensor`` / ``H-vllm-pair``: the vLLM plugin's per-layer call against the bare launch of
   its plan (aim: at most 10 us more; see ``vllm_contract_rows``), the three measured in turns;
 * peers: FlashMLA ``flash_mla_with_kvcache`` (fp8_ds_mla, q padded to 64 heads) and FlashInfer's ``run()``
@@ -115,6 +118,8 @@ def main(argv=None) -> int:
             rec.attempt(f"{name} flashinfer", lambda: record(rec, name, "bf16", cfg.batch, 1, cfg.topk, "flashinfer",
                                                              P.flashinfer_attention(wlb), variant="fa3, page size 1"))
             del wlb
+        if b == 1 and dev.type == "cuda":
+            rec.attempt("H-launch-b1", lambda: launch_pair(rec, wl, fmt, fname, cfg))
         if b == 128:
             # the floor under every call: the attention kernel's launch alone (arguments prepared, no checks, no
             # allocation, no planning; Triton's launcher and the library's key lookup)
@@ -150,6 +155,28 @@ def main(argv=None) -> int:
         sparsemla.sparse_mla_prefill(wl.q, wl.cache, wl.indices, wl.sm_scale))))
     rec.attempt("H-vllm", lambda: vllm_contract_rows(rec, fname))
     return rec.finish()
+
+
+def launch_pair(rec, wl, fmt, fname: str, cfg) -> None:
+    """``H-launch-b1`` and ``H-launch-b1-fused``: the b 1 call's plan through the launcher with the combine kernel
+    and with the splits merged in the kernel, host time in turns, GPU time by graph replay."""
+    from sparsemla.kernels import attention as A
+    dev = rec.device
+    t, h = cfg.batch, cfg.num_heads
+    out = torch.empty(t, h, 512, dtype=torch.bfloat16, device=dev)
+    lse = torch.empty(t, h, dtype=torch.float32, device=dev)
+    plans = {"H-launch-b1": A.plan_for(wl.q, wl.cache.rows, fmt, cfg.topk, fused_combine=False),
+             "H-launch-b1-fused": A.plan_for(wl.q, wl.cache.rows, fmt, cfg.topk, fused_combine=True)}
+    if not plans["H-launch-b1-fused"].fused_combine:
+        raise RuntimeError(f"the b {t} plan does not merge in the kernel: {plans['H-launch-b1-fused']}")
+    split = torch.empty(A.split_elements(plans["H-launch-b1"], t, h), dtype=torch.float32, device=dev)
+    calls = {name: (lambda p=p: A.attention_fwd(wl.q, wl.cache.rows, fmt, wl.indices, wl.sm_scale, plan=p, out=out,
+                                                lse=lse, split_buffers=split)) for name, p in plans.items()}
+    n, reps = (1, 1) if rec.dry else (rec.args.calls, 2 * rec.args.reps + 1)
+    measured = host_us_interleaved(calls, dev, n, reps)
+    for name, fn in calls.items():
+        record(rec, name, fname, t, 1, cfg.topk, "sparsemla", fn, us=measured[name],
+               variant="splits merged in the kernel" if name.endswith("fused") else "split + combine kernel")
 
 
 def vllm_contract_rows(rec, fname: str) -> None:

@@ -317,6 +317,8 @@ HOST = [("H-decode-b1", "`sparse_mla_decode`, default arguments, b 1"),
         ("H-plan", "`SparseMLA.plan`, 128 requests"),
         ("H-metadata", "`BatchMetadata.from_tensors`, 128 requests"),
         ("H-launch", "the attention kernel's launch alone (plan and outputs given), b 128"),
+        ("H-launch-b1", "the b 1 call's launches alone: its kernel and the split combine"),
+        ("H-launch-b1-fused", "the b 1 call's launch alone, the splits merged in the kernel (one launch)"),
         ("H-vllm-bare", "vLLM contract: the bare launch of its plan, 1 token x 64 rows"),
         ("H-vllm-tensor", "vLLM contract: `LayerAttention.forward`, one q tensor"),
         ("H-vllm-pair", "vLLM contract: `LayerAttention.forward`, vLLM's (ql_nope, q_pe) pair")]

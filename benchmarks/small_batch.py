@@ -32,10 +32,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--heads", default="16,128")
     ap.add_argument("--no-fp8qk", action="store_true", help="leave out the FP8-QK mode")
+    ap.add_argument("--fused", action="store_true", help="add the plan's kernel merging its splits in the kernel "
+                    "(fused_combine, sm_90) as impl sparsemla-fused")
     a = ap.parse_args(argv)
     names = [f"D-small-b{b}-h{h}" for b in D.int_list(a.batches) for h in D.int_list(a.heads)]
     rec = D.Recorder(a)
-    decode.run_decode(rec, names, D.fmt_list(a.formats), fp8qk=not a.no_fp8qk, peers=not a.no_peers)
+    decode.run_decode(rec, names, D.fmt_list(a.formats), fp8qk=not a.no_fp8qk, peers=not a.no_peers, fused=a.fused)
     return rec.finish()
 
 
