@@ -202,6 +202,29 @@ def test_query_in_two_tensors_is_read_in_place(fmt, heads, device):
     _check(*got, c, 0.07)
 
 
+class _Recorder:
+    """A stand-in for the launcher's ``Launch``: records each launch offered to the direct path (declined, as if
+    not compiled yet, so that the regular launch follows) and each regular launch, as (name, "direct" / "regular",
+    grid, key, arguments with tensors as their addresses) into ``seen``; the regular launch's addresses must be
+    those it was given."""
+    built = True
+    direct = True
+
+    def __init__(self, name, seen):
+        self.name, self.seen = name, seen
+
+    def launch_in(self, ctx, gx, gy, gz, key, addrs):
+        assert ctx == ("device", "stream")  # the context both launches share
+        self.seen.append((self.name, "direct", (gx, gy, gz), key, tuple(addrs)))
+        return False
+
+    def __call__(self, grid, args, key=None, addrs=None):
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        as_addrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+        assert addrs is None or tuple(addrs) == as_addrs, (self.name, addrs, as_addrs)
+        self.seen.append((self.name, "regular", grid, key, as_addrs))
+
+
 @pytest.mark.parametrize("splits", [1, 3], ids=["one-split", "three-splits"])
 def test_the_direct_launch_passes_what_the_regular_launch_does(monkeypatch, device, splits):
     """A launch first offers the compiled specialization its key and addresses (``Launch.launch_in``, the
@@ -215,27 +238,8 @@ def test_the_direct_launch_passes_what_the_regular_launch_does(monkeypatch, devi
     plan = attn_mod.plan_for(q, rows, c["fmt"], 48, num_splits=splits)
     assert plan.num_splits == splits
     seen = []
-
-    class Recorder:
-        built = True
-        direct = True
-
-        def __init__(self, name):
-            self.name = name
-
-        def launch_in(self, ctx, gx, gy, gz, key, addrs):
-            assert ctx == ("device", "stream")  # the context both launches share
-            seen.append((self.name, "direct", (gx, gy, gz), key, tuple(addrs)))
-            return False  # as if not compiled yet: the regular launch follows
-
-        def __call__(self, grid, args, key=None, addrs=None):
-            grid = tuple(grid) + (1,) * (3 - len(grid))
-            as_addrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
-            assert addrs is None or tuple(addrs) == as_addrs, (self.name, addrs, as_addrs)
-            seen.append((self.name, "regular", grid, key, as_addrs))
-
-    monkeypatch.setattr(attn_mod, "_launch_for", lambda p, f, has_vc: Recorder("attention"))
-    monkeypatch.setattr(attn_mod, "_combine_launch", lambda ns, pdl: Recorder("combine"))
+    monkeypatch.setattr(attn_mod, "_launch_for", lambda p, f, has_vc: _Recorder("attention", seen))
+    monkeypatch.setattr(attn_mod, "_combine_launch", lambda ns, pdl: _Recorder("combine", seen))
     monkeypatch.setattr(attn_mod, "_BOUND", {})
     contexts = []
     monkeypatch.setattr(attn_mod, "direct_context", lambda: contexts.append(1) or ("device", "stream"))
@@ -273,26 +277,9 @@ def test_a_fused_plan_is_one_launch_when_its_partials_persist(monkeypatch, devic
     plan = plan_mod.plan_attention(fmt, 3, 16, 256, capability=(9, 0), num_sms=132, fused_combine=True)
     assert plan.kernel == "sm90-few" and plan.num_splits == 2 and plan.fused_combine
     seen = []
-
-    class Recorder:
-        built = True
-        direct = True
-
-        def __init__(self, name):
-            self.name = name
-
-        def launch_in(self, ctx, gx, gy, gz, key, addrs):
-            seen.append((self.name, "direct", tuple(addrs)))
-            return False
-
-        def __call__(self, grid, args, key=None, addrs=None):
-            as_addrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
-            assert addrs is None or tuple(addrs) == as_addrs, (self.name, addrs, as_addrs)
-            seen.append((self.name, "regular", as_addrs))
-
-    monkeypatch.setattr(attn_mod, "_launch_for", lambda p, f, has_vc, fused=False: Recorder(
-        "fused" if fused else "attention"))
-    monkeypatch.setattr(attn_mod, "_combine_launch", lambda ns, pdl: Recorder("combine"))
+    monkeypatch.setattr(attn_mod, "_launch_for", lambda p, f, has_vc, fused=False: _Recorder(
+        "fused" if fused else "attention", seen))
+    monkeypatch.setattr(attn_mod, "_combine_launch", lambda ns, pdl: _Recorder("combine", seen))
     monkeypatch.setattr(attn_mod, "_BOUND", {})
     monkeypatch.setattr(attn_mod, "direct_context", lambda: ("device", "stream"))
     n = attn_mod.split_elements(plan, 3, 16)
@@ -304,7 +291,7 @@ def test_a_fused_plan_is_one_launch_when_its_partials_persist(monkeypatch, devic
     attn_mod.attention_fwd(q, rows, fmt, idx, 0.07, plan=plan, valid_counts=vc, out=out, lse=lse, split_buffers=buf)
     assert [(s[0], s[1]) for s in seen] == [("fused", "direct"), ("fused", "regular")]
     assert torch.equal(buf[:attn_mod.HEADER], torch.zeros(attn_mod.HEADER, device=device))
-    addrs = seen[0][2]
+    addrs = seen[0][4]
     assert addrs[10] == buf.data_ptr() + 4 * attn_mod.HEADER  # the partial outputs, after the header
     assert addrs[14] == buf.data_ptr() + 4 * (attn_mod.HEADER + n_o)  # the partial lse
     assert addrs[-6:] == (out.data_ptr(), out.stride(0), out.stride(1), lse.data_ptr(), lse.stride(0), lse.stride(1))
