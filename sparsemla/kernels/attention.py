@@ -377,9 +377,11 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
     else:
         addrs = (pq, qs[0], qs[1], pqr, rs[0], rs[1], pr, pi, is0, pv, po, o0, o1, o2, pl, l0, l1, l2, scale, *b.tail)
     f = b.final
+    finals = 0
     if f is not None:
         addrs = (*addrs, p_out, f[0], f[1], p_lse, f[2], f[3])
-    aligned = not (pq | pqr | pr | pi | pv | po | pl | p_out | p_lse) & 15
+        finals = p_out | p_lse
+    aligned = not (pq | pqr | pr | pi | pv | po | pl | finals) & 15
     launch = b.fused if fused else b.launch
     # the device, stream and launch hooks read once for both launches (the combine's too)
     ctx = direct_context() if launch.direct else None
