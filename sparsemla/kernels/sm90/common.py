@@ -116,7 +116,7 @@ def absmax(x):
 # buffer is first used (sparsemla.kernels.attention): [count, generation, -, -] just before the partial outputs.
 # Thread 0 of each program: fence its program's partial stores for the GPU (every thread's stores are ordered
 # before it by the CTA barrier in front), arrive on the count; the last to arrive resets the count and releases
-# the next generation, the others wait for it with acquiring loads (CUTLASS's split-K semaphore protocol).  The
+# the next generation, the others wait for it with acquiring loads (a sense-reversing barrier).  The
 # count is back at 0 after every barrier, so the buffer serves the next call as it is.
 GRID_BARRIER = gl.constexpr("""{
 .reg .pred p, last;
