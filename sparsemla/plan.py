@@ -79,6 +79,9 @@ CONV_BF16_MAX_HEADS = 64
 # cooperative launch (every program resident: at most one per SM, which a split plan of these kernels never
 # exceeds).  sm90-wide has none (the merge made its consumer spill more), the 2-CTA kernel neither.
 FUSED_KERNELS = ("sm90-few", "sm90-conv", "sm90-bf16")
+# The name under which a FUSED variant that did not build is recorded among the unavailable kernels: its kernel
+# keeps serving, with the combine kernel.
+FUSED_COMBINE = "fused-combine"
 # Whether a split plan merges in the kernel by default (``fused_combine=None``).  Off until a run on the H200 with
 # the peers in the same process shows it no slower on the GPU than the combine kernel: it saves one launch of
 # host time a call (docs/design/dispatch.md); ``fused_combine=True`` asks for it.
@@ -321,7 +324,8 @@ def _plan(kind, num_tokens, num_heads, topk, capability, num_sms, fp8_qk, portab
     splits = max(1, -(-topk // rows_per_split))
     groups = -(-num_heads // hpp)
     want = FUSED_COMBINE_DEFAULT if fused_combine is None else fused_combine
-    fused = bool(want and chosen in FUSED_KERNELS and splits > 1 and num_tokens * groups * splits <= num_sms)
+    fused = bool(want and chosen in FUSED_KERNELS and FUSED_COMBINE not in unavailable and splits > 1
+                 and num_tokens * groups * splits <= num_sms)
     return KernelPlan(chosen, kind, hpp, groups, block_n, warps, stages, splits, rows_per_split, bool(fp8_qk), why,
                       fused)
 
@@ -389,6 +393,8 @@ def explain(fmt, num_tokens: int, num_heads: int, topk: int, *, mode: str = "dec
     if plan.num_splits > 1:
         lines.append("  splits merged " + ("in the kernel after a grid barrier (one launch)" if plan.fused_combine
                                            else "by the combine kernel (a second launch)"))
+        if FUSED_COMBINE in options.get("unavailable", ()):
+            lines.append(f"  (the in-kernel merge did not build: {unavailable_reason(FUSED_COMBINE)})")
     o = dict(capability=(9, 0), num_sms=132, interpret=False, portable=False, q_aligned=True, kv_aligned=True,
              unavailable=frozenset())
     o.update({k: v for k, v in options.items() if k in o})

@@ -215,3 +215,17 @@ def test_fused_combine_plans():
     portable = plan_attention("fp8_ds_mla", 1, 16, 2048, portable=True, fused_combine=True, **H200)
     assert portable.num_splits > 1 and not portable.fused_combine
     assert "splits merged" not in explain("fp8_ds_mla", 128, 64, 2048, fused_combine=True, **H200)
+
+
+def test_fused_combine_not_where_it_did_not_build():
+    """A FUSED variant that failed to build is passed in ``unavailable`` as ``FUSED_COMBINE``: the kernel keeps the
+    call, merged by the combine kernel, and ``explain`` says why."""
+    broken = frozenset({P.FUSED_COMBINE})
+    p = plan_attention("fp8_ds_mla", 1, 16, 2048, fused_combine=True, unavailable=broken, **H200)
+    assert p.kernel == "sm90-few" and p.num_splits > 1 and not p.fused_combine
+    P.mark_unavailable(P.FUSED_COMBINE, "RuntimeError: test")
+    try:
+        text = explain("fp8_ds_mla", 1, 16, 2048, fused_combine=True, unavailable=P.unavailable_set(), **H200)
+        assert "by the combine kernel" in text and "the in-kernel merge did not build: RuntimeError: test" in text
+    finally:
+        P.clear_unavailable()

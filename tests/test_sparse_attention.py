@@ -303,6 +303,48 @@ def test_a_fused_plan_is_one_launch_when_its_partials_persist(monkeypatch, devic
                                split_buffers=buf[:n - 1])
 
 
+def test_a_fused_variant_that_does_not_build_leaves_its_kernel_serving(monkeypatch, device):
+    """A FUSED variant whose first launch raises is recorded as ``fused-combine`` (not its kernel): the same call,
+    and every later one, runs the kernel's plain variant and the combine kernel."""
+    from sparsemla import plan as plan_mod
+    from sparsemla.kernels import attention as attn_mod
+
+    c = make_case("fp8_ds_mla", 3, 16, 256, device=device)
+    q, rows, idx, vc, fmt = c["q"], c["cache"].rows, c["indices"], c["valid_counts"], c["fmt"]
+    plan = plan_mod.plan_attention(fmt, 3, 16, 256, capability=(9, 0), num_sms=132, fused_combine=True)
+    seen = []
+
+    class Broken(_Recorder):
+        built = False
+
+        def __call__(self, grid, args, key=None, addrs=None):
+            seen.append((self.name, "raised"))
+            raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(attn_mod, "_launch_for", lambda p, f, has_vc, fused=False: (
+        Broken("fused", seen) if fused else _Recorder("attention", seen)))
+    monkeypatch.setattr(attn_mod, "_combine_launch", lambda ns, pdl: _Recorder("combine", seen))
+    monkeypatch.setattr(attn_mod, "_BOUND", {})
+    monkeypatch.setattr(attn_mod, "direct_context", lambda: ("device", "stream"))
+    buf = torch.zeros(attn_mod.split_elements(plan, 3, 16), dtype=torch.float32, device=device)
+    out = torch.empty(3, 16, 512, dtype=torch.bfloat16, device=device)
+    lse = torch.empty(3, 16, dtype=torch.float32, device=device)
+    plan_mod.clear_unavailable()
+    try:
+        for _ in range(2):
+            seen.clear()
+            attn_mod.attention_fwd(q, rows, fmt, idx, 0.07, plan=plan, valid_counts=vc, out=out, lse=lse,
+                                   split_buffers=buf)
+            names = [s[0] for s in seen if s[1] != "direct"]
+            assert names[-2:] == ["attention", "combine"] and "sm90-few" not in plan_mod.unavailable_kernels()
+        assert "PassManager::run failed" in plan_mod.unavailable_kernels()[plan_mod.FUSED_COMBINE]
+        assert [s for s in seen if s[0] == "fused"] == []  # the second call does not try it again
+        assert not plan_mod.plan_attention(fmt, 3, 16, 256, capability=(9, 0), num_sms=132, fused_combine=True,
+                                           unavailable=plan_mod.unavailable_set()).fused_combine
+    finally:
+        plan_mod.clear_unavailable()
+
+
 def test_launch_call_plans_once_per_shape_alignment_and_unavailable_set(monkeypatch, device):
     """``launch_call`` (the backends' path) caches the plan with the launch's bound arguments: a repeated call plans
     nothing; q at an address that is not 16-byte aligned, or a kernel found unavailable since, gets a plan of its

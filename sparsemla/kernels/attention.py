@@ -364,7 +364,8 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
             fused = True
     else:
         o_dst, l_dst = out, lse
-    fused = fused and b.fused is not None
+    # (a FUSED variant that failed to build is recorded as the pseudo-kernel FUSED_COMBINE: its kernel still serves)
+    fused = fused and b.fused is not None and _plan.FUSED_COMBINE not in _plan._UNAVAILABLE_SET
     # The launcher takes tensors as addresses; read once, they also give the alignment check.
     pi, pv, po, pl = indices.data_ptr(), vc.data_ptr(), o_dst.data_ptr(), l_dst.data_ptr()
     p_out, p_lse = out.data_ptr(), lse.data_ptr()
@@ -399,6 +400,10 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
             except Exception as exc:  # a first launch that raises did not build: fall back, remember why
                 if plan.kernel not in _plan.SM90_KERNELS:
                     raise
+                if fused:  # only the in-kernel merge: the same plan again, merged by the combine kernel
+                    _plan.mark_unavailable(_plan.FUSED_COMBINE, f"{type(exc).__name__}: {_first_line(exc)}")
+                    _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers, q_pe)
+                    return
                 _plan.mark_unavailable(plan.kernel, f"{type(exc).__name__}: {_first_line(exc)}")
                 fallback = _plan.plan_attention(fmt, ishape[0], lse.shape[1], ishape[1],
                                                 capability=capability(q.device), num_sms=num_sms(q.device),
