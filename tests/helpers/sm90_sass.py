@@ -66,6 +66,10 @@ def _variants():
     v = {}
     for fid, (bpr, rope, rope_off, scale_off) in LAYOUTS.items():
         kind = fid.split("-")[0]
+        if fid in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla"):  # conv's producer loads with an L2 prefetch hint
+            v[f"conv-{fid}-hint"] = ("conv", "conv_kernel", SIG_K, conv.meta(
+                kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
+                num_groups=2, has_valid_counts=True, l2_hint=True))
         for name, (mod, f) in FUSED.items():
             if f == fid:
                 args = dict(bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, num_groups=2,

@@ -69,6 +69,8 @@ from .common import (NEG_BIG, PUBLISH, combine_in_kernel, fused_meta, named_asm,
                      program_coords, publish)
 from .rows import block_indices, copy_rows, e4m3_words_bf16, e4m3_words_f16, fp4_words_f16, pow2_scale
 
+# HINT's load of a thread's 4 consecutive words (pack 4: the first of its 4 addresses): FlashMLA's gather hint
+NC_LOAD = gl.constexpr("ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];")
 # warpgroup 0's S [64 heads, 64 rows] and each warpgroup's O [64 heads, 256 columns] on wgmma
 S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
 O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
@@ -172,21 +174,27 @@ def _ptrs(idx, kv_ptr, BPT: gl.constexpr):
 
 
 @gluon.jit
-def _words(base, valid, off: gl.constexpr, N: gl.constexpr, lay: gl.constexpr):
-    """N 32-bit words at byte ``off`` of the rows ``base`` [64] (SliceLayout(1, lay)), zeros for invalid rows."""
+def _words(base, valid, off: gl.constexpr, N: gl.constexpr, lay: gl.constexpr, HINT: gl.constexpr = False):
+    """N 32-bit words at byte ``off`` of the rows ``base`` [64] (SliceLayout(1, lay)), zeros for invalid rows.
+    HINT: 16-byte loads through the read-only path with a 256-byte L2 prefetch and no L1 allocation
+    (``NC_LOAD``; an invalid row reads row 0, which the caller's pointers give it, and is zeroed)."""
     c = gl.arange(0, N, layout=gl.SliceLayout(0, lay))
     p = gl.multiple_of(base + off, 16).to(gl.pointer_type(gl.int32))
+    if HINT:
+        addr = (p[:, None] + c[None, :]).to(gl.int64, bitcast=True)
+        w = gl.inline_asm_elementwise(NC_LOAD, "=r,=r,=r,=r,l,l,l,l", [addr], gl.int32, True, 4)
+        return gl.where(valid[:, None], w, 0)
     return gl.load(p[:, None] + c[None, :], mask=valid[:, None], other=0)
 
 
 @gluon.jit
 def _load_piece(base, valid, P: gl.constexpr, SCALE_OFF: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr,
-                CL: gl.constexpr = False):
+                CL: gl.constexpr = False, HINT: gl.constexpr = False):
     """Raw words of 128-dim piece P of 64 rows and their scales, zeros for invalid rows: e4m3 [64, 32] (L_W8R
     for fp8_ds_mla, L_W8 for plain fp8) and, fp8_ds_mla, the group scale [64] fp32; nvfp4 [64, 16] (L_W2) and
     the 8 block scales [64, 8] u8 (L_W2S).  Plain fp8: the scale is 0 (unused)."""
     if FP4:
-        raw = _words(base, valid, 64 * P, 16, cga(L_W2, CL))
+        raw = _words(base, valid, 64 * P, 16, cga(L_W2, CL), HINT)
         # block 8 P + j of a row: its scale byte is at 8 (j % 4) + 2 P + j // 4 (kv-formats.md)
         l_w2s: gl.constexpr = gl.SliceLayout(2, cga(L_W2B, CL))
         sl: gl.constexpr = gl.SliceLayout(1, l_w2s)
@@ -196,10 +204,10 @@ def _load_piece(base, valid, P: gl.constexpr, SCALE_OFF: gl.constexpr, DS: gl.co
         sc = gl.load(sbase[:, None] + so[None, :], mask=gl.convert_layout(valid, sl)[:, None], other=0)
     else:
         if DS:
-            raw = _words(base, valid, 128 * P, 32, cga(L_W8R, CL))
+            raw = _words(base, valid, 128 * P, 32, cga(L_W8R, CL), HINT)
             sc = gl.load((base + (SCALE_OFF + 4 * P)).to(gl.pointer_type(gl.float32)), mask=valid, other=0.0)
         else:
-            raw = _words(base, valid, 128 * P, 32, cga(L_W8, CL))
+            raw = _words(base, valid, 128 * P, 32, cga(L_W8, CL), HINT)
             sc = 0.0
     return raw, sc
 
@@ -218,13 +226,14 @@ def _store_piece(raw, sc, dst, DS: gl.constexpr, FP4: gl.constexpr):
 
 
 @gluon.jit
-def _load_rope(base, valid, ROPE_OFF: gl.constexpr, FP4: gl.constexpr, CL: gl.constexpr = False):
+def _load_rope(base, valid, ROPE_OFF: gl.constexpr, FP4: gl.constexpr, CL: gl.constexpr = False,
+               HINT: gl.constexpr = False):
     """The e4m3 rope of 64 rows as words [64, 16] (nvfp4 L_W2, fp8 L_W2C), zeros for invalid rows.  ``base`` in
     the layout of the value pieces (nvfp4) or of L_W2C (fp8).  fp8_ds_mla's bf16 rope: ``_copy_rope_bf16``."""
     if FP4:
-        return _words(base, valid, ROPE_OFF, 16, cga(L_W2, CL))
+        return _words(base, valid, ROPE_OFF, 16, cga(L_W2, CL), HINT)
     else:
-        return _words(base, valid, ROPE_OFF, 16, cga(L_W2C, CL))
+        return _words(base, valid, ROPE_OFF, 16, cga(L_W2C, CL), HINT)
 
 
 @gluon.jit
@@ -390,7 +399,7 @@ def _q_part(q_row, hm, col0: gl.constexpr, N: gl.constexpr, AGAIN: gl.constexpr 
 @gluon.jit
 def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
               DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, B16: gl.constexpr,
-              CL: gl.constexpr):
+              CL: gl.constexpr, HINT: gl.constexpr = False):
     """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run two
     pieces ahead of the conversion: piece P + 2 (after the last value piece: the rope, then the next block's
     first two pieces) is loaded before piece P is converted; the next block's rows are looked up at the start
@@ -439,12 +448,12 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
         el: gl.constexpr = gl.SliceLayout(1, L_W2C)
         SEP: gl.constexpr = ROPE and not DS and not FP4  # a rope in its own layout
         base, valid = _ptrs(block_indices(idx_row, k_begin, k_end, rl), kv_ptr, BPT)
-        raw, sc = _load_piece(base, valid, 0, SCALE_OFF, DS, FP4)
-        raw1, sc1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4)
+        raw, sc = _load_piece(base, valid, 0, SCALE_OFF, DS, FP4, False, HINT)
+        raw1, sc1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4, False, HINT)
         for i in range(n_blocks):
             b = i % 2
             nbase, nvalid = _ptrs(block_indices(idx_row, k_begin + (i + 1) * 64, k_end, rl), kv_ptr, BPT)
-            raw2, sc2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4)
+            raw2, sc2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4, False, HINT)
             mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
             if ROPE and DS:
                 _copy_rope_bf16(kEw.index(b), base, valid, ROPE_OFF)  # kEw: the bf16 tile for fp8_ds_mla
@@ -452,23 +461,23 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
             # its serial chain of QK, softmax and PV
             sV.index(b).store(valid.to(gl.float32))
             _store_piece(raw, sc, _piece_dst(kLw, kRw, b, 0), DS, FP4)
-            raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4)
+            raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4, False, HINT)
             _store_piece(raw1, sc1, _piece_dst(kLw, kRw, b, 1), DS, FP4)
             if ROPE and not DS:
                 if SEP:
                     rope = _load_rope(*_ptrs(block_indices(idx_row, k_begin + i * 64, k_end, el), kv_ptr, BPT),
-                                      ROPE_OFF, FP4)
+                                      ROPE_OFF, FP4, False, HINT)
                 else:
-                    rope = _load_rope(base, valid, ROPE_OFF, FP4)
+                    rope = _load_rope(base, valid, ROPE_OFF, FP4, False, HINT)
                 _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
-                raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4)
+                raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
                 _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
-                raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4)
+                raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4, False, HINT)
                 _store_rope(rope, kEw.index(b))
             else:
-                raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4)
+                raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
                 _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
-                raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4)
+                raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4, False, HINT)
                 _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
             base = nbase
             valid = nvalid
@@ -694,7 +703,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
                 NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr,
                 B16: gl.constexpr = False, NAMED: gl.constexpr = False, CL: gl.constexpr = False,
-                FUSED: gl.constexpr = False):
+                FUSED: gl.constexpr = False, HINT: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
     with num_ctas=2) x 128 heads x one split, NG = 1."""
@@ -800,7 +809,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
         PR: gl.constexpr = PRODUCER_REGS
     gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL)),
                         (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL)),
-                        (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL))],
+                        (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT))],
                        [4, 4], [WG1_REGS, PR])
     if CL:
         # neither CTA exits while the other may still send to it (Triton 3.9 adds this barrier itself, 3.8 not)
@@ -822,7 +831,8 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 # each at launch (warpgroup 0: 208 after setmaxnreg, warpgroup 1: 160, the producer: 136).
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
-         has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False) -> dict:
+         has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False,
+         l2_hint: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
@@ -838,7 +848,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     m = dict(BPT=bytes_per_row, ROPE=rope_dim, SCALE_OFF=scale_offset if ds or fp4 else 0,
              ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
              FP4=fp4, B16=kind == "bf16", NAMED=named, CL=bool(cluster), num_warps=4, maxnreg=168,
-             enable_fp_fusion=True, **fused_meta(fused))
+             enable_fp_fusion=True, HINT=bool(l2_hint), **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m
