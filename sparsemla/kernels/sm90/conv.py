@@ -572,9 +572,33 @@ def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, 
 
 
 @gluon.jit
+def _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, kE, sP, sA, sV, ready, free, p_free,
+                  p_ready, ROPE: gl.constexpr, DS: gl.constexpr, NAMED: gl.constexpr):
+    """AHEAD: warpgroup 0's loop over every block but the last, the next block's QK issued before this block's
+    softmax and P hand-off, this block's PV after them; both waited for at once (wgmma groups retire in order, so
+    the PV done means the QK is too), then tile b is released.  Returns the last block's scores and the running
+    (m, l, O)."""
+    for i in range(n_blocks - 1):
+        b = i % 2
+        z = i // (n_blocks + 1)  # == 0; see _wg0
+        nb = 1 - b
+        mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
+        fence_async_shared()
+        sn = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)  # in flight during this block's softmax
+        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED)
+        acc = warpgroup_mma(sP, kL.index(b + z), acc, is_async=True)
+        acc, sc = warpgroup_mma_wait(0, deps=(acc, sn))
+        compat.barrier()  # every warp's reads of tile b are done
+        mbarrier.arrive(free.index(b), count=1)
+    return sc, m_i, l_i, acc
+
+
+@gluon.jit
 def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-         NAMED: gl.constexpr, CL: gl.constexpr):
-    """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse."""
+         NAMED: gl.constexpr, CL: gl.constexpr, AHEAD: gl.constexpr = False):
+    """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse.  AHEAD: the
+    next block's QK is issued before this block's softmax (it runs on the tensor cores while the softmax runs on
+    the other units), not behind this block's PV; two score tiles are live at once."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
     qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV, sig = smem
@@ -601,9 +625,12 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         sc = warpgroup_mma_wait(0, deps=(sc, ))
     else:
         sc = s_zero
+    if AHEAD:
+        sc, m_i, l_i, acc = _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, kE, sP, sA, sV,
+                                          ready, free, p_free, p_ready, ROPE, DS, NAMED)
     # every block but the last: its softmax and P hand-off, its PV, the next block's QK behind it (the last block,
     # which has no next QK, is peeled off below: no branch on it inside the loop)
-    for i in range(n_blocks - 1):
+    for i in range(0 if AHEAD else n_blocks - 1):
         b = i % 2
         # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in the
         # loop instead of their wgmma descriptors being hoisted out of it (and spilled)
@@ -703,7 +730,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
                 NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr,
                 B16: gl.constexpr = False, NAMED: gl.constexpr = False, CL: gl.constexpr = False,
-                FUSED: gl.constexpr = False, HINT: gl.constexpr = False):
+                FUSED: gl.constexpr = False, AHEAD: gl.constexpr = False, HINT: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
     with num_ctas=2) x 128 heads x one split, NG = 1."""
@@ -807,7 +834,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
         PR: gl.constexpr = B16_PRODUCER_REGS
     else:
         PR: gl.constexpr = PRODUCER_REGS
-    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL)),
+    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, AHEAD)),
                         (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT))],
                        [4, 4], [WG1_REGS, PR])
@@ -832,13 +859,15 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
          has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False,
-         l2_hint: bool = False) -> dict:
+         ahead: bool = False, l2_hint: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
     1.  ``fused`` as in ``few.meta`` (not with ``cluster``)."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+    if cluster and ahead:
+        raise ValueError("ahead: the 2-CTA kernel keeps the default order")
     if cluster and fused:
         raise ValueError("fused: the 2-CTA kernel merges its splits by the combine kernel")
     if cluster and (kind == "bf16" or num_groups != 1 or named):
@@ -848,7 +877,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     m = dict(BPT=bytes_per_row, ROPE=rope_dim, SCALE_OFF=scale_offset if ds or fp4 else 0,
              ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
              FP4=fp4, B16=kind == "bf16", NAMED=named, CL=bool(cluster), num_warps=4, maxnreg=168,
-             enable_fp_fusion=True, HINT=bool(l2_hint), **fused_meta(fused))
+             enable_fp_fusion=True, AHEAD=bool(ahead), HINT=bool(l2_hint), **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m
