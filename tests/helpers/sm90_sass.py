@@ -67,6 +67,10 @@ def _variants():
     v = {}
     for fid, (bpr, rope, rope_off, scale_off) in LAYOUTS.items():
         kind = fid.split("-")[0]
+        if fid in ("bf16", "bf16-nope"):  # the pair kernel's gather in 128 contiguous bytes of 4 rows
+            v[f"bf16-{fid}-rows128"] = ("bf16", "bf16_kernel", SIG, bf16.meta(
+                bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, num_groups=2, has_valid_counts=True,
+                rows128=True))
         if fid in ("bf16", "bf16-nope"):  # conv's bf16 gather, 128 contiguous bytes of 4 rows a warp instruction
             v[f"conv-{fid}-rows128"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
