@@ -76,8 +76,8 @@ FORCED_ONLY = ("sm90-cluster",)
 CONV_BF16_MAX_HEADS = 64
 
 # Kernels with a FUSED variant: the split partials merged by the kernel's own programs after a grid barrier, in a
-# cooperative launch (every program resident: at most one per SM, which a split plan of these kernels never
-# exceeds).  sm90-wide has none (the merge made its consumer spill more), the 2-CTA kernel neither.
+# cooperative launch (every program resident at once: the plan fuses only a grid of at most one program per SM).
+# sm90-wide has none (the merge made its consumer spill more), the 2-CTA kernel neither.
 FUSED_KERNELS = ("sm90-few", "sm90-conv", "sm90-bf16")
 # The name under which a FUSED variant that did not build is recorded among the unavailable kernels: its kernel
 # keeps serving, with the combine kernel.

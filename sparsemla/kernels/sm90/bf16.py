@@ -403,7 +403,8 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
 # (row r at byte r x bytes_per_row, 16-byte aligned); indices [tokens, top-k] int32 (-1: no row) and its
 # token stride; valid counts [tokens] int32 (any tensor when has_valid_counts is False); out and its
 # strides (token, split, head); lse and its strides; sm_scale x log2(e); heads; top-k; rows per split (a
-# multiple of 64); splits (no k_scale: bf16 rows are unscaled).
+# multiple of 64); splits (no k_scale: bf16 rows are unscaled); the final out and lse with their token and head
+# strides (read by the FUSED variant only).
 
 def meta(*, bytes_per_row: int, rope_dim: int, rope_offset: int, num_groups: int, has_valid_counts: bool,
          named: bool = False, fused: bool = False, rows128: bool = False) -> dict:

@@ -791,7 +791,8 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla")  # the row formats this kernel rea
 # (-1: no row) and its token stride; valid counts [tokens] int32 (any tensor when has_valid_counts is
 # False); out (bf16 [tokens, heads, 512], or the fp32 split partials) and its strides (token, split, head);
 # lse (fp32) and its strides (token, split, head); sm_scale x log2(e); k_scale (fp8 rows; 1.0 otherwise);
-# heads; top-k; rows per split (a multiple of 64); splits.
+# heads; top-k; rows per split (a multiple of 64); splits; the final out (bf16) and lse with their token and head
+# strides (read by the FUSED variant only, which merges the split partials into them).
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
          has_valid_counts: bool, fp8_qk: bool = False, fused: bool = False) -> dict:
