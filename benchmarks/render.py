@@ -330,9 +330,9 @@ HOST_TARGET_US = {"H-decode-b1": 25, "H-decode-b128": 25, "H-prefill": 25, "H-ru
 # Measured causes of the host-time shortfalls (H200, Triton 3.6, one process; docs/design/dispatch.md, the launch).
 CAUSE_HOST = ("Before any Python, a call pays Triton's C launch function (4.7 us a launch on a fast host) and two "
               "output allocations (2.8 us each); a b 1 call makes two launches, the attention kernel's split-KV "
-              "partials and their combine (about 9 us more than b 128): one launch would need the last split of a "
-              "token to combine in the attention kernel.  The host differs from one GPU-machine call to the next "
-              "by up to 2x.")
+              "partials and their combine (about 9 us more than b 128).  The sm_90 kernels can merge the splits "
+              "themselves after a grid barrier, one launch (plan option fused_combine); that stays off until the "
+              "H200 has measured it.  The host differs from one GPU-machine call to the next by up to 2x.")
 CAUSE_PAIR_Q = ("The kernels read the pair in place; what the call adds is Python (the checks of the query's parts, "
                 "the indices and the counts, the cache view, the plan lookup), and the host differs from one "
                 "GPU-machine call to the next by up to 2x.")
