@@ -80,7 +80,6 @@ def forced_call(wl, kernel=None, fused_combine=None):
     def call():
         return attention_fwd(wl.q, rows, wl.fmt, wl.indices, wl.sm_scale, plan=plan, valid_counts=wl.valid_counts,
                              k_scale=wl.k_scale, out=out, lse=lse, split_buffers=split)
-    call.plan = plan
     return call, out
 
 

@@ -223,8 +223,8 @@ def _scratch(device: torch.device, n_o: int, n_all: int):
     idx = device.index if device.index is not None else torch.cuda.current_device()
     key = (idx, torch._C._cuda_getCurrentRawStream(idx))
     buf = _SCRATCH.get(key)
-    if buf is None or buf.numel() < n_all + HEADER:
-        buf = _SCRATCH[key] = torch.zeros(max(n_all + HEADER, 1 << 20), dtype=torch.float32, device=device)
+    if buf is None or buf.numel() < n_all + HEADER:  # (its header is zeroed by _partials at its first use)
+        buf = _SCRATCH[key] = torch.empty(max(n_all + HEADER, 1 << 20), dtype=torch.float32, device=device)
     return (*_partials(buf, n_o, n_all), True)
 
 
@@ -368,7 +368,8 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
     fused = fused and b.fused is not None and _plan.FUSED_COMBINE not in _plan._UNAVAILABLE_SET
     # The launcher takes tensors as addresses; read once, they also give the alignment check.
     pi, pv, po, pl = indices.data_ptr(), vc.data_ptr(), o_dst.data_ptr(), l_dst.data_ptr()
-    p_out, p_lse = out.data_ptr(), lse.data_ptr()
+    # the final outputs' addresses: the partials' own without splits (read once either way)
+    p_out, p_lse = (out.data_ptr(), lse.data_ptr()) if b.n_all else (po, pl)
     scale = float(sm_scale) * LOG2E
     o0, o1, o2 = b.o_strides
     l0, l1, l2 = b.l_strides
