@@ -65,12 +65,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import compat
-from .common import (NEG_BIG, PUBLISH, combine_in_kernel, fused_meta, named_asm, named_barrier, normalizer,
+from .common import (NEG_BIG, PER_THREAD, PUBLISH, combine_in_kernel, fused_meta, named_asm, named_barrier, normalizer,
                      program_coords, publish)
 from .rows import block_indices, copy_rows, e4m3_words_bf16, e4m3_words_f16, fp4_words_f16, pow2_scale
 
 # HINT's load of a thread's 4 consecutive words (pack 4: the first of its 4 addresses): FlashMLA's gather hint
 NC_LOAD = gl.constexpr("ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];")
+# TRACE (a diagnostic variant): each partition's thread 0 writes the SM clock at named events into
+# trace[program, event, block] (int64, the final-out pointer's bytes); blocks past TRACE_BLOCKS are not written
+TRACE_BLOCKS = gl.constexpr(64)
+TRACE_EVENTS = gl.constexpr(16)
+# events: the producer's (0: its free wait returned, 1: before its ready arrival, 2: start, 3: q staged),
+# warpgroup 0's (4: QK done, 5: P handed over, 6: before its ready wait, 7: after it, 8: PV done, 9: start,
+# 10: end), warpgroup 1's (11: P received, 12: PV done, 13: its ready wait returned)
 # warpgroup 0's S [64 heads, 64 rows] and each warpgroup's O [64 heads, 256 columns] on wgmma
 S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
 O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
@@ -401,7 +408,8 @@ def _q_part(q_row, hm, col0: gl.constexpr, N: gl.constexpr, AGAIN: gl.constexpr 
 @gluon.jit
 def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
               DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, B16: gl.constexpr,
-              CL: gl.constexpr, HINT: gl.constexpr = False, W128: gl.constexpr = False):
+              CL: gl.constexpr, HINT: gl.constexpr = False, W128: gl.constexpr = False, tr=None,
+              TRACE: gl.constexpr = False):
     """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run two
     pieces ahead of the conversion: piece P + 2 (after the last value piece: the rope, then the next block's
     first two pieces) is loaded before piece P is converted; the next block's rows are looked up at the start
@@ -413,6 +421,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     qL, qR, qE, kLw, kRw, kEw, sQ, sV = smem
     q_bar, ready, free = bars
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    _stamp(tr, 2, 0, TRACE)
     # q [64 heads, 576] (rows of heads >= H zero-filled)
     LB: gl.constexpr = cga(L_B16, CL)
     heads = g * 64 + gl.arange(0, 64 * head_groups(CL), layout=gl.SliceLayout(1, LB))
@@ -430,12 +439,13 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
         _stage_q_f16(q_row, qe_row, hm, qL, qR, qE, sQ, ROPE, CL)
         fence_async_shared()  # q is read by the consumers' wgmma (async proxy)
         publish(q_bar)
+    _stamp(tr, 3, 0, TRACE)
 
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     if B16:
         _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE, ROPE_OFF,
-                     W128)
+                     W128, tr, TRACE)
     elif CL:
         _convert_blocks_cl(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE,
                            SCALE_OFF, ROPE_OFF, DS, FP4)
@@ -458,6 +468,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
             nbase, nvalid = _ptrs(block_indices(idx_row, k_begin + (i + 1) * 64, k_end, rl), kv_ptr, BPT)
             raw2, sc2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4, False, HINT)
             mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
+            _stamp(tr, 0, i, TRACE)
             if ROPE and DS:
                 _copy_rope_bf16(kEw.index(b), base, valid, ROPE_OFF)  # kEw: the bf16 tile for fp8_ds_mla
             # which rows are valid (1.0 / 0.0), for warpgroup 0's mask: from shared memory, not a global load in
@@ -488,12 +499,14 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
                 async_copy.wait_group(0)  # this thread's rope copies have landed
             fence_async_shared()  # this thread's tile stores -> the consumers' wgmma (async proxy) reads
             compat.barrier()      # every producer thread has stored and fenced
+            _stamp(tr, 1, i, TRACE)
             mbarrier.arrive(ready.index(b), count=1)
 
 
 @gluon.jit
 def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, ready, free, BPT: gl.constexpr,
-                 ROPE: gl.constexpr, ROPE_OFF: gl.constexpr, W128: gl.constexpr = False):
+                 ROPE: gl.constexpr, ROPE_OFF: gl.constexpr, W128: gl.constexpr = False, tr=None,
+                 TRACE: gl.constexpr = False):
     """bf16 rows: each 64-row block copied into tile i % 2 by cp.async as it is (no conversion).  The producer
     does not wait for its copies: each thread's cp.async arrival on ready[b] fires when that thread's copies have
     landed, so the next block's copies are issued as soon as its tile is free and both tiles can be in flight.
@@ -512,16 +525,29 @@ def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, read
         nbase, nvalid = _ptrs(block_indices(idx_row, k_begin + (i + 1) * 64, k_end, rl), kv_ptr, BPT)
         rows = base.to(gl.pointer_type(gl.bfloat16))
         mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
+        _stamp(tr, 0, i, TRACE)
         copy_rows(kL.index(b), rows, 0, 256, valid, lay)
         copy_rows(kR.index(b), rows, 256, 256, valid, lay)
         if ROPE:
             copy_rows(kE.index(b), rows, ROPE_OFF // 2, 64, valid, lay)
         async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
+        _stamp(tr, 1, i, TRACE)
         sV.index(b).store(valid.to(gl.float32))
         base = nbase
         valid = nvalid
         compat.barrier()  # every producer thread stored its part of sV[b]
         mbarrier.arrive(ready.index(b), count=1)
+
+
+@gluon.jit
+def _stamp(tr, e: gl.constexpr, i, TRACE: gl.constexpr):
+    """TRACE: thread 0 of the calling 4-warp partition writes %clock64 to trace[program, e, i]."""
+    if TRACE:
+        tid = gl.arange(0, 128, layout=PER_THREAD)
+        clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [tid], gl.int64, False, 1)
+        off = (gl.program_id(0).to(gl.int64) * TRACE_EVENTS + e) * TRACE_BLOCKS + i
+        gl.store(tr.to(gl.pointer_type(gl.int64), bitcast=True) + off + tid * 0, clk,
+                 mask=(tid == 0) & (i < TRACE_BLOCKS))
 
 
 @gluon.jit
@@ -581,7 +607,8 @@ def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, 
 
 @gluon.jit
 def _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, kE, sP, sA, sV, ready, free, p_free,
-                  p_ready, ROPE: gl.constexpr, DS: gl.constexpr, NAMED: gl.constexpr):
+                  p_ready, ROPE: gl.constexpr, DS: gl.constexpr, NAMED: gl.constexpr, tr=None,
+                  TRACE: gl.constexpr = False):
     """AHEAD: warpgroup 0's loop over every block but the last, the next block's QK issued before this block's
     softmax and P hand-off, this block's PV after them; both waited for at once (wgmma groups retire in order, so
     the PV done means the QK is too), then tile b is released.  Returns the last block's scores and the running
@@ -590,12 +617,17 @@ def _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, k
         b = i % 2
         z = i // (n_blocks + 1)  # == 0; see _wg0
         nb = 1 - b
+        _stamp(tr, 6, i + 1, TRACE)
         mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
+        _stamp(tr, 7, i + 1, TRACE)
         fence_async_shared()
         sn = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)  # in flight during this block's softmax
         m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED)
+        _stamp(tr, 5, i, TRACE)
         acc = warpgroup_mma(sP, kL.index(b + z), acc, is_async=True)
         acc, sc = warpgroup_mma_wait(0, deps=(acc, sn))
+        _stamp(tr, 8, i, TRACE)
+        _stamp(tr, 4, i + 1, TRACE)
         compat.barrier()  # every warp's reads of tile b are done
         mbarrier.arrive(free.index(b), count=1)
     return sc, m_i, l_i, acc
@@ -603,7 +635,7 @@ def _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, k
 
 @gluon.jit
 def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-         NAMED: gl.constexpr, CL: gl.constexpr, AHEAD: gl.constexpr = False):
+         NAMED: gl.constexpr, CL: gl.constexpr, AHEAD: gl.constexpr = False, tr=None, TRACE: gl.constexpr = False):
     """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse.  AHEAD: the
     next block's QK is issued before this block's softmax (it runs on the tensor cores while the softmax runs on
     the other units), not behind this block's PV; two score tiles are live at once."""
@@ -623,19 +655,23 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
     m_i = gl.full([HM], NEG_BIG, gl.float32, gl.SliceLayout(1, SL))
     l_i = gl.zeros([HM], gl.float32, gl.SliceLayout(1, SL))
     acc = gl.zeros([HM, 256], gl.float32, OL)
+    _stamp(tr, 9, 0, TRACE)
     mbarrier.wait(q_bar, 0)
     if not DS:
         ss = ss * sQ.load(gl.SliceLayout(1, SL))  # fp16 q: each head's power-of-two scale undone on its scores
     if n_blocks > 0:
+        _stamp(tr, 6, 0, TRACE)
         mbarrier.wait(ready.index(0), 0)
+        _stamp(tr, 7, 0, TRACE)
         fence_async_shared()
         sc = _qk(qL, qR, qE, kL, kR, kE, 0, 0, s_zero, ROPE)
         sc = warpgroup_mma_wait(0, deps=(sc, ))
+        _stamp(tr, 4, 0, TRACE)
     else:
         sc = s_zero
     if AHEAD:
         sc, m_i, l_i, acc = _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, kE, sP, sA, sV,
-                                          ready, free, p_free, p_ready, ROPE, DS, NAMED)
+                                          ready, free, p_free, p_ready, ROPE, DS, NAMED, tr, TRACE)
     # every block but the last: its softmax and P hand-off, its PV, the next block's QK behind it (the last block,
     # which has no next QK, is peeled off below: no branch on it inside the loop)
     for i in range(0 if AHEAD else n_blocks - 1):
@@ -645,28 +681,35 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         z = i // (n_blocks + 1)
         m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
                                           CL)
+        _stamp(tr, 5, i, TRACE)
         # P for this warpgroup's PV from shared memory as well: as a register operand its 16 registers would be
         # live beside O and the next S, past the 192 that ptxas needs to keep the wgmma pipeline unserialized
         acc = warpgroup_mma(sP, kL.index(b + z), acc, is_async=True)
         nb = 1 - b
+        _stamp(tr, 6, i + 1, TRACE)
         mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
+        _stamp(tr, 7, i + 1, TRACE)
         fence_async_shared()
         sc = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)
         # tile b is released as soon as this PV is done (wgmma groups retire in order), not after the next QK:
         # the producer then converts the block after next while that QK runs
         acc = warpgroup_mma_wait(1, deps=(acc, ))
+        _stamp(tr, 8, i, TRACE)
         compat.barrier()  # every warp's reads of tile b are done
         if CL:
             _signal(sig.index(2 * b), free.index(b))
         else:
             mbarrier.arrive(free.index(b), count=1)
         sc = warpgroup_mma_wait(0, deps=(sc, ))
+        _stamp(tr, 4, i + 1, TRACE)
     if n_blocks > 0:
         i = n_blocks - 1
         b = i % 2
         m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
                                           CL)
+        _stamp(tr, 5, i, TRACE)
         acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(sP, kL.index(b), acc, is_async=True), ))
+        _stamp(tr, 8, i, TRACE)
         compat.barrier()  # every warp's reads of tile b are done
         if CL:
             _signal(sig.index(2 * b), free.index(b))
@@ -682,11 +725,12 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
                s, g, H, CL)
     heads = g * 64 + gl.arange(0, HM, layout=gl.SliceLayout(1, SL))
     gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
+    _stamp(tr, 10, 0, TRACE)
 
 
 @gluon.jit
 def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr,
-         CL: gl.constexpr):
+         CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False):
     """Warpgroup 1: PV for output columns 256-511 with warpgroup 0's P and alpha."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
@@ -704,14 +748,17 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
         b = i % 2
         z = i // (n_blocks + 1)  # == 0; see _wg0
         mbarrier.wait(ready.index(b), (i // 2) & 1)
+        _stamp(tr, 13, i, TRACE)
         if NAMED:
             named_barrier(P_READY_SYNC)
         else:
             mbarrier.wait(p_ready, i & 1)
+        _stamp(tr, 11, i, TRACE)
         fence_async_shared()
         acc = acc * sA.load(OR)[:, None]
         acc = warpgroup_mma(sP, kR.index(b + z), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
+        _stamp(tr, 12, i, TRACE)
         if NAMED:
             if i + 1 < n_blocks:  # (warpgroup 0 syncs once a block: as many arrivals as syncs)
                 named_barrier(P_FREE_ARRIVE)
@@ -739,7 +786,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr,
                 B16: gl.constexpr = False, NAMED: gl.constexpr = False, CL: gl.constexpr = False,
                 FUSED: gl.constexpr = False, AHEAD: gl.constexpr = False, HINT: gl.constexpr = False,
-                W128: gl.constexpr = False):
+                W128: gl.constexpr = False, TRACE: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
     with num_ctas=2) x 128 heads x one split, NG = 1."""
@@ -843,9 +890,11 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
         PR: gl.constexpr = B16_PRODUCER_REGS
     else:
         PR: gl.constexpr = PRODUCER_REGS
-    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, AHEAD)),
-                        (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL)),
-                        (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT, W128))],
+    # TRACE: the final-out pointer (read by FUSED variants only) carries the trace buffer (``_stamp``)
+    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, AHEAD, fo_ptr, TRACE)),
+                        (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE)),
+                        (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT, W128,
+                                     fo_ptr, TRACE))],
                        [4, 4], [WG1_REGS, PR])
     if CL:
         # neither CTA exits while the other may still send to it (Triton 3.9 adds this barrier itself, 3.8 not)
@@ -868,13 +917,15 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
          has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False,
-         ahead: bool = False, l2_hint: bool = False, rows128: bool = False) -> dict:
+         ahead: bool = False, l2_hint: bool = False, rows128: bool = False, trace: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
     1.  ``fused`` as in ``few.meta`` (not with ``cluster``)."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+    if trace and (cluster or fused):
+        raise ValueError("trace: its buffer is the final-out argument, which the 2-CTA and FUSED variants use")
     if cluster and ahead:
         raise ValueError("ahead: the 2-CTA kernel keeps the default order")
     if cluster and fused:
@@ -887,7 +938,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
              ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
              FP4=fp4, B16=kind == "bf16", NAMED=named, CL=bool(cluster), num_warps=4, maxnreg=168,
              enable_fp_fusion=True, AHEAD=bool(ahead), HINT=bool(l2_hint), W128=bool(rows128),
-             **fused_meta(fused))
+             TRACE=bool(trace), **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m
