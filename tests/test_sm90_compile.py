@@ -28,17 +28,18 @@ HOPPER_SMEM = 232448  # bytes of shared memory one block may use on sm_90 (227 K
 # first MMA warpgroup builds a wgmma op's shared-memory descriptors in registers up front (docs/design/kernels.md),
 # measured.  The pair kernel (bf16): 64 / 64 / 80-104 since its vector hand-offs arrive per thread (publish()).
 STACK = {
-    "3.6": {"bf16": 64, "few": 0, "wide": 88, "wide-fp8qk": 128, "conv": 32, "conv-ahead": 64},
-    "3.8": {"bf16": 64, "few": 16, "wide": 96, "wide-fp8qk": 144, "conv": 0, "conv-ahead": 32},
-    "3.9": {"bf16": 104, "few": 0, "wide": 160, "wide-fp8qk": 216, "conv": 144, "conv-ahead": 80},
+    "3.6": {"bf16": 64, "few": 0, "wide": 88, "wide-fp8qk": 128, "conv": 32, "conv-ahead": 64, "conv-early": 0},
+    "3.8": {"bf16": 64, "few": 16, "wide": 96, "wide-fp8qk": 144, "conv": 0, "conv-ahead": 32, "conv-early": 32},
+    "3.9": {"bf16": 104, "few": 0, "wide": 160, "wide-fp8qk": 216, "conv": 144, "conv-ahead": 80, "conv-early": 136},
 }
 # conv-ahead: warpgroup 0 with two score tiles live (meta(ahead=True)); at 208 registers the quantized kinds spill
-# 16-80 bytes, the bf16 kind (256 registers) none.
+# 16-80 bytes, the bf16 kind (256 registers) none.  conv-early: the producer with a fourth piece's words in flight
+# across its free wait (meta(early=True)): 0 bytes on 3.6, fp8_ds_mla 32 on 3.8, 120-136 on 3.9.
 
 
 def _stack_limit(name):
     family = name.split("-")[0] + ("-fp8qk" if name.startswith("wide") and name.endswith("-fp8qk") else "")
-    family += "-ahead" if name.endswith("-ahead") else ""
+    family += "-ahead" if name.endswith("-ahead") else "-early" if name.endswith("-early") else ""
     release = ".".join(triton.__version__.split(".")[:2])
     if release in STACK and family in STACK[release]:
         return STACK[release][family]

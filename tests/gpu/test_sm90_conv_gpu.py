@@ -189,6 +189,21 @@ def test_conv_l2_hint_matches_reference(fmt, heads, topk, splits):
         check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
 
 
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8", "nvfp4_ds_mla", "nvfp4_ds_mla-nope"])
+@pytest.mark.parametrize("heads,topk,splits,ahead", [(64, 2048, 1, False), (33, 64, 1, False), (96, 2051, 3, False),
+                                                     (128, 320, 2, True), (64, 2048, 1, True)])
+def test_conv_early_loads_match_reference(fmt, heads, topk, splits, ahead):
+    """Every value piece's loads issued before the producer's free wait (``conv.meta(early=True)``), alone and with
+    the ahead order: one block, odd block counts, splits, head counts that are not a multiple of 64."""
+    skip_unless_sm90()
+    from sparsemla.kernels.sm90 import conv
+    k_scale = _k_scale(fmt)
+    c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda",
+                  k_scale=k_scale)
+    with meta_variant(conv, KERNEL, early=True, ahead=ahead):
+        check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "bf16-nope"])
 @pytest.mark.parametrize("heads,topk,splits", [(64, 2048, 1), (33, 64, 1), (96, 2051, 3), (128, 320, 2)])
 def test_conv_bf16_rows128_matches_reference(fmt, heads, topk, splits):

@@ -409,7 +409,7 @@ def _q_part(q_row, hm, col0: gl.constexpr, N: gl.constexpr, AGAIN: gl.constexpr 
 def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
               DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, B16: gl.constexpr,
               CL: gl.constexpr, HINT: gl.constexpr = False, W128: gl.constexpr = False, tr=None,
-              TRACE: gl.constexpr = False):
+              TRACE: gl.constexpr = False, EARLY: gl.constexpr = False):
     """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run two
     pieces ahead of the conversion: piece P + 2 (after the last value piece: the rope, then the next block's
     first two pieces) is loaded before piece P is converted; the next block's rows are looked up at the start
@@ -467,6 +467,8 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
             b = i % 2
             nbase, nvalid = _ptrs(block_indices(idx_row, k_begin + (i + 1) * 64, k_end, rl), kv_ptr, BPT)
             raw2, sc2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4, False, HINT)
+            if EARLY:  # every value piece in flight before the wait: none of their loads inside free -> ready
+                raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4, False, HINT)
             mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
             _stamp(tr, 0, i, TRACE)
             if ROPE and DS:
@@ -475,7 +477,8 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
             # its serial chain of QK, softmax and PV
             sV.index(b).store(valid.to(gl.float32))
             _store_piece(raw, sc, _piece_dst(kLw, kRw, b, 0), DS, FP4)
-            raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4, False, HINT)
+            if not EARLY:
+                raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4, False, HINT)
             _store_piece(raw1, sc1, _piece_dst(kLw, kRw, b, 1), DS, FP4)
             if ROPE and not DS:
                 if SEP:
@@ -786,7 +789,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr,
                 B16: gl.constexpr = False, NAMED: gl.constexpr = False, CL: gl.constexpr = False,
                 FUSED: gl.constexpr = False, AHEAD: gl.constexpr = False, HINT: gl.constexpr = False,
-                W128: gl.constexpr = False, TRACE: gl.constexpr = False):
+                W128: gl.constexpr = False, TRACE: gl.constexpr = False, EARLY: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
     with num_ctas=2) x 128 heads x one split, NG = 1."""
@@ -894,7 +897,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, AHEAD, fo_ptr, TRACE)),
                         (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT, W128,
-                                     fo_ptr, TRACE))],
+                                     fo_ptr, TRACE, EARLY))],
                        [4, 4], [WG1_REGS, PR])
     if CL:
         # neither CTA exits while the other may still send to it (Triton 3.9 adds this barrier itself, 3.8 not)
@@ -917,7 +920,8 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
          has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False,
-         ahead: bool = False, l2_hint: bool = False, rows128: bool = False, trace: bool = False) -> dict:
+         ahead: bool = False, l2_hint: bool = False, rows128: bool = False, trace: bool = False,
+         early: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
@@ -938,7 +942,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
              ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
              FP4=fp4, B16=kind == "bf16", NAMED=named, CL=bool(cluster), num_warps=4, maxnreg=168,
              enable_fp_fusion=True, AHEAD=bool(ahead), HINT=bool(l2_hint), W128=bool(rows128),
-             TRACE=bool(trace), **fused_meta(fused))
+             TRACE=bool(trace), EARLY=bool(early), **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m
