@@ -190,17 +190,20 @@ def test_conv_l2_hint_matches_reference(fmt, heads, topk, splits):
 
 
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8", "nvfp4_ds_mla", "nvfp4_ds_mla-nope"])
-@pytest.mark.parametrize("heads,topk,splits,ahead", [(64, 2048, 1, False), (33, 64, 1, False), (96, 2051, 3, False),
-                                                     (128, 320, 2, True), (64, 2048, 1, True)])
-def test_conv_early_loads_match_reference(fmt, heads, topk, splits, ahead):
-    """Every value piece's loads issued before the producer's free wait (``conv.meta(early=True)``), alone and with
-    the ahead order: one block, odd block counts, splits, head counts that are not a multiple of 64."""
+@pytest.mark.parametrize("heads,topk,splits,options", [
+    (64, 2048, 1, dict(early=True)), (33, 64, 1, dict(early=True)), (96, 2051, 3, dict(early=True, late_next=True)),
+    (128, 320, 2, dict(early=True, ahead=True)), (64, 2048, 1, dict(late_next=True)),
+    (33, 64, 1, dict(early=True, late_next=True, ahead=True))])
+def test_conv_early_loads_match_reference(fmt, heads, topk, splits, options):
+    """Every value piece's loads issued before the producer's free wait (``conv.meta(early=True)``), the next
+    block's first pieces loaded after its fence (``late_next=True``), alone, together and with the ahead order:
+    one block, odd block counts, splits, head counts that are not a multiple of 64."""
     skip_unless_sm90()
     from sparsemla.kernels.sm90 import conv
     k_scale = _k_scale(fmt)
     c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda",
                   k_scale=k_scale)
-    with meta_variant(conv, KERNEL, early=True, ahead=ahead):
+    with meta_variant(conv, KERNEL, **options):
         check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
 
 

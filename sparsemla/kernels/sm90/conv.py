@@ -77,7 +77,8 @@ TRACE_BLOCKS = gl.constexpr(64)
 TRACE_EVENTS = gl.constexpr(16)
 # events: the producer's (0: its free wait returned, 1: before its ready arrival, 2: start, 3: q staged),
 # warpgroup 0's (4: QK done, 5: P handed over, 6: before its ready wait, 7: after it, 8: PV done, 9: start,
-# 10: end), warpgroup 1's (11: P received, 12: PV done, 13: its ready wait returned)
+# 10: end), warpgroup 1's (11: P received, 12: PV done, 13: its ready wait returned), the producer's fence
+# (14: before it, 15: after it)
 # warpgroup 0's S [64 heads, 64 rows] and each warpgroup's O [64 heads, 256 columns] on wgmma
 S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
 O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
@@ -409,7 +410,7 @@ def _q_part(q_row, hm, col0: gl.constexpr, N: gl.constexpr, AGAIN: gl.constexpr 
 def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
               DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, B16: gl.constexpr,
               CL: gl.constexpr, HINT: gl.constexpr = False, W128: gl.constexpr = False, tr=None,
-              TRACE: gl.constexpr = False, EARLY: gl.constexpr = False):
+              TRACE: gl.constexpr = False, EARLY: gl.constexpr = False, LATE: gl.constexpr = False):
     """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run two
     pieces ahead of the conversion: piece P + 2 (after the last value piece: the rope, then the next block's
     first two pieces) is loaded before piece P is converted; the next block's rows are looked up at the start
@@ -487,23 +488,32 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
                 else:
                     rope = _load_rope(base, valid, ROPE_OFF, FP4, False, HINT)
                 _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
-                raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
+                if not LATE:
+                    raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
                 _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
-                raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4, False, HINT)
+                if not LATE:
+                    raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4, False, HINT)
                 _store_rope(rope, kEw.index(b))
             else:
-                raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
+                if not LATE:
+                    raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
                 _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
-                raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4, False, HINT)
+                if not LATE:
+                    raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4, False, HINT)
                 _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
             base = nbase
             valid = nvalid
             if ROPE and DS:
                 async_copy.wait_group(0)  # this thread's rope copies have landed
+            _stamp(tr, 14, i, TRACE)
             fence_async_shared()  # this thread's tile stores -> the consumers' wgmma (async proxy) reads
+            _stamp(tr, 15, i, TRACE)
             compat.barrier()      # every producer thread has stored and fenced
             _stamp(tr, 1, i, TRACE)
             mbarrier.arrive(ready.index(b), count=1)
+            if LATE:  # the next block's first pieces issued after the fence: none of them in flight across it
+                raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
+                raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4, False, HINT)
 
 
 @gluon.jit
@@ -789,7 +799,8 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr,
                 B16: gl.constexpr = False, NAMED: gl.constexpr = False, CL: gl.constexpr = False,
                 FUSED: gl.constexpr = False, AHEAD: gl.constexpr = False, HINT: gl.constexpr = False,
-                W128: gl.constexpr = False, TRACE: gl.constexpr = False, EARLY: gl.constexpr = False):
+                W128: gl.constexpr = False, TRACE: gl.constexpr = False, EARLY: gl.constexpr = False,
+                LATE: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
     with num_ctas=2) x 128 heads x one split, NG = 1."""
@@ -897,7 +908,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, AHEAD, fo_ptr, TRACE)),
                         (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT, W128,
-                                     fo_ptr, TRACE, EARLY))],
+                                     fo_ptr, TRACE, EARLY, LATE))],
                        [4, 4], [WG1_REGS, PR])
     if CL:
         # neither CTA exits while the other may still send to it (Triton 3.9 adds this barrier itself, 3.8 not)
@@ -921,7 +932,7 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
          has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False,
          ahead: bool = False, l2_hint: bool = False, rows128: bool = False, trace: bool = False,
-         early: bool = False) -> dict:
+         early: bool = False, late_next: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
@@ -942,7 +953,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
              ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
              FP4=fp4, B16=kind == "bf16", NAMED=named, CL=bool(cluster), num_warps=4, maxnreg=168,
              enable_fp_fusion=True, AHEAD=bool(ahead), HINT=bool(l2_hint), W128=bool(rows128),
-             TRACE=bool(trace), EARLY=bool(early), **fused_meta(fused))
+             TRACE=bool(trace), EARLY=bool(early),
+             LATE=bool(late_next), **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m
