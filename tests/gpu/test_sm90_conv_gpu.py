@@ -193,11 +193,14 @@ def test_conv_l2_hint_matches_reference(fmt, heads, topk, splits):
 @pytest.mark.parametrize("heads,topk,splits,options", [
     (64, 2048, 1, dict(early=True)), (33, 64, 1, dict(early=True)), (96, 2051, 3, dict(early=True, late_next=True)),
     (128, 320, 2, dict(early=True, ahead=True)), (64, 2048, 1, dict(late_next=True)),
-    (33, 64, 1, dict(early=True, late_next=True, ahead=True))])
+    (33, 64, 1, dict(early=True, late_next=True, ahead=True)), (64, 2048, 1, dict(lean_fences=True)),
+    (96, 2051, 3, dict(early=True, late_next=True, lean_fences=True)),
+    (128, 320, 2, dict(early=True, late_next=True, lean_fences=True, ahead=True))])
 def test_conv_early_loads_match_reference(fmt, heads, topk, splits, options):
     """Every value piece's loads issued before the producer's free wait (``conv.meta(early=True)``), the next
-    block's first pieces loaded after its fence (``late_next=True``), alone, together and with the ahead order:
-    one block, odd block counts, splits, head counts that are not a multiple of 64."""
+    block's first pieces loaded after its fence (``late_next=True``), the consumers' in-loop proxy fences left to
+    the writers (``lean_fences=True``), alone, together and with the ahead order: one block, odd block counts,
+    splits, head counts that are not a multiple of 64."""
     skip_unless_sm90()
     from sparsemla.kernels.sm90 import conv
     k_scale = _k_scale(fmt)

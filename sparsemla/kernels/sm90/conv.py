@@ -621,7 +621,7 @@ def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, 
 @gluon.jit
 def _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, kE, sP, sA, sV, ready, free, p_free,
                   p_ready, ROPE: gl.constexpr, DS: gl.constexpr, NAMED: gl.constexpr, tr=None,
-                  TRACE: gl.constexpr = False):
+                  TRACE: gl.constexpr = False, CF: gl.constexpr = True):
     """AHEAD: warpgroup 0's loop over every block but the last, the next block's QK issued before this block's
     softmax and P hand-off, this block's PV after them; both waited for at once (wgmma groups retire in order, so
     the PV done means the QK is too), then tile b is released.  Returns the last block's scores and the running
@@ -633,7 +633,8 @@ def _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, k
         _stamp(tr, 6, i + 1, TRACE)
         mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
         _stamp(tr, 7, i + 1, TRACE)
-        fence_async_shared()
+        if CF:
+            fence_async_shared()
         sn = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)  # in flight during this block's softmax
         m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED)
         _stamp(tr, 5, i, TRACE)
@@ -648,7 +649,8 @@ def _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, k
 
 @gluon.jit
 def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-         NAMED: gl.constexpr, CL: gl.constexpr, AHEAD: gl.constexpr = False, tr=None, TRACE: gl.constexpr = False):
+         NAMED: gl.constexpr, CL: gl.constexpr, AHEAD: gl.constexpr = False, tr=None, TRACE: gl.constexpr = False,
+         CF: gl.constexpr = True):
     """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse.  AHEAD: the
     next block's QK is issued before this block's softmax (it runs on the tensor cores while the softmax runs on
     the other units), not behind this block's PV; two score tiles are live at once."""
@@ -684,7 +686,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         sc = s_zero
     if AHEAD:
         sc, m_i, l_i, acc = _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, kE, sP, sA, sV,
-                                          ready, free, p_free, p_ready, ROPE, DS, NAMED, tr, TRACE)
+                                          ready, free, p_free, p_ready, ROPE, DS, NAMED, tr, TRACE, CF)
     # every block but the last: its softmax and P hand-off, its PV, the next block's QK behind it (the last block,
     # which has no next QK, is peeled off below: no branch on it inside the loop)
     for i in range(0 if AHEAD else n_blocks - 1):
@@ -702,7 +704,8 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         _stamp(tr, 6, i + 1, TRACE)
         mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
         _stamp(tr, 7, i + 1, TRACE)
-        fence_async_shared()
+        if CF:  # LEAN: a converted tile was fenced by the producer before its arrival
+            fence_async_shared()
         sc = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)
         # tile b is released as soon as this PV is done (wgmma groups retire in order), not after the next QK:
         # the producer then converts the block after next while that QK runs
@@ -743,7 +746,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
 
 @gluon.jit
 def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr,
-         CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False):
+         CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True):
     """Warpgroup 1: PV for output columns 256-511 with warpgroup 0's P and alpha."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
@@ -767,7 +770,8 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
         else:
             mbarrier.wait(p_ready, i & 1)
         _stamp(tr, 11, i, TRACE)
-        fence_async_shared()
+        if CF:  # LEAN: P was fenced by warpgroup 0, a converted tile by the producer, before their arrivals
+            fence_async_shared()
         acc = acc * sA.load(OR)[:, None]
         acc = warpgroup_mma(sP, kR.index(b + z), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -800,7 +804,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 B16: gl.constexpr = False, NAMED: gl.constexpr = False, CL: gl.constexpr = False,
                 FUSED: gl.constexpr = False, AHEAD: gl.constexpr = False, HINT: gl.constexpr = False,
                 W128: gl.constexpr = False, TRACE: gl.constexpr = False, EARLY: gl.constexpr = False,
-                LATE: gl.constexpr = False):
+                LATE: gl.constexpr = False, LEAN: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
     with num_ctas=2) x 128 heads x one split, NG = 1."""
@@ -905,8 +909,11 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     else:
         PR: gl.constexpr = PRODUCER_REGS
     # TRACE: the final-out pointer (read by FUSED variants only) carries the trace buffer (``_stamp``)
-    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, AHEAD, fo_ptr, TRACE)),
-                        (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE)),
+    # LEAN: the consumers fence for the async proxy after their in-loop waits only where the writer cannot (cp.async
+    # tiles land after the producer's arrival; st.async tiles come from the partner CTA)
+    CF: gl.constexpr = B16 or CL or not LEAN
+    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, AHEAD, fo_ptr, TRACE, CF)),
+                        (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT, W128,
                                      fo_ptr, TRACE, EARLY, LATE))],
                        [4, 4], [WG1_REGS, PR])
@@ -932,7 +939,7 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
          has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False,
          ahead: bool = False, l2_hint: bool = False, rows128: bool = False, trace: bool = False,
-         early: bool = False, late_next: bool = False) -> dict:
+         early: bool = False, late_next: bool = False, lean_fences: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
@@ -954,7 +961,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
              FP4=fp4, B16=kind == "bf16", NAMED=named, CL=bool(cluster), num_warps=4, maxnreg=168,
              enable_fp_fusion=True, AHEAD=bool(ahead), HINT=bool(l2_hint), W128=bool(rows128),
              TRACE=bool(trace), EARLY=bool(early),
-             LATE=bool(late_next), **fused_meta(fused))
+             LATE=bool(late_next), LEAN=bool(lean_fences), **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m
