@@ -189,18 +189,20 @@ def test_conv_l2_hint_matches_reference(fmt, heads, topk, splits):
         check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8", "nvfp4_ds_mla", "nvfp4_ds_mla-nope"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8", "nvfp4_ds_mla", "nvfp4_ds_mla-nope", "bf16"])
 @pytest.mark.parametrize("heads,topk,splits,options", [
     (64, 2048, 1, dict(early=True)), (33, 64, 1, dict(early=True)), (96, 2051, 3, dict(early=True, late_next=True)),
     (128, 320, 2, dict(early=True, ahead=True)), (64, 2048, 1, dict(late_next=True)),
     (33, 64, 1, dict(early=True, late_next=True, ahead=True)), (64, 2048, 1, dict(lean_fences=True)),
     (96, 2051, 3, dict(early=True, late_next=True, lean_fences=True)),
-    (128, 320, 2, dict(early=True, late_next=True, lean_fences=True, ahead=True))])
+    (128, 320, 2, dict(early=True, late_next=True, lean_fences=True, ahead=True)), (64, 2048, 1, dict(reg_p=True)),
+    (96, 2051, 3, dict(reg_p=True, early=True, late_next=True, lean_fences=True)), (33, 64, 1, dict(reg_p=True))])
 def test_conv_early_loads_match_reference(fmt, heads, topk, splits, options):
     """Every value piece's loads issued before the producer's free wait (``conv.meta(early=True)``), the next
     block's first pieces loaded after its fence (``late_next=True``), the consumers' in-loop proxy fences left to
-    the writers (``lean_fences=True``), alone, together and with the ahead order: one block, odd block counts,
-    splits, head counts that are not a multiple of 64."""
+    the writers (``lean_fences=True``), warpgroup 0's PV from P in registers before the hand-off (``reg_p=True``),
+    alone, together and with the ahead order: one block, odd block counts, splits, head counts that are not a
+    multiple of 64."""
     skip_unless_sm90()
     from sparsemla.kernels.sm90 import conv
     k_scale = _k_scale(fmt)

@@ -588,9 +588,11 @@ def _out_store(acc, inv_l, col0: gl.constexpr, o_ptr, stride_ot, stride_os, stri
 
 @gluon.jit
 def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS: gl.constexpr,
-                      NAMED: gl.constexpr, CL: gl.constexpr = False):
+                      NAMED: gl.constexpr, CL: gl.constexpr = False, kV=None, REGP: gl.constexpr = False):
     """Block i's online softmax on its scores sc (tile b's invalid rows masked), O rescaled; P and alpha handed to
-    warpgroup 1 (through sP / sA once it is done with block i - 1's).  Returns (m, l, O)."""
+    warpgroup 1 (through sP / sA once it is done with block i - 1's).  Returns (m, l, O).  REGP: this warpgroup's
+    PV (A = P from registers, B = ``kV``) is issued before the hand-off, not after it from sP; O is then in
+    flight."""
     # tile b's valid rows (the producer's, behind ready[b])
     ok = sV.index(b).load(gl.SliceLayout(0, cga(S_LAYOUT, CL))) != 0.0
     if DS:
@@ -603,6 +605,8 @@ def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, 
     p = gl.exp2(sc - m_new[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, cga(O_LAYOUT, CL)))[:, None]
+    if REGP:  # FlashMLA's order: its own PV needs neither the store of P nor the fence and barrier after it
+        acc = warpgroup_mma(gl.convert_layout(p.to(sP.dtype), P_OP), kV, acc, is_async=True)
     if NAMED:
         named_barrier(P_FREE_SYNC)
     else:
@@ -650,7 +654,7 @@ def _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, k
 @gluon.jit
 def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
          NAMED: gl.constexpr, CL: gl.constexpr, AHEAD: gl.constexpr = False, tr=None, TRACE: gl.constexpr = False,
-         CF: gl.constexpr = True):
+         CF: gl.constexpr = True, REGP: gl.constexpr = False):
     """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse.  AHEAD: the
     next block's QK is issued before this block's softmax (it runs on the tensor cores while the softmax runs on
     the other units), not behind this block's PV; two score tiles are live at once."""
@@ -695,11 +699,13 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         # loop instead of their wgmma descriptors being hoisted out of it (and spilled)
         z = i // (n_blocks + 1)
         m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
-                                          CL)
+                                          CL, kL.index(b + z), REGP)
         _stamp(tr, 5, i, TRACE)
         # P for this warpgroup's PV from shared memory as well: as a register operand its 16 registers would be
         # live beside O and the next S, past the 192 that ptxas needs to keep the wgmma pipeline unserialized
-        acc = warpgroup_mma(sP, kL.index(b + z), acc, is_async=True)
+        # (REGP: from registers, issued in _softmax_hand_off)
+        if not REGP:
+            acc = warpgroup_mma(sP, kL.index(b + z), acc, is_async=True)
         nb = 1 - b
         _stamp(tr, 6, i + 1, TRACE)
         mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
@@ -722,9 +728,11 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         i = n_blocks - 1
         b = i % 2
         m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
-                                          CL)
+                                          CL, kL.index(b), REGP)
         _stamp(tr, 5, i, TRACE)
-        acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(sP, kL.index(b), acc, is_async=True), ))
+        if not REGP:
+            acc = warpgroup_mma(sP, kL.index(b), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
         _stamp(tr, 8, i, TRACE)
         compat.barrier()  # every warp's reads of tile b are done
         if CL:
@@ -804,7 +812,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 B16: gl.constexpr = False, NAMED: gl.constexpr = False, CL: gl.constexpr = False,
                 FUSED: gl.constexpr = False, AHEAD: gl.constexpr = False, HINT: gl.constexpr = False,
                 W128: gl.constexpr = False, TRACE: gl.constexpr = False, EARLY: gl.constexpr = False,
-                LATE: gl.constexpr = False, LEAN: gl.constexpr = False):
+                LATE: gl.constexpr = False, LEAN: gl.constexpr = False, REGP: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
     with num_ctas=2) x 128 heads x one split, NG = 1."""
@@ -912,7 +920,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     # LEAN: the consumers fence for the async proxy after their in-loop waits only where the writer cannot (cp.async
     # tiles land after the producer's arrival; st.async tiles come from the partner CTA)
     CF: gl.constexpr = B16 or CL or not LEAN
-    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, AHEAD, fo_ptr, TRACE, CF)),
+    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, AHEAD, fo_ptr, TRACE, CF, REGP)),
                         (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT, W128,
                                      fo_ptr, TRACE, EARLY, LATE))],
@@ -939,7 +947,7 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
          has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False,
          ahead: bool = False, l2_hint: bool = False, rows128: bool = False, trace: bool = False,
-         early: bool = False, late_next: bool = False, lean_fences: bool = False) -> dict:
+         early: bool = False, late_next: bool = False, lean_fences: bool = False, reg_p: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
@@ -948,6 +956,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     if trace and (cluster or fused):
         raise ValueError("trace: its buffer is the final-out argument, which the 2-CTA and FUSED variants use")
+    if reg_p and (ahead or cluster):
+        raise ValueError("reg_p: built for the default order of one CTA")
     if cluster and ahead:
         raise ValueError("ahead: the 2-CTA kernel keeps the default order")
     if cluster and fused:
@@ -961,7 +971,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
              FP4=fp4, B16=kind == "bf16", NAMED=named, CL=bool(cluster), num_warps=4, maxnreg=168,
              enable_fp_fusion=True, AHEAD=bool(ahead), HINT=bool(l2_hint), W128=bool(rows128),
              TRACE=bool(trace), EARLY=bool(early),
-             LATE=bool(late_next), LEAN=bool(lean_fences), **fused_meta(fused))
+             LATE=bool(late_next), LEAN=bool(lean_fences), REGP=bool(reg_p), **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m
