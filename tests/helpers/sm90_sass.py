@@ -86,7 +86,7 @@ def _variants():
         if fid in ("fp8_ds_mla", "bf16"):  # conv's warpgroup 0 with its PV from P in registers (meta(reg_p=True))
             v[f"conv-{fid}-regp"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
-                num_groups=2, has_valid_counts=True, reg_p=True))
+                num_groups=2, has_valid_counts=True, reg_p=True, split_free=True))
         if fid in AHEAD:  # conv's warpgroup 0 with the next block's QK issued before the softmax (meta(ahead=True))
             v[f"conv-{fid}-ahead"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,

@@ -410,7 +410,8 @@ def _q_part(q_row, hm, col0: gl.constexpr, N: gl.constexpr, AGAIN: gl.constexpr 
 def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
               DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, B16: gl.constexpr,
               CL: gl.constexpr, HINT: gl.constexpr = False, W128: gl.constexpr = False, tr=None,
-              TRACE: gl.constexpr = False, EARLY: gl.constexpr = False, LATE: gl.constexpr = False):
+              TRACE: gl.constexpr = False, EARLY: gl.constexpr = False, LATE: gl.constexpr = False,
+              SPLITF: gl.constexpr = False):
     """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run two
     pieces ahead of the conversion: piece P + 2 (after the last value piece: the rope, then the next block's
     first two pieces) is loaded before piece P is converted; the next block's rows are looked up at the start
@@ -446,7 +447,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     if B16:
         _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE, ROPE_OFF,
-                     W128, tr, TRACE)
+                     W128, tr, TRACE, SPLITF)
     elif CL:
         _convert_blocks_cl(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE,
                            SCALE_OFF, ROPE_OFF, DS, FP4)
@@ -487,6 +488,8 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
                                       ROPE_OFF, FP4, False, HINT)
                 else:
                     rope = _load_rope(base, valid, ROPE_OFF, FP4, False, HINT)
+                if SPLITF:  # kR once warpgroup 1 is done with this tile too
+                    mbarrier.wait(free.index(2 + b), ((i // 2) & 1) ^ 1)
                 _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
                 if not LATE:
                     raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
@@ -497,6 +500,8 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
             else:
                 if not LATE:
                     raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
+                if SPLITF:  # kR (and the rope) once warpgroup 1 is done with this tile too
+                    mbarrier.wait(free.index(2 + b), ((i // 2) & 1) ^ 1)
                 _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
                 if not LATE:
                     raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4, False, HINT)
@@ -519,7 +524,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
 @gluon.jit
 def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, ready, free, BPT: gl.constexpr,
                  ROPE: gl.constexpr, ROPE_OFF: gl.constexpr, W128: gl.constexpr = False, tr=None,
-                 TRACE: gl.constexpr = False):
+                 TRACE: gl.constexpr = False, SPLITF: gl.constexpr = False):
     """bf16 rows: each 64-row block copied into tile i % 2 by cp.async as it is (no conversion).  The producer
     does not wait for its copies: each thread's cp.async arrival on ready[b] fires when that thread's copies have
     landed, so the next block's copies are issued as soon as its tile is free and both tiles can be in flight.
@@ -540,6 +545,8 @@ def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, read
         mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
         _stamp(tr, 0, i, TRACE)
         copy_rows(kL.index(b), rows, 0, 256, valid, lay)
+        if SPLITF:  # kR (and kE) once warpgroup 1 is done with this tile too
+            mbarrier.wait(free.index(2 + b), ((i // 2) & 1) ^ 1)
         copy_rows(kR.index(b), rows, 256, 256, valid, lay)
         if ROPE:
             copy_rows(kE.index(b), rows, ROPE_OFF // 2, 64, valid, lay)
@@ -754,7 +761,8 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
 
 @gluon.jit
 def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr,
-         CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True):
+         CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True,
+         SPLITF: gl.constexpr = False):
     """Warpgroup 1: PV for output columns 256-511 with warpgroup 0's P and alpha."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
@@ -792,6 +800,8 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
             mbarrier.arrive(p_free, count=1)
         if CL:
             _signal(sig.index(2 * b + 1), free.index(b))
+        elif SPLITF:
+            mbarrier.arrive(free.index(2 + b), count=1)
         else:
             mbarrier.arrive(free.index(b), count=1)
     mbarrier.wait(l_bar, 0)
@@ -812,7 +822,8 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 B16: gl.constexpr = False, NAMED: gl.constexpr = False, CL: gl.constexpr = False,
                 FUSED: gl.constexpr = False, AHEAD: gl.constexpr = False, HINT: gl.constexpr = False,
                 W128: gl.constexpr = False, TRACE: gl.constexpr = False, EARLY: gl.constexpr = False,
-                LATE: gl.constexpr = False, LEAN: gl.constexpr = False, REGP: gl.constexpr = False):
+                LATE: gl.constexpr = False, LEAN: gl.constexpr = False, REGP: gl.constexpr = False,
+                SPLITF: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
     with num_ctas=2) x 128 heads x one split, NG = 1."""
@@ -856,7 +867,8 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     sV = gl.allocate_shared_memory(gl.float32, [2, 64], vecv)
     q_bar = gl.allocate_shared_memory(gl.int64, [NC], bl)
     ready = gl.allocate_shared_memory(gl.int64, [2, NC], bl)
-    free = gl.allocate_shared_memory(gl.int64, [2, NC], bl)
+    # SPLITF: free[b] is warpgroup 0's (kL, kE, the validity), free[2 + b] warpgroup 1's (kR)
+    free = gl.allocate_shared_memory(gl.int64, [4 if SPLITF else 2, NC], bl)
     p_ready = gl.allocate_shared_memory(gl.int64, [NC], bl)
     p_free = gl.allocate_shared_memory(gl.int64, [NC], bl)
     l_bar = gl.allocate_shared_memory(gl.int64, [NC], bl)
@@ -877,6 +889,9 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
             mbarrier.init(ready.index(b), count=1)  # the producer, after a warpgroup barrier
         if CL:
             mbarrier.init(free.index(b), count=1)  # the producer's expect; the bytes of four warpgroups' signals
+        elif SPLITF:
+            mbarrier.init(free.index(b), count=1)
+            mbarrier.init(free.index(2 + b), count=1)
         else:
             mbarrier.init(free.index(b), count=2)   # both consumer warpgroups
     mbarrier.init(p_ready, count=1)
@@ -921,9 +936,9 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     # tiles land after the producer's arrival; st.async tiles come from the partner CTA)
     CF: gl.constexpr = B16 or CL or not LEAN
     gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, AHEAD, fo_ptr, TRACE, CF, REGP)),
-                        (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF)),
+                        (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, SPLITF)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT, W128,
-                                     fo_ptr, TRACE, EARLY, LATE))],
+                                     fo_ptr, TRACE, EARLY, LATE, SPLITF))],
                        [4, 4], [WG1_REGS, PR])
     if CL:
         # neither CTA exits while the other may still send to it (Triton 3.9 adds this barrier itself, 3.8 not)
@@ -947,7 +962,8 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
          has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False,
          ahead: bool = False, l2_hint: bool = False, rows128: bool = False, trace: bool = False,
-         early: bool = False, late_next: bool = False, lean_fences: bool = False, reg_p: bool = False) -> dict:
+         early: bool = False, late_next: bool = False, lean_fences: bool = False, reg_p: bool = False,
+         split_free: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
@@ -956,6 +972,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     if trace and (cluster or fused):
         raise ValueError("trace: its buffer is the final-out argument, which the 2-CTA and FUSED variants use")
+    if split_free and cluster:
+        raise ValueError("split_free: the 2-CTA kernel frees a tile by its consumers' signals")
     if reg_p and (ahead or cluster):
         raise ValueError("reg_p: built for the default order of one CTA")
     if cluster and ahead:
@@ -971,7 +989,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
              FP4=fp4, B16=kind == "bf16", NAMED=named, CL=bool(cluster), num_warps=4, maxnreg=168,
              enable_fp_fusion=True, AHEAD=bool(ahead), HINT=bool(l2_hint), W128=bool(rows128),
              TRACE=bool(trace), EARLY=bool(early),
-             LATE=bool(late_next), LEAN=bool(lean_fences), REGP=bool(reg_p), **fused_meta(fused))
+             LATE=bool(late_next), LEAN=bool(lean_fences), REGP=bool(reg_p),
+             SPLITF=bool(split_free), **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m
