@@ -223,6 +223,14 @@ def _load_piece(base, valid, P: gl.constexpr, SCALE_OFF: gl.constexpr, DS: gl.co
 
 
 @gluon.jit
+def _validity(valid, BIAS: gl.constexpr):
+    """A block's row validity as warpgroup 0 reads it from sV: 1.0 / 0.0, or with BIAS the score bias 0 / -inf."""
+    if BIAS:
+        return gl.where(valid, 0.0, float("-inf"))
+    return valid.to(gl.float32)
+
+
+@gluon.jit
 def _store_piece(raw, sc, dst, DS: gl.constexpr, FP4: gl.constexpr):
     """Dequantize a piece (``_load_piece``) and store it into ``dst`` [64, 64] int32 (pairs of the tile's
     16-bit type: a tile slice)."""
@@ -411,7 +419,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
               DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, B16: gl.constexpr,
               CL: gl.constexpr, HINT: gl.constexpr = False, W128: gl.constexpr = False, tr=None,
               TRACE: gl.constexpr = False, EARLY: gl.constexpr = False, LATE: gl.constexpr = False,
-              SPLITF: gl.constexpr = False):
+              SPLITF: gl.constexpr = False, BIAS: gl.constexpr = False):
     """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run two
     pieces ahead of the conversion: piece P + 2 (after the last value piece: the rope, then the next block's
     first two pieces) is loaded before piece P is converted; the next block's rows are looked up at the start
@@ -447,7 +455,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     if B16:
         _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE, ROPE_OFF,
-                     W128, tr, TRACE, SPLITF)
+                     W128, tr, TRACE, SPLITF, BIAS)
     elif CL:
         _convert_blocks_cl(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE,
                            SCALE_OFF, ROPE_OFF, DS, FP4)
@@ -477,7 +485,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
                 _copy_rope_bf16(kEw.index(b), base, valid, ROPE_OFF)  # kEw: the bf16 tile for fp8_ds_mla
             # which rows are valid (1.0 / 0.0), for warpgroup 0's mask: from shared memory, not a global load in
             # its serial chain of QK, softmax and PV
-            sV.index(b).store(valid.to(gl.float32))
+            sV.index(b).store(_validity(valid, BIAS))
             _store_piece(raw, sc, _piece_dst(kLw, kRw, b, 0), DS, FP4)
             if not EARLY:
                 raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4, False, HINT)
@@ -524,7 +532,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
 @gluon.jit
 def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, ready, free, BPT: gl.constexpr,
                  ROPE: gl.constexpr, ROPE_OFF: gl.constexpr, W128: gl.constexpr = False, tr=None,
-                 TRACE: gl.constexpr = False, SPLITF: gl.constexpr = False):
+                 TRACE: gl.constexpr = False, SPLITF: gl.constexpr = False, BIAS: gl.constexpr = False):
     """bf16 rows: each 64-row block copied into tile i % 2 by cp.async as it is (no conversion).  The producer
     does not wait for its copies: each thread's cp.async arrival on ready[b] fires when that thread's copies have
     landed, so the next block's copies are issued as soon as its tile is free and both tiles can be in flight.
@@ -552,7 +560,7 @@ def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, read
             copy_rows(kE.index(b), rows, ROPE_OFF // 2, 64, valid, lay)
         async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
         _stamp(tr, 1, i, TRACE)
-        sV.index(b).store(valid.to(gl.float32))
+        sV.index(b).store(_validity(valid, BIAS))
         base = nbase
         valid = nvalid
         compat.barrier()  # every producer thread stored its part of sV[b]
@@ -595,18 +603,27 @@ def _out_store(acc, inv_l, col0: gl.constexpr, o_ptr, stride_ot, stride_os, stri
 
 @gluon.jit
 def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS: gl.constexpr,
-                      NAMED: gl.constexpr, CL: gl.constexpr = False, kV=None, REGP: gl.constexpr = False):
+                      NAMED: gl.constexpr, CL: gl.constexpr = False, kV=None, REGP: gl.constexpr = False,
+                      BIAS: gl.constexpr = False):
     """Block i's online softmax on its scores sc (tile b's invalid rows masked), O rescaled; P and alpha handed to
     warpgroup 1 (through sP / sA once it is done with block i - 1's).  Returns (m, l, O).  REGP: this warpgroup's
     PV (A = P from registers, B = ``kV``) is issued before the hand-off, not after it from sP; O is then in
-    flight."""
-    # tile b's valid rows (the producer's, behind ready[b])
-    ok = sV.index(b).load(gl.SliceLayout(0, cga(S_LAYOUT, CL))) != 0.0
-    if DS:
-        sc = sc * ss
+    flight.  BIAS: sV holds 0 / -inf (``_validity``), added to the scaled scores (one FFMA a score instead of a
+    multiply, a compare and a select)."""
+    if BIAS:
+        bias = sV.index(b).load(gl.SliceLayout(0, cga(S_LAYOUT, CL)))
+        if DS:
+            sc = sc * ss + bias[None, :]
+        else:
+            sc = sc * ss[:, None] + bias[None, :]
     else:
-        sc = sc * ss[:, None]
-    sc = gl.where(ok[None, :], sc, float("-inf"))
+        # tile b's valid rows (the producer's, behind ready[b])
+        ok = sV.index(b).load(gl.SliceLayout(0, cga(S_LAYOUT, CL))) != 0.0
+        if DS:
+            sc = sc * ss
+        else:
+            sc = sc * ss[:, None]
+        sc = gl.where(ok[None, :], sc, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(sc, 1))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(sc - m_new[:, None])
@@ -632,7 +649,7 @@ def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, 
 @gluon.jit
 def _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, kE, sP, sA, sV, ready, free, p_free,
                   p_ready, ROPE: gl.constexpr, DS: gl.constexpr, NAMED: gl.constexpr, tr=None,
-                  TRACE: gl.constexpr = False, CF: gl.constexpr = True):
+                  TRACE: gl.constexpr = False, CF: gl.constexpr = True, BIAS: gl.constexpr = False):
     """AHEAD: warpgroup 0's loop over every block but the last, the next block's QK issued before this block's
     softmax and P hand-off, this block's PV after them; both waited for at once (wgmma groups retire in order, so
     the PV done means the QK is too), then tile b is released.  Returns the last block's scores and the running
@@ -647,7 +664,8 @@ def _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, k
         if CF:
             fence_async_shared()
         sn = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)  # in flight during this block's softmax
-        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED)
+        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
+                                          BIAS=BIAS)
         _stamp(tr, 5, i, TRACE)
         acc = warpgroup_mma(sP, kL.index(b + z), acc, is_async=True)
         acc, sc = warpgroup_mma_wait(0, deps=(acc, sn))
@@ -661,7 +679,7 @@ def _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, k
 @gluon.jit
 def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
          NAMED: gl.constexpr, CL: gl.constexpr, AHEAD: gl.constexpr = False, tr=None, TRACE: gl.constexpr = False,
-         CF: gl.constexpr = True, REGP: gl.constexpr = False):
+         CF: gl.constexpr = True, REGP: gl.constexpr = False, BIAS: gl.constexpr = False):
     """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse.  AHEAD: the
     next block's QK is issued before this block's softmax (it runs on the tensor cores while the softmax runs on
     the other units), not behind this block's PV; two score tiles are live at once."""
@@ -697,7 +715,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         sc = s_zero
     if AHEAD:
         sc, m_i, l_i, acc = _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, kE, sP, sA, sV,
-                                          ready, free, p_free, p_ready, ROPE, DS, NAMED, tr, TRACE, CF)
+                                          ready, free, p_free, p_ready, ROPE, DS, NAMED, tr, TRACE, CF, BIAS)
     # every block but the last: its softmax and P hand-off, its PV, the next block's QK behind it (the last block,
     # which has no next QK, is peeled off below: no branch on it inside the loop)
     for i in range(0 if AHEAD else n_blocks - 1):
@@ -706,7 +724,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         # loop instead of their wgmma descriptors being hoisted out of it (and spilled)
         z = i // (n_blocks + 1)
         m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
-                                          CL, kL.index(b + z), REGP)
+                                          CL, kL.index(b + z), REGP, BIAS)
         _stamp(tr, 5, i, TRACE)
         # P for this warpgroup's PV from shared memory as well: as a register operand its 16 registers would be
         # live beside O and the next S, past the 192 that ptxas needs to keep the wgmma pipeline unserialized
@@ -735,7 +753,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         i = n_blocks - 1
         b = i % 2
         m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
-                                          CL, kL.index(b), REGP)
+                                          CL, kL.index(b), REGP, BIAS)
         _stamp(tr, 5, i, TRACE)
         if not REGP:
             acc = warpgroup_mma(sP, kL.index(b), acc, is_async=True)
@@ -823,7 +841,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 FUSED: gl.constexpr = False, AHEAD: gl.constexpr = False, HINT: gl.constexpr = False,
                 W128: gl.constexpr = False, TRACE: gl.constexpr = False, EARLY: gl.constexpr = False,
                 LATE: gl.constexpr = False, LEAN: gl.constexpr = False, REGP: gl.constexpr = False,
-                SPLITF: gl.constexpr = False):
+                SPLITF: gl.constexpr = False, BIAS: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
     with num_ctas=2) x 128 heads x one split, NG = 1."""
@@ -935,10 +953,10 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     # LEAN: the consumers fence for the async proxy after their in-loop waits only where the writer cannot (cp.async
     # tiles land after the producer's arrival; st.async tiles come from the partner CTA)
     CF: gl.constexpr = B16 or CL or not LEAN
-    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, AHEAD, fo_ptr, TRACE, CF, REGP)),
+    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, AHEAD, fo_ptr, TRACE, CF, REGP, BIAS)),
                         (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, SPLITF)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT, W128,
-                                     fo_ptr, TRACE, EARLY, LATE, SPLITF))],
+                                     fo_ptr, TRACE, EARLY, LATE, SPLITF, BIAS))],
                        [4, 4], [WG1_REGS, PR])
     if CL:
         # neither CTA exits while the other may still send to it (Triton 3.9 adds this barrier itself, 3.8 not)
@@ -963,7 +981,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
          has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False,
          ahead: bool = False, l2_hint: bool = False, rows128: bool = False, trace: bool = False,
          early: bool = False, late_next: bool = False, lean_fences: bool = False, reg_p: bool = False,
-         split_free: bool = False) -> dict:
+         split_free: bool = False, bias_mask: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
@@ -972,6 +990,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     if trace and (cluster or fused):
         raise ValueError("trace: its buffer is the final-out argument, which the 2-CTA and FUSED variants use")
+    if bias_mask and cluster:
+        raise ValueError("bias_mask: the 2-CTA kernel's producers write the validity as 1.0 / 0.0")
     if split_free and cluster:
         raise ValueError("split_free: the 2-CTA kernel frees a tile by its consumers' signals")
     if reg_p and (ahead or cluster):
@@ -990,7 +1010,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
              enable_fp_fusion=True, AHEAD=bool(ahead), HINT=bool(l2_hint), W128=bool(rows128),
              TRACE=bool(trace), EARLY=bool(early),
              LATE=bool(late_next), LEAN=bool(lean_fences), REGP=bool(reg_p),
-             SPLITF=bool(split_free), **fused_meta(fused))
+             SPLITF=bool(split_free), BIAS=bool(bias_mask), **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m
