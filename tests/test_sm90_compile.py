@@ -37,7 +37,8 @@ STACK = {
 # across its free wait, the next block's loaded after its fence, the consumers' in-loop fences left to the writers
 # and the validity as a score bias (meta(early=True, late_next=True, lean_fences=True, bias_mask=True)): 0 bytes on
 # 3.6 and 3.8, 128-152 on 3.9.  conv-regp:
-# warpgroup 0's PV from P in registers (meta(reg_p=True)): its 16 registers beside O and S; 192-216 bytes on 3.9.
+# warpgroup 0's PV from P in registers, each MMA warpgroup freeing its half of a tile (meta(reg_p=True,
+# split_free=True)): its 16 registers beside O and S; 192-216 bytes on 3.9.
 
 
 def _stack_limit(name):
