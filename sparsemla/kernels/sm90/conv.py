@@ -985,7 +985,15 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
-    1.  ``fused`` as in ``few.meta`` (not with ``cluster``)."""
+    1.  ``fused`` as in ``few.meta`` (not with ``cluster``).
+
+    Opt-in variants the plan does not choose (an A/B on the H200 decides; CHANGELOG): ``ahead`` (the next QK before
+    the softmax), ``l2_hint`` (the producer's loads with FlashMLA's L2 prefetch hint), ``rows128`` (bf16 rows in
+    128-byte row segments), ``early`` (every value piece's loads before the producer's free wait), ``late_next``
+    (the next block's first pieces after its fence), ``lean_fences`` (the consumers' in-loop proxy fences left to
+    the writers), ``reg_p`` (warpgroup 0's PV from P in registers, before the hand-off), ``split_free`` (each MMA
+    warpgroup frees its own half of a tile), ``bias_mask`` (the row validity as a score bias); ``trace``: the
+    diagnostic build that writes the SM clock at every hand-off into the buffer passed as ``fo_ptr``."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     if trace and (cluster or fused):
