@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from attn_cases import make_case  # noqa: E402
-from sm90_gpu import check_case, named_hand_off, skip_unless_sm90  # noqa: E402
+from sm90_gpu import check_case, meta_variant, named_hand_off, skip_unless_sm90  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -32,4 +32,16 @@ def test_bf16_named_hand_off_matches_reference(fmt, heads, topk, splits):
     from sparsemla.kernels.sm90 import bf16
     c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda")
     with named_hand_off(bf16, "sm90-bf16"):
+        check_case(c, c["fmt"].head_dim ** -0.5, "sm90-bf16", splits)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "bf16-nope"])
+@pytest.mark.parametrize("heads,topk,splits", [(64, 2048, 1), (128, 2048, 4), (33, 2051, 3), (128, 192, None)])
+def test_bf16_rows128_matches_reference(fmt, heads, topk, splits):
+    """The pair kernel gathering 128 contiguous bytes of 4 rows a warp instruction (``bf16.meta(rows128=True)``):
+    the same checks as the default's."""
+    skip_unless_sm90()
+    from sparsemla.kernels.sm90 import bf16
+    c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda")
+    with meta_variant(bf16, "sm90-bf16", rows128=True):
         check_case(c, c["fmt"].head_dim ** -0.5, "sm90-bf16", splits)

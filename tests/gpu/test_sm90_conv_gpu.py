@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from attn_cases import SEED, make_case, rel_err  # noqa: E402
 from sm90_gpu import (check_case, check_ds_scales_far_apart, check_k_scale_applied_once,  # noqa: E402
-                      check_reference, named_hand_off, plan_for, run, skip_unless_sm90)
+                      check_reference, meta_variant, named_hand_off, plan_for, run, skip_unless_sm90)
 
 from sparsemla.formats import get_format  # noqa: E402
 from sparsemla.kernels.attention import attention_fwd  # noqa: E402
@@ -158,6 +158,74 @@ def test_conv_named_hand_off_matches_reference(fmt, heads, topk, splits):
                   k_scale=k_scale)
     with named_hand_off(conv, KERNEL):
         check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "bf16-nope", "fp8_ds_mla", "fp8", "nvfp4_ds_mla", "nvfp4_ds_mla-nope"])
+@pytest.mark.parametrize("heads,topk,splits", [(64, 2048, 1), (33, 64, 1), (96, 2051, 3), (128, 320, 2)])
+def test_conv_qk_ahead_matches_reference(fmt, heads, topk, splits):
+    """Warpgroup 0 issuing the next block's QK before this block's softmax (``conv.meta(ahead=True)``): the same
+    checks as the default's (one block, odd block counts, splits, head counts that are not a multiple of 64)."""
+    skip_unless_sm90()
+    from sparsemla.kernels.sm90 import conv
+    k_scale = _k_scale(fmt)
+    c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda",
+                  k_scale=k_scale)
+    with meta_variant(conv, KERNEL, ahead=True):
+        check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8", "fp8-nope", "nvfp4_ds_mla",
+                                 "nvfp4_ds_mla-nope"])
+@pytest.mark.parametrize("heads,topk,splits", [(64, 2048, 1), (96, 2051, 3), (128, 320, 2)])
+def test_conv_l2_hint_matches_reference(fmt, heads, topk, splits):
+    """The producer's loads through the read-only path with an L2 prefetch hint (``conv.meta(l2_hint=True)``;
+    invalid rows read row 0 and are zeroed): the default's checks, -1 padding and garbage past a valid count
+    included (make_case)."""
+    skip_unless_sm90()
+    from sparsemla.kernels.sm90 import conv
+    k_scale = _k_scale(fmt)
+    c = make_case(fmt, 5, heads, topk, ctx=4096, block_size=64, device="cuda", k_scale=k_scale)
+    with meta_variant(conv, KERNEL, l2_hint=True):
+        check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8", "nvfp4_ds_mla", "nvfp4_ds_mla-nope", "bf16"])
+@pytest.mark.parametrize("heads,topk,splits,options", [
+    (64, 2048, 1, dict(early=True)), (33, 64, 1, dict(early=True)), (96, 2051, 3, dict(early=True, late_next=True)),
+    (128, 320, 2, dict(early=True, ahead=True)), (64, 2048, 1, dict(late_next=True)),
+    (33, 64, 1, dict(early=True, late_next=True, ahead=True)), (64, 2048, 1, dict(lean_fences=True)),
+    (96, 2051, 3, dict(early=True, late_next=True, lean_fences=True)),
+    (128, 320, 2, dict(early=True, late_next=True, lean_fences=True, ahead=True)), (64, 2048, 1, dict(reg_p=True)),
+    (96, 2051, 3, dict(reg_p=True, early=True, late_next=True, lean_fences=True)), (33, 64, 1, dict(reg_p=True)),
+    (64, 2048, 1, dict(split_free=True)), (96, 2051, 3, dict(split_free=True, ahead=True)),
+    (128, 320, 2, dict(split_free=True, reg_p=True, early=True, late_next=True, lean_fences=True)),
+    (33, 64, 1, dict(bias_mask=True)), (96, 2051, 3, dict(bias_mask=True, ahead=True)),
+    (64, 2048, 1, dict(bias_mask=True, split_free=True, reg_p=True, early=True, late_next=True, lean_fences=True))])
+def test_conv_early_loads_match_reference(fmt, heads, topk, splits, options):
+    """Every value piece's loads issued before the producer's free wait (``conv.meta(early=True)``), the next
+    block's first pieces loaded after its fence (``late_next=True``), the consumers' in-loop proxy fences left to
+    the writers (``lean_fences=True``), warpgroup 0's PV from P in registers before the hand-off (``reg_p=True``),
+    each MMA warpgroup freeing its half of a tile (``split_free=True``), the row validity as a score bias
+    (``bias_mask=True``), alone, together and with the ahead order: one block, odd block counts, splits, head counts that are not a
+    multiple of 64."""
+    skip_unless_sm90()
+    from sparsemla.kernels.sm90 import conv
+    k_scale = _k_scale(fmt)
+    c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda",
+                  k_scale=k_scale)
+    with meta_variant(conv, KERNEL, **options):
+        check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "bf16-nope"])
+@pytest.mark.parametrize("heads,topk,splits", [(64, 2048, 1), (33, 64, 1), (96, 2051, 3), (128, 320, 2)])
+def test_conv_bf16_rows128_matches_reference(fmt, heads, topk, splits):
+    """bf16 rows gathered 128 contiguous bytes of 4 rows a warp instruction (``conv.meta(rows128=True)``)."""
+    skip_unless_sm90()
+    from sparsemla.kernels.sm90 import conv
+    c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda")
+    with meta_variant(conv, KERNEL, rows128=True):
+        check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, 1.0, o_tol=1e-2, lse_tol=2e-3)
 
 
 CLUSTER_SHAPES = [(5, 128, 2048, 1), (5, 128, 2051, 3), (3, 65, 64, 1), (4, 96, 320, 2), (1, 128, 2048, 32),

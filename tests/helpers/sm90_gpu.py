@@ -115,6 +115,14 @@ def check_ds_scales_far_apart(fmt, kernel):
 def named_hand_off(module, kernel):
     """Inside: the sm_90 kernel of ``module`` (``sparsemla.kernels.sm90.conv`` or ``.bf16``; plan kernel ``kernel``)
     built with ``meta(named=True)`` -- its hand-offs between MMA warpgroups through named barriers -- which the
+    plan does not choose (:func:`meta_variant`)."""
+    with meta_variant(module, kernel, named=True):
+        yield
+
+
+@contextlib.contextmanager
+def meta_variant(module, kernel, **options):
+    """Inside: the sm_90 kernel of ``module`` (plan kernel ``kernel``) built with ``meta(**options)``, a variant the
     plan does not choose.  The launcher's caches are emptied on the way in and out, so that no launch of the
     default variant is reused, or kept; on the way out the kernel must have built (a kernel that fails to build
     is recorded and its calls served by the portable kernels, which would pass the checks)."""
@@ -126,7 +134,7 @@ def named_hand_off(module, kernel):
             cache.clear()
 
     default = module.meta
-    module.meta = lambda **kw: default(**kw, named=True)
+    module.meta = lambda **kw: default(**kw, **options)
     clear()
     try:
         yield

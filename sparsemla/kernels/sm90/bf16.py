@@ -75,14 +75,20 @@ def _block_rows(idx_row, p0, k_end, kv_ptr, BPT: gl.constexpr, rows_l: gl.conste
 def _producer(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K,
               rows_per_split, num_splits,
               smem, bars, BPT: gl.constexpr, ROPE: gl.constexpr, ROPE_OFF: gl.constexpr, NG: gl.constexpr,
-              HAS_VC: gl.constexpr):
+              HAS_VC: gl.constexpr, W128: gl.constexpr = False):
     """q once, then per pair of blocks: left half of block 0, right half of block 1 (both freed early),
-    right half of block 0, left half of block 1 (freed after the other warpgroup's remote PV)."""
+    right half of block 0, left half of block 1 (freed after the other warpgroup's remote PV).  W128: the blocks'
+    16-byte copies cover 128 contiguous bytes of 4 rows a warp instruction (FlashInfer's gather), not 64 of 8."""
     qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1 = smem
     q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar = bars
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, lay)
+    if W128:
+        klay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    else:
+        klay: gl.constexpr = lay
+    krows_l: gl.constexpr = gl.SliceLayout(1, klay)
     heads = g * 64 + gl.arange(0, 64, layout=rows_l)
     hm = heads < H
     q_row = gl.multiple_of(q_ptr + t.to(gl.int64) * stride_qt + gl.where(hm, heads, 0).to(gl.int64) * stride_qh, 16)
@@ -98,23 +104,23 @@ def _producer(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr,
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     for i in range(n_pairs):
         ph = (i & 1) ^ 1  # fresh mbarriers complete phase "1" at once: the first waits pass
-        r0, v0 = _block_rows(idx_row, k_begin + i * 128, k_end, kv_ptr, BPT, rows_l)
-        r1, v1 = _block_rows(idx_row, k_begin + i * 128 + 64, k_end, kv_ptr, BPT, rows_l)
+        r0, v0 = _block_rows(idx_row, k_begin + i * 128, k_end, kv_ptr, BPT, krows_l)
+        r1, v1 = _block_rows(idx_row, k_begin + i * 128 + 64, k_end, kv_ptr, BPT, krows_l)
         mbarrier.wait(free_l.index(0), ph)
-        copy_rows(kL.index(0), r0, 0, 256, v0, lay)
+        copy_rows(kL.index(0), r0, 0, 256, v0, klay)
         async_copy.mbarrier_arrive(ready_l.index(0), increment_count=False)
         mbarrier.wait(free_r.index(1), ph)
-        copy_rows(kR.index(1), r1, 256, 256, v1, lay)
+        copy_rows(kR.index(1), r1, 256, 256, v1, klay)
         if ROPE:
-            copy_rows(kE.index(1), r1, ROPE_OFF // 2, 64, v1, lay)
+            copy_rows(kE.index(1), r1, ROPE_OFF // 2, 64, v1, klay)
         async_copy.mbarrier_arrive(ready_r.index(1), increment_count=False)
         mbarrier.wait(free_r.index(0), ph)
-        copy_rows(kR.index(0), r0, 256, 256, v0, lay)
+        copy_rows(kR.index(0), r0, 256, 256, v0, klay)
         if ROPE:
-            copy_rows(kE.index(0), r0, ROPE_OFF // 2, 64, v0, lay)
+            copy_rows(kE.index(0), r0, ROPE_OFF // 2, 64, v0, klay)
         async_copy.mbarrier_arrive(ready_r.index(0), increment_count=False)
         mbarrier.wait(free_l.index(1), ph)
-        copy_rows(kL.index(1), r1, 0, 256, v1, lay)
+        copy_rows(kL.index(1), r1, 0, 256, v1, klay)
         async_copy.mbarrier_arrive(ready_l.index(1), increment_count=False)
 
 
@@ -326,7 +332,8 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 sm_scale_log2, H, K, rows_per_split, num_splits,
                 fo_ptr, stride_ft, stride_fh, fl_ptr, stride_gt, stride_gh,
                 BPT: gl.constexpr, ROPE: gl.constexpr, ROPE_OFF: gl.constexpr, NG: gl.constexpr,
-                HAS_VC: gl.constexpr, NAMED: gl.constexpr = False, FUSED: gl.constexpr = False):
+                HAS_VC: gl.constexpr, NAMED: gl.constexpr = False, FUSED: gl.constexpr = False,
+                W128: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``launch``)."""
     half: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)
@@ -378,7 +385,7 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
         (_wg1, cargs),
         (_producer, (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H,
          K, rows_per_split,
-                     num_splits, smem, bars, BPT, ROPE, ROPE_OFF, NG, HAS_VC)),
+                     num_splits, smem, bars, BPT, ROPE, ROPE_OFF, NG, HAS_VC, W128)),
     ], [4, 4], [232, 40])
     if FUSED:  # the splits' partials merged by this grid's programs (common.combine_in_kernel)
         combine_in_kernel(o_ptr, lse_ptr, fo_ptr, stride_ft, stride_fh, fl_ptr, stride_gt, stride_gh, H, num_splits,
@@ -400,10 +407,11 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
 # strides (read by the FUSED variant only).
 
 def meta(*, bytes_per_row: int, rope_dim: int, rope_offset: int, num_groups: int, has_valid_counts: bool,
-         named: bool = False, fused: bool = False) -> dict:
+         named: bool = False, fused: bool = False, rows128: bool = False) -> dict:
     """``bf16_kernel``'s constexprs and launch options: ``bytes_per_row`` the row stride in bytes (1152 or
     1024, or any larger multiple of 16), ``rope_dim`` 64 or 0, ``rope_offset`` the rope part's byte offset
-    (ignored without rope), ``num_groups`` = ceil(heads / 64); ``fused`` as in ``few.meta``."""
+    (ignored without rope), ``num_groups`` = ceil(heads / 64); ``fused`` as in ``few.meta``; ``rows128``: the
+    producer's gather in 128 contiguous bytes of 4 rows a warp instruction."""
     return dict(BPT=bytes_per_row, ROPE=rope_dim, ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups,
                 HAS_VC=bool(has_valid_counts), NAMED=named, num_warps=4, maxnreg=168,
-                enable_fp_fusion=True, **fused_meta(fused))
+                enable_fp_fusion=True, W128=bool(rows128), **fused_meta(fused))

@@ -65,10 +65,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import compat
-from .common import (NEG_BIG, PUBLISH, combine_in_kernel, fused_meta, named_asm, named_barrier, normalizer,
+from .common import (NEG_BIG, PER_THREAD, PUBLISH, combine_in_kernel, fused_meta, named_asm, named_barrier, normalizer,
                      program_coords, publish)
 from .rows import block_indices, copy_rows, e4m3_words_bf16, e4m3_words_f16, fp4_words_f16, pow2_scale
 
+# HINT's load of a thread's 4 consecutive words (pack 4: the first of its 4 addresses): FlashMLA's gather hint
+NC_LOAD = gl.constexpr("ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];")
+# TRACE (a diagnostic variant): each partition's thread 0 writes the SM clock at named events into
+# trace[program, event, block] (int64, the final-out pointer's bytes); blocks past TRACE_BLOCKS are not written
+TRACE_BLOCKS = gl.constexpr(64)
+TRACE_EVENTS = gl.constexpr(16)
+# events: the producer's (0: its free wait returned, 1: before its ready arrival, 2: start, 3: q staged),
+# warpgroup 0's (4: QK done, 5: P handed over, 6: before its ready wait, 7: after it, 8: PV done, 9: start,
+# 10: end), warpgroup 1's (11: P received, 12: PV done, 13: its ready wait returned), the producer's fence
+# (14: before it, 15: after it)
 # warpgroup 0's S [64 heads, 64 rows] and each warpgroup's O [64 heads, 256 columns] on wgmma
 S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
 O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
@@ -116,6 +126,8 @@ L_W2C = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
 L_W2S = gl.constexpr(gl.SliceLayout(2, L_W2B.value))  # the e4m3 block scales [64 rows, 8 blocks]
 # bf16 q rows [64, 64k elements] (8 elements a thread)
 L_B16 = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
+# bf16 rows gathered 128 contiguous bytes of 4 rows a warp instruction (B16 with W128)
+L_B16W = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 # fp8_ds_mla's bf16 rope [64 rows, 64] (8 elements a thread, the rows of L_W8R): copied by cp.async
 L_B16R = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [0, 1]))
 
@@ -172,21 +184,27 @@ def _ptrs(idx, kv_ptr, BPT: gl.constexpr):
 
 
 @gluon.jit
-def _words(base, valid, off: gl.constexpr, N: gl.constexpr, lay: gl.constexpr):
-    """N 32-bit words at byte ``off`` of the rows ``base`` [64] (SliceLayout(1, lay)), zeros for invalid rows."""
+def _words(base, valid, off: gl.constexpr, N: gl.constexpr, lay: gl.constexpr, HINT: gl.constexpr = False):
+    """N 32-bit words at byte ``off`` of the rows ``base`` [64] (SliceLayout(1, lay)), zeros for invalid rows.
+    HINT: 16-byte loads through the read-only path with a 256-byte L2 prefetch and no L1 allocation
+    (``NC_LOAD``; an invalid row reads row 0, which the caller's pointers give it, and is zeroed)."""
     c = gl.arange(0, N, layout=gl.SliceLayout(0, lay))
     p = gl.multiple_of(base + off, 16).to(gl.pointer_type(gl.int32))
+    if HINT:
+        addr = (p[:, None] + c[None, :]).to(gl.int64, bitcast=True)
+        w = gl.inline_asm_elementwise(NC_LOAD, "=r,=r,=r,=r,l,l,l,l", [addr], gl.int32, True, 4)
+        return gl.where(valid[:, None], w, 0)
     return gl.load(p[:, None] + c[None, :], mask=valid[:, None], other=0)
 
 
 @gluon.jit
 def _load_piece(base, valid, P: gl.constexpr, SCALE_OFF: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr,
-                CL: gl.constexpr = False):
+                CL: gl.constexpr = False, HINT: gl.constexpr = False):
     """Raw words of 128-dim piece P of 64 rows and their scales, zeros for invalid rows: e4m3 [64, 32] (L_W8R
     for fp8_ds_mla, L_W8 for plain fp8) and, fp8_ds_mla, the group scale [64] fp32; nvfp4 [64, 16] (L_W2) and
     the 8 block scales [64, 8] u8 (L_W2S).  Plain fp8: the scale is 0 (unused)."""
     if FP4:
-        raw = _words(base, valid, 64 * P, 16, cga(L_W2, CL))
+        raw = _words(base, valid, 64 * P, 16, cga(L_W2, CL), HINT)
         # block 8 P + j of a row: its scale byte is at 8 (j % 4) + 2 P + j // 4 (kv-formats.md)
         l_w2s: gl.constexpr = gl.SliceLayout(2, cga(L_W2B, CL))
         sl: gl.constexpr = gl.SliceLayout(1, l_w2s)
@@ -196,12 +214,20 @@ def _load_piece(base, valid, P: gl.constexpr, SCALE_OFF: gl.constexpr, DS: gl.co
         sc = gl.load(sbase[:, None] + so[None, :], mask=gl.convert_layout(valid, sl)[:, None], other=0)
     else:
         if DS:
-            raw = _words(base, valid, 128 * P, 32, cga(L_W8R, CL))
+            raw = _words(base, valid, 128 * P, 32, cga(L_W8R, CL), HINT)
             sc = gl.load((base + (SCALE_OFF + 4 * P)).to(gl.pointer_type(gl.float32)), mask=valid, other=0.0)
         else:
-            raw = _words(base, valid, 128 * P, 32, cga(L_W8, CL))
+            raw = _words(base, valid, 128 * P, 32, cga(L_W8, CL), HINT)
             sc = 0.0
     return raw, sc
+
+
+@gluon.jit
+def _validity(valid, BIAS: gl.constexpr):
+    """A block's row validity as warpgroup 0 reads it from sV: 1.0 / 0.0, or with BIAS the score bias 0 / -inf."""
+    if BIAS:
+        return gl.where(valid, 0.0, float("-inf"))
+    return valid.to(gl.float32)
 
 
 @gluon.jit
@@ -218,13 +244,14 @@ def _store_piece(raw, sc, dst, DS: gl.constexpr, FP4: gl.constexpr):
 
 
 @gluon.jit
-def _load_rope(base, valid, ROPE_OFF: gl.constexpr, FP4: gl.constexpr, CL: gl.constexpr = False):
+def _load_rope(base, valid, ROPE_OFF: gl.constexpr, FP4: gl.constexpr, CL: gl.constexpr = False,
+               HINT: gl.constexpr = False):
     """The e4m3 rope of 64 rows as words [64, 16] (nvfp4 L_W2, fp8 L_W2C), zeros for invalid rows.  ``base`` in
     the layout of the value pieces (nvfp4) or of L_W2C (fp8).  fp8_ds_mla's bf16 rope: ``_copy_rope_bf16``."""
     if FP4:
-        return _words(base, valid, ROPE_OFF, 16, cga(L_W2, CL))
+        return _words(base, valid, ROPE_OFF, 16, cga(L_W2, CL), HINT)
     else:
-        return _words(base, valid, ROPE_OFF, 16, cga(L_W2C, CL))
+        return _words(base, valid, ROPE_OFF, 16, cga(L_W2C, CL), HINT)
 
 
 @gluon.jit
@@ -390,7 +417,9 @@ def _q_part(q_row, hm, col0: gl.constexpr, N: gl.constexpr, AGAIN: gl.constexpr 
 @gluon.jit
 def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
               DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, B16: gl.constexpr,
-              CL: gl.constexpr):
+              CL: gl.constexpr, HINT: gl.constexpr = False, W128: gl.constexpr = False, tr=None,
+              TRACE: gl.constexpr = False, EARLY: gl.constexpr = False, LATE: gl.constexpr = False,
+              SPLITF: gl.constexpr = False, BIAS: gl.constexpr = False):
     """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run two
     pieces ahead of the conversion: piece P + 2 (after the last value piece: the rope, then the next block's
     first two pieces) is loaded before piece P is converted; the next block's rows are looked up at the start
@@ -402,6 +431,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     qL, qR, qE, kLw, kRw, kEw, sQ, sV = smem
     q_bar, ready, free = bars
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    _stamp(tr, 2, 0, TRACE)
     # q [64 heads, 576] (rows of heads >= H zero-filled)
     LB: gl.constexpr = cga(L_B16, CL)
     heads = g * 64 + gl.arange(0, 64 * head_groups(CL), layout=gl.SliceLayout(1, LB))
@@ -419,11 +449,13 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
         _stage_q_f16(q_row, qe_row, hm, qL, qR, qE, sQ, ROPE, CL)
         fence_async_shared()  # q is read by the consumers' wgmma (async proxy)
         publish(q_bar)
+    _stamp(tr, 3, 0, TRACE)
 
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     if B16:
-        _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE, ROPE_OFF)
+        _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE, ROPE_OFF,
+                     W128, tr, TRACE, SPLITF, BIAS)
     elif CL:
         _convert_blocks_cl(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE,
                            SCALE_OFF, ROPE_OFF, DS, FP4)
@@ -439,72 +471,111 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
         el: gl.constexpr = gl.SliceLayout(1, L_W2C)
         SEP: gl.constexpr = ROPE and not DS and not FP4  # a rope in its own layout
         base, valid = _ptrs(block_indices(idx_row, k_begin, k_end, rl), kv_ptr, BPT)
-        raw, sc = _load_piece(base, valid, 0, SCALE_OFF, DS, FP4)
-        raw1, sc1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4)
+        raw, sc = _load_piece(base, valid, 0, SCALE_OFF, DS, FP4, False, HINT)
+        raw1, sc1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4, False, HINT)
         for i in range(n_blocks):
             b = i % 2
             nbase, nvalid = _ptrs(block_indices(idx_row, k_begin + (i + 1) * 64, k_end, rl), kv_ptr, BPT)
-            raw2, sc2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4)
+            raw2, sc2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4, False, HINT)
+            if EARLY:  # every value piece in flight before the wait: none of their loads inside free -> ready
+                raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4, False, HINT)
             mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
+            _stamp(tr, 0, i, TRACE)
             if ROPE and DS:
                 _copy_rope_bf16(kEw.index(b), base, valid, ROPE_OFF)  # kEw: the bf16 tile for fp8_ds_mla
             # which rows are valid (1.0 / 0.0), for warpgroup 0's mask: from shared memory, not a global load in
             # its serial chain of QK, softmax and PV
-            sV.index(b).store(valid.to(gl.float32))
+            sV.index(b).store(_validity(valid, BIAS))
             _store_piece(raw, sc, _piece_dst(kLw, kRw, b, 0), DS, FP4)
-            raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4)
+            if not EARLY:
+                raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4, False, HINT)
             _store_piece(raw1, sc1, _piece_dst(kLw, kRw, b, 1), DS, FP4)
             if ROPE and not DS:
                 if SEP:
                     rope = _load_rope(*_ptrs(block_indices(idx_row, k_begin + i * 64, k_end, el), kv_ptr, BPT),
-                                      ROPE_OFF, FP4)
+                                      ROPE_OFF, FP4, False, HINT)
                 else:
-                    rope = _load_rope(base, valid, ROPE_OFF, FP4)
+                    rope = _load_rope(base, valid, ROPE_OFF, FP4, False, HINT)
+                if SPLITF:  # kR once warpgroup 1 is done with this tile too
+                    mbarrier.wait(free.index(2 + b), ((i // 2) & 1) ^ 1)
                 _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
-                raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4)
+                if not LATE:
+                    raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
                 _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
-                raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4)
+                if not LATE:
+                    raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4, False, HINT)
                 _store_rope(rope, kEw.index(b))
             else:
-                raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4)
+                if not LATE:
+                    raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
+                if SPLITF:  # kR (and the rope) once warpgroup 1 is done with this tile too
+                    mbarrier.wait(free.index(2 + b), ((i // 2) & 1) ^ 1)
                 _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
-                raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4)
+                if not LATE:
+                    raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4, False, HINT)
                 _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
             base = nbase
             valid = nvalid
             if ROPE and DS:
                 async_copy.wait_group(0)  # this thread's rope copies have landed
+            _stamp(tr, 14, i, TRACE)
             fence_async_shared()  # this thread's tile stores -> the consumers' wgmma (async proxy) reads
+            _stamp(tr, 15, i, TRACE)
             compat.barrier()      # every producer thread has stored and fenced
+            _stamp(tr, 1, i, TRACE)
             mbarrier.arrive(ready.index(b), count=1)
+            if LATE:  # the next block's first pieces issued after the fence: none of them in flight across it
+                raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
+                raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4, False, HINT)
 
 
 @gluon.jit
 def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, ready, free, BPT: gl.constexpr,
-                 ROPE: gl.constexpr, ROPE_OFF: gl.constexpr):
+                 ROPE: gl.constexpr, ROPE_OFF: gl.constexpr, W128: gl.constexpr = False, tr=None,
+                 TRACE: gl.constexpr = False, SPLITF: gl.constexpr = False, BIAS: gl.constexpr = False):
     """bf16 rows: each 64-row block copied into tile i % 2 by cp.async as it is (no conversion).  The producer
     does not wait for its copies: each thread's cp.async arrival on ready[b] fires when that thread's copies have
     landed, so the next block's copies are issued as soon as its tile is free and both tiles can be in flight.
     ready[b] counts those 128 arrivals and one more for sV[b] (the validity, stored by every thread, published
     after a warpgroup barrier by one thread's ordinary arrival).  The consumers fence for the async proxy after
-    their wait."""
-    rl: gl.constexpr = gl.SliceLayout(1, L_B16)
+    their wait.  W128: a warp's 16-byte copies cover 128 contiguous bytes of 4 rows (L_B16W, FlashInfer's
+    gather), not 64 bytes of 8 rows."""
+    if W128:
+        lay: gl.constexpr = L_B16W
+    else:
+        lay: gl.constexpr = L_B16
+    rl: gl.constexpr = gl.SliceLayout(1, lay)
     base, valid = _ptrs(block_indices(idx_row, k_begin, k_end, rl), kv_ptr, BPT)
     for i in range(n_blocks):
         b = i % 2
         nbase, nvalid = _ptrs(block_indices(idx_row, k_begin + (i + 1) * 64, k_end, rl), kv_ptr, BPT)
         rows = base.to(gl.pointer_type(gl.bfloat16))
         mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
-        copy_rows(kL.index(b), rows, 0, 256, valid, L_B16)
-        copy_rows(kR.index(b), rows, 256, 256, valid, L_B16)
+        _stamp(tr, 0, i, TRACE)
+        copy_rows(kL.index(b), rows, 0, 256, valid, lay)
+        if SPLITF:  # kR (and kE) once warpgroup 1 is done with this tile too
+            mbarrier.wait(free.index(2 + b), ((i // 2) & 1) ^ 1)
+        copy_rows(kR.index(b), rows, 256, 256, valid, lay)
         if ROPE:
-            copy_rows(kE.index(b), rows, ROPE_OFF // 2, 64, valid, L_B16)
+            copy_rows(kE.index(b), rows, ROPE_OFF // 2, 64, valid, lay)
         async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
-        sV.index(b).store(valid.to(gl.float32))
+        _stamp(tr, 1, i, TRACE)
+        sV.index(b).store(_validity(valid, BIAS))
         base = nbase
         valid = nvalid
         compat.barrier()  # every producer thread stored its part of sV[b]
         mbarrier.arrive(ready.index(b), count=1)
+
+
+@gluon.jit
+def _stamp(tr, e: gl.constexpr, i, TRACE: gl.constexpr):
+    """TRACE: thread 0 of the calling 4-warp partition writes %clock64 to trace[program, e, i]."""
+    if TRACE:
+        tid = gl.arange(0, 128, layout=PER_THREAD)
+        clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [tid], gl.int64, False, 1)
+        off = (gl.program_id(0).to(gl.int64) * TRACE_EVENTS + e) * TRACE_BLOCKS + i
+        gl.store(tr.to(gl.pointer_type(gl.int64), bitcast=True) + off + tid * 0, clk,
+                 mask=(tid == 0) & (i < TRACE_BLOCKS))
 
 
 @gluon.jit
@@ -532,21 +603,34 @@ def _out_store(acc, inv_l, col0: gl.constexpr, o_ptr, stride_ot, stride_os, stri
 
 @gluon.jit
 def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS: gl.constexpr,
-                      NAMED: gl.constexpr, CL: gl.constexpr = False):
+                      NAMED: gl.constexpr, CL: gl.constexpr = False, kV=None, REGP: gl.constexpr = False,
+                      BIAS: gl.constexpr = False):
     """Block i's online softmax on its scores sc (tile b's invalid rows masked), O rescaled; P and alpha handed to
-    warpgroup 1 (through sP / sA once it is done with block i - 1's).  Returns (m, l, O)."""
-    # tile b's valid rows (the producer's, behind ready[b])
-    ok = sV.index(b).load(gl.SliceLayout(0, cga(S_LAYOUT, CL))) != 0.0
-    if DS:
-        sc = sc * ss
+    warpgroup 1 (through sP / sA once it is done with block i - 1's).  Returns (m, l, O).  REGP: this warpgroup's
+    PV (A = P from registers, B = ``kV``) is issued before the hand-off, not after it from sP; O is then in
+    flight.  BIAS: sV holds 0 / -inf (``_validity``), added to the scaled scores (one FFMA a score instead of a
+    multiply, a compare and a select)."""
+    if BIAS:
+        bias = sV.index(b).load(gl.SliceLayout(0, cga(S_LAYOUT, CL)))
+        if DS:
+            sc = sc * ss + bias[None, :]
+        else:
+            sc = sc * ss[:, None] + bias[None, :]
     else:
-        sc = sc * ss[:, None]
-    sc = gl.where(ok[None, :], sc, float("-inf"))
+        # tile b's valid rows (the producer's, behind ready[b])
+        ok = sV.index(b).load(gl.SliceLayout(0, cga(S_LAYOUT, CL))) != 0.0
+        if DS:
+            sc = sc * ss
+        else:
+            sc = sc * ss[:, None]
+        sc = gl.where(ok[None, :], sc, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(sc, 1))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(sc - m_new[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, cga(O_LAYOUT, CL)))[:, None]
+    if REGP:  # FlashMLA's order: its own PV needs neither the store of P nor the fence and barrier after it
+        acc = warpgroup_mma(gl.convert_layout(p.to(sP.dtype), P_OP), kV, acc, is_async=True)
     if NAMED:
         named_barrier(P_FREE_SYNC)
     else:
@@ -563,9 +647,42 @@ def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, 
 
 
 @gluon.jit
+def _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, kE, sP, sA, sV, ready, free, p_free,
+                  p_ready, ROPE: gl.constexpr, DS: gl.constexpr, NAMED: gl.constexpr, tr=None,
+                  TRACE: gl.constexpr = False, CF: gl.constexpr = True, BIAS: gl.constexpr = False):
+    """AHEAD: warpgroup 0's loop over every block but the last, the next block's QK issued before this block's
+    softmax and P hand-off, this block's PV after them; both waited for at once (wgmma groups retire in order, so
+    the PV done means the QK is too), then tile b is released.  Returns the last block's scores and the running
+    (m, l, O)."""
+    for i in range(n_blocks - 1):
+        b = i % 2
+        z = i // (n_blocks + 1)  # == 0; see _wg0
+        nb = 1 - b
+        _stamp(tr, 6, i + 1, TRACE)
+        mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
+        _stamp(tr, 7, i + 1, TRACE)
+        if CF:
+            fence_async_shared()
+        sn = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)  # in flight during this block's softmax
+        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
+                                          BIAS=BIAS)
+        _stamp(tr, 5, i, TRACE)
+        acc = warpgroup_mma(sP, kL.index(b + z), acc, is_async=True)
+        acc, sc = warpgroup_mma_wait(0, deps=(acc, sn))
+        _stamp(tr, 8, i, TRACE)
+        _stamp(tr, 4, i + 1, TRACE)
+        compat.barrier()  # every warp's reads of tile b are done
+        mbarrier.arrive(free.index(b), count=1)
+    return sc, m_i, l_i, acc
+
+
+@gluon.jit
 def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-         NAMED: gl.constexpr, CL: gl.constexpr):
-    """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse."""
+         NAMED: gl.constexpr, CL: gl.constexpr, AHEAD: gl.constexpr = False, tr=None, TRACE: gl.constexpr = False,
+         CF: gl.constexpr = True, REGP: gl.constexpr = False, BIAS: gl.constexpr = False):
+    """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse.  AHEAD: the
+    next block's QK is issued before this block's softmax (it runs on the tensor cores while the softmax runs on
+    the other units), not behind this block's PV; two score tiles are live at once."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
     qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV, sig = smem
@@ -582,47 +699,66 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
     m_i = gl.full([HM], NEG_BIG, gl.float32, gl.SliceLayout(1, SL))
     l_i = gl.zeros([HM], gl.float32, gl.SliceLayout(1, SL))
     acc = gl.zeros([HM, 256], gl.float32, OL)
+    _stamp(tr, 9, 0, TRACE)
     mbarrier.wait(q_bar, 0)
     if not DS:
         ss = ss * sQ.load(gl.SliceLayout(1, SL))  # fp16 q: each head's power-of-two scale undone on its scores
     if n_blocks > 0:
+        _stamp(tr, 6, 0, TRACE)
         mbarrier.wait(ready.index(0), 0)
+        _stamp(tr, 7, 0, TRACE)
         fence_async_shared()
         sc = _qk(qL, qR, qE, kL, kR, kE, 0, 0, s_zero, ROPE)
         sc = warpgroup_mma_wait(0, deps=(sc, ))
+        _stamp(tr, 4, 0, TRACE)
     else:
         sc = s_zero
+    if AHEAD:
+        sc, m_i, l_i, acc = _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, kE, sP, sA, sV,
+                                          ready, free, p_free, p_ready, ROPE, DS, NAMED, tr, TRACE, CF, BIAS)
     # every block but the last: its softmax and P hand-off, its PV, the next block's QK behind it (the last block,
     # which has no next QK, is peeled off below: no branch on it inside the loop)
-    for i in range(n_blocks - 1):
+    for i in range(0 if AHEAD else n_blocks - 1):
         b = i % 2
         # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in the
         # loop instead of their wgmma descriptors being hoisted out of it (and spilled)
         z = i // (n_blocks + 1)
         m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
-                                          CL)
+                                          CL, kL.index(b + z), REGP, BIAS)
+        _stamp(tr, 5, i, TRACE)
         # P for this warpgroup's PV from shared memory as well: as a register operand its 16 registers would be
         # live beside O and the next S, past the 192 that ptxas needs to keep the wgmma pipeline unserialized
-        acc = warpgroup_mma(sP, kL.index(b + z), acc, is_async=True)
+        # (REGP: from registers, issued in _softmax_hand_off)
+        if not REGP:
+            acc = warpgroup_mma(sP, kL.index(b + z), acc, is_async=True)
         nb = 1 - b
+        _stamp(tr, 6, i + 1, TRACE)
         mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
-        fence_async_shared()
+        _stamp(tr, 7, i + 1, TRACE)
+        if CF:  # LEAN: a converted tile was fenced by the producer before its arrival
+            fence_async_shared()
         sc = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)
         # tile b is released as soon as this PV is done (wgmma groups retire in order), not after the next QK:
         # the producer then converts the block after next while that QK runs
         acc = warpgroup_mma_wait(1, deps=(acc, ))
+        _stamp(tr, 8, i, TRACE)
         compat.barrier()  # every warp's reads of tile b are done
         if CL:
             _signal(sig.index(2 * b), free.index(b))
         else:
             mbarrier.arrive(free.index(b), count=1)
         sc = warpgroup_mma_wait(0, deps=(sc, ))
+        _stamp(tr, 4, i + 1, TRACE)
     if n_blocks > 0:
         i = n_blocks - 1
         b = i % 2
         m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
-                                          CL)
-        acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(sP, kL.index(b), acc, is_async=True), ))
+                                          CL, kL.index(b), REGP, BIAS)
+        _stamp(tr, 5, i, TRACE)
+        if not REGP:
+            acc = warpgroup_mma(sP, kL.index(b), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        _stamp(tr, 8, i, TRACE)
         compat.barrier()  # every warp's reads of tile b are done
         if CL:
             _signal(sig.index(2 * b), free.index(b))
@@ -638,11 +774,13 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
                s, g, H, CL)
     heads = g * 64 + gl.arange(0, HM, layout=gl.SliceLayout(1, SL))
     gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
+    _stamp(tr, 10, 0, TRACE)
 
 
 @gluon.jit
 def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr,
-         CL: gl.constexpr):
+         CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True,
+         SPLITF: gl.constexpr = False):
     """Warpgroup 1: PV for output columns 256-511 with warpgroup 0's P and alpha."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
@@ -660,14 +798,18 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
         b = i % 2
         z = i // (n_blocks + 1)  # == 0; see _wg0
         mbarrier.wait(ready.index(b), (i // 2) & 1)
+        _stamp(tr, 13, i, TRACE)
         if NAMED:
             named_barrier(P_READY_SYNC)
         else:
             mbarrier.wait(p_ready, i & 1)
-        fence_async_shared()
+        _stamp(tr, 11, i, TRACE)
+        if CF:  # LEAN: P was fenced by warpgroup 0, a converted tile by the producer, before their arrivals
+            fence_async_shared()
         acc = acc * sA.load(OR)[:, None]
         acc = warpgroup_mma(sP, kR.index(b + z), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
+        _stamp(tr, 12, i, TRACE)
         if NAMED:
             if i + 1 < n_blocks:  # (warpgroup 0 syncs once a block: as many arrivals as syncs)
                 named_barrier(P_FREE_ARRIVE)
@@ -676,6 +818,8 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
             mbarrier.arrive(p_free, count=1)
         if CL:
             _signal(sig.index(2 * b + 1), free.index(b))
+        elif SPLITF:
+            mbarrier.arrive(free.index(2 + b), count=1)
         else:
             mbarrier.arrive(free.index(b), count=1)
     mbarrier.wait(l_bar, 0)
@@ -694,7 +838,10 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
                 NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr,
                 B16: gl.constexpr = False, NAMED: gl.constexpr = False, CL: gl.constexpr = False,
-                FUSED: gl.constexpr = False):
+                FUSED: gl.constexpr = False, AHEAD: gl.constexpr = False, HINT: gl.constexpr = False,
+                W128: gl.constexpr = False, TRACE: gl.constexpr = False, EARLY: gl.constexpr = False,
+                LATE: gl.constexpr = False, LEAN: gl.constexpr = False, REGP: gl.constexpr = False,
+                SPLITF: gl.constexpr = False, BIAS: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
     with num_ctas=2) x 128 heads x one split, NG = 1."""
@@ -738,7 +885,8 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     sV = gl.allocate_shared_memory(gl.float32, [2, 64], vecv)
     q_bar = gl.allocate_shared_memory(gl.int64, [NC], bl)
     ready = gl.allocate_shared_memory(gl.int64, [2, NC], bl)
-    free = gl.allocate_shared_memory(gl.int64, [2, NC], bl)
+    # SPLITF: free[b] is warpgroup 0's (kL, kE, the validity), free[2 + b] warpgroup 1's (kR)
+    free = gl.allocate_shared_memory(gl.int64, [4 if SPLITF else 2, NC], bl)
     p_ready = gl.allocate_shared_memory(gl.int64, [NC], bl)
     p_free = gl.allocate_shared_memory(gl.int64, [NC], bl)
     l_bar = gl.allocate_shared_memory(gl.int64, [NC], bl)
@@ -759,6 +907,9 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
             mbarrier.init(ready.index(b), count=1)  # the producer, after a warpgroup barrier
         if CL:
             mbarrier.init(free.index(b), count=1)  # the producer's expect; the bytes of four warpgroups' signals
+        elif SPLITF:
+            mbarrier.init(free.index(b), count=1)
+            mbarrier.init(free.index(2 + b), count=1)
         else:
             mbarrier.init(free.index(b), count=2)   # both consumer warpgroups
     mbarrier.init(p_ready, count=1)
@@ -798,9 +949,14 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
         PR: gl.constexpr = B16_PRODUCER_REGS
     else:
         PR: gl.constexpr = PRODUCER_REGS
-    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL)),
-                        (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL)),
-                        (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL))],
+    # TRACE: the final-out pointer (read by FUSED variants only) carries the trace buffer (``_stamp``)
+    # LEAN: the consumers fence for the async proxy after their in-loop waits only where the writer cannot (cp.async
+    # tiles land after the producer's arrival; st.async tiles come from the partner CTA)
+    CF: gl.constexpr = B16 or CL or not LEAN
+    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, AHEAD, fo_ptr, TRACE, CF, REGP, BIAS)),
+                        (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, SPLITF)),
+                        (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT, W128,
+                                     fo_ptr, TRACE, EARLY, LATE, SPLITF, BIAS))],
                        [4, 4], [WG1_REGS, PR])
     if CL:
         # neither CTA exits while the other may still send to it (Triton 3.9 adds this barrier itself, 3.8 not)
@@ -822,13 +978,34 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 # each at launch (warpgroup 0: 208 after setmaxnreg, warpgroup 1: 160, the producer: 136).
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
-         has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False) -> dict:
+         has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False,
+         ahead: bool = False, l2_hint: bool = False, rows128: bool = False, trace: bool = False,
+         early: bool = False, late_next: bool = False, lean_fences: bool = False, reg_p: bool = False,
+         split_free: bool = False, bias_mask: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
-    1.  ``fused`` as in ``few.meta`` (not with ``cluster``)."""
+    1.  ``fused`` as in ``few.meta`` (not with ``cluster``).
+
+    Opt-in variants the plan does not choose (an A/B on the H200 decides; CHANGELOG): ``ahead`` (the next QK before
+    the softmax), ``l2_hint`` (the producer's loads with FlashMLA's L2 prefetch hint), ``rows128`` (bf16 rows in
+    128-byte row segments), ``early`` (every value piece's loads before the producer's free wait), ``late_next``
+    (the next block's first pieces after its fence), ``lean_fences`` (the consumers' in-loop proxy fences left to
+    the writers), ``reg_p`` (warpgroup 0's PV from P in registers, before the hand-off), ``split_free`` (each MMA
+    warpgroup frees its own half of a tile), ``bias_mask`` (the row validity as a score bias); ``trace``: the
+    diagnostic build that writes the SM clock at every hand-off into the buffer passed as ``fo_ptr``."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+    if trace and (cluster or fused):
+        raise ValueError("trace: its buffer is the final-out argument, which the 2-CTA and FUSED variants use")
+    if bias_mask and cluster:
+        raise ValueError("bias_mask: the 2-CTA kernel's producers write the validity as 1.0 / 0.0")
+    if split_free and cluster:
+        raise ValueError("split_free: the 2-CTA kernel frees a tile by its consumers' signals")
+    if reg_p and (ahead or cluster):
+        raise ValueError("reg_p: built for the default order of one CTA")
+    if cluster and ahead:
+        raise ValueError("ahead: the 2-CTA kernel keeps the default order")
     if cluster and fused:
         raise ValueError("fused: the 2-CTA kernel merges its splits by the combine kernel")
     if cluster and (kind == "bf16" or num_groups != 1 or named):
@@ -838,7 +1015,10 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     m = dict(BPT=bytes_per_row, ROPE=rope_dim, SCALE_OFF=scale_offset if ds or fp4 else 0,
              ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
              FP4=fp4, B16=kind == "bf16", NAMED=named, CL=bool(cluster), num_warps=4, maxnreg=168,
-             enable_fp_fusion=True, **fused_meta(fused))
+             enable_fp_fusion=True, AHEAD=bool(ahead), HINT=bool(l2_hint), W128=bool(rows128),
+             TRACE=bool(trace), EARLY=bool(early),
+             LATE=bool(late_next), LEAN=bool(lean_fences), REGP=bool(reg_p),
+             SPLITF=bool(split_free), BIAS=bool(bias_mask), **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m
