@@ -82,9 +82,9 @@ FUSED_KERNELS = ("sm90-few", "sm90-conv", "sm90-bf16")
 # The name under which a FUSED variant that did not build is recorded among the unavailable kernels: its kernel
 # keeps serving, with the combine kernel.
 FUSED_COMBINE = "fused-combine"
-# Whether a split plan merges in the kernel by default (``fused_combine=None``).  Off until a run on the H200 with
-# the peers in the same process shows it no slower on the GPU than the combine kernel: it saves one launch of
-# host time a call (docs/design/dispatch.md); ``fused_combine=True`` asks for it.
+# Whether a split plan merges in the kernel by default (``fused_combine=None``).  Off: it saves one launch of host
+# time a call (H100, b 1: 16.3 against 22.6 us) but costs GPU time (graph replay 19.4 against 16.4 us;
+# docs/design/dispatch.md); ``fused_combine=True`` asks for it.
 FUSED_COMBINE_DEFAULT = False
 
 # Row kinds: a format's name, or "staged" (FP8 rows gathered per query, [T, K, D]).
