@@ -14,7 +14,7 @@ kernel             rows                                        takes a call when
                                                                tokens x ceil(H / 16) programs fit in
                                                                ``FEW_WAVES[kind]`` waves of one per SM
 ``sm90-conv``      fp8, fp8_ds_mla, nvfp4_ds_mla (rope, NoPE)  sm_90, H > 32 otherwise (64 heads a program, a
-                   and bf16 (H <= 64, one wave)                converting producer warpgroup, 16-byte aligned q;
+                   and bf16 (H <= 128, T <= SMs)               converting producer warpgroup, 16-byte aligned q;
                                                                not in the FP8-QK mode)
 ``sm90-cluster``   fp8, fp8_ds_mla, nvfp4_ds_mla (rope, NoPE)  only when asked for (``kernel="sm90-cluster"``):
                                                                sm_90, 65-128 heads, Triton >= 3.8; sm90-conv as
@@ -23,7 +23,7 @@ kernel             rows                                        takes a call when
 ``sm90-wide``      fp8, fp8_ds_mla                             sm_90, H > 32 in the FP8-QK mode or with q rows
                                                                not 16-byte aligned (64 heads a program)
 ``sm90-bf16``      bf16 (cache or prefill workspace)           sm_90, H > 32 (64 heads a program); sm90-conv
-                                                               takes H <= 64 and T <= the SM count
+                                                               takes H <= 128 and T <= the SM count
 ``portable-wide``  every kind                                  H >= ``WIDE_MIN_HEADS[kind]`` (33; nvfp4 17)
 ``portable-fp8``   fp8, staged fp8, fp8_ds_mla                 fewer heads (16-32 heads a program)
 ``portable-nvfp4`` nvfp4_ds_mla                                fewer heads
@@ -69,11 +69,12 @@ CLUSTER_HEADS = (65, 128)
 CLUSTER_MIN_TRITON = (3, 8)
 # Kernels the plan takes only when asked for (``kernel=``), never by itself.
 FORCED_ONLY = ("sm90-cluster",)
-# bf16 rows: sm90-conv (a producer keeping two whole 64-row blocks in flight) where a call is one wave of 64-head
-# programs, each streaming its own rows from memory (decode); sm90-bf16 (both warpgroups on QK, a pair of blocks at a
-# time) beyond.  H200, one process: D-h64 (b 128) 132.5 us against 162.7 (NoPE rows 132.7 against 151.4); D-h128
-# 249.3 against 244.3 (NoPE 241.6 against 217.9); prefill P-h64 (4,096 tokens) 2,719 against 2,308.
-CONV_BF16_MAX_HEADS = 64
+# bf16 rows: sm90-conv (a producer keeping two whole 64-row blocks in flight, gathering 128-byte row segments) where
+# a call has at most one token per SM, each program streaming its own rows from memory (decode); sm90-bf16 (both
+# warpgroups on QK, a pair of blocks at a time) beyond, where rows repeat from L2 (prefill).  H100, one process,
+# b 128: D-h64 123 us against 149, D-h128 169 against 240 (FlashInfer 122 / 159); before the 128-byte gather (H200):
+# D-h128 249.3 against 244.3, prefill P-h64 (4,096 tokens) 2,719 against 2,308.
+CONV_BF16_MAX_HEADS = 128
 
 # Kernels with a FUSED variant: the split partials merged by the kernel's own programs after a grid barrier, in a
 # cooperative launch (every program resident at once: the plan fuses only a grid of at most one program per SM).
@@ -246,7 +247,7 @@ def _why_not(kernel, kind, num_tokens, num_heads, num_sms, capability, interpret
 def _auto_why_not(kernel: str, kind: str, num_tokens: int, num_heads: int, num_sms: int,
                   fp8_qk: bool) -> Optional[str]:
     """Why the plan does not choose ``kernel`` by itself for a call it can serve (None: it may).  sm90-conv:
-    :data:`CONV_AUTO_KINDS`, and bf16 rows within :data:`CONV_BF16_MAX_HEADS` heads and one wave of programs;
+    :data:`CONV_AUTO_KINDS`, and bf16 rows within :data:`CONV_BF16_MAX_HEADS` heads and one token per SM;
     never in the FP8-QK mode."""
     if kernel in FORCED_ONLY:
         return f"it is measured slower than sm90-conv (docs/design/kernels.md); kernel={kernel!r} forces it"
@@ -260,7 +261,7 @@ def _auto_why_not(kernel: str, kind: str, num_tokens: int, num_heads: int, num_s
         if num_heads <= CONV_BF16_MAX_HEADS and num_tokens <= num_sms:
             return None
         return (f"it takes bf16 rows by itself only up to {CONV_BF16_MAX_HEADS} heads and {num_sms} tokens "
-                f"(one wave); kernel='sm90-conv' forces it")
+                f"(one per SM); kernel='sm90-conv' forces it")
     return f"it serves {kind} rows only when asked for (kernel={kernel!r})"
 
 
@@ -341,8 +342,8 @@ _WHY = {
     "sm90-cluster": ("e4m3 / fp8_ds_mla / e2m1 rows on Hopper at 65-128 heads, asked for: sm90-conv as a cluster of "
                      "two CTAs (64 heads each) whose producers each convert half of every block's rows into both "
                      "CTAs' tiles"),
-    "sm90-conv": ("e4m3 / fp8_ds_mla / e2m1 rows on Hopper above 32 heads (bf16 rows at 33-64 heads, one wave): a "
-                  "producer warpgroup converts (or copies) each row once into a 16-bit tile, the MMA warpgroups run "
+    "sm90-conv": ("e4m3 / fp8_ds_mla / e2m1 rows on Hopper above 32 heads (bf16 rows at 33-128 heads, one token "
+                  "per SM): a producer warpgroup converts (or copies) each row once into a 16-bit tile, the MMA warpgroups run "
                   "on it (64 heads a program)"),
 }
 

@@ -168,6 +168,27 @@ def test_meta_takes_offsets_from_the_layout_and_rejects_what_a_kernel_cannot_rea
                   has_valid_counts=False)
 
 
+def test_conv_meta_takes_each_kinds_tuned_producer_options():
+    """conv.meta's producer options: None takes the kind's conv.TUNED entry, an explicit value wins, the 2-CTA
+    kernel takes none of them (its producer has its own loop)."""
+    common = dict(rope_dim=64, num_groups=1, has_valid_counts=False)
+    rows = {"bf16": (1152, 1024, -1), "fp8": (576, 512, -1), "fp8_ds_mla": (656, 512, 528),
+            "nvfp4_ds_mla": (352, 256, 320)}
+    flags = dict(l2_hint="HINT", rows128="W128", early="EARLY", late_next="LATE", lean_fences="LEAN")
+    for kind, (bpr, rope_off, scale_off) in rows.items():
+        args = dict(kind=kind, bytes_per_row=bpr, rope_offset=rope_off, scale_offset=scale_off, **common)
+        m = conv.meta(**args)
+        assert {f for f, c in flags.items() if m[c]} == set(conv.TUNED[kind]), kind
+        off = conv.meta(**args, **{f: False for f in flags})
+        assert not any(off[c] for c in flags.values()), kind
+        if kind != "bf16":
+            cl = conv.meta(**args, cluster=True)
+            assert not any(cl[c] for c in flags.values()), kind
+    assert conv.TUNED["bf16"] == {"rows128": True}
+    assert conv.TUNED["nvfp4_ds_mla"] == {"l2_hint": True}
+    assert conv.TUNED["fp8"] == conv.TUNED["fp8_ds_mla"] == {"early": True, "late_next": True, "lean_fences": True}
+
+
 def test_compat_names_exist_on_this_release():
     assert all(callable(f) for f in (compat.barrier, compat.async_load, compat.reinterpret))
 

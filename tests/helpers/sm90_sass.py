@@ -71,14 +71,15 @@ def _variants():
             v[f"bf16-{fid}-rows128"] = ("bf16", "bf16_kernel", SIG, bf16.meta(
                 bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, num_groups=2, has_valid_counts=True,
                 rows128=True))
-        if fid in ("bf16", "bf16-nope"):  # conv's bf16 gather, 128 contiguous bytes of 4 rows a warp instruction
-            v[f"conv-{fid}-rows128"] = ("conv", "conv_kernel", SIG_K, conv.meta(
+        if fid in ("bf16", "bf16-nope"):  # conv's bf16 gather in 64 contiguous bytes of 8 rows (not its default)
+            v[f"conv-{fid}-rows64"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
-                num_groups=2, has_valid_counts=True, rows128=True))
-        if fid in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla"):  # conv's producer loads with an L2 prefetch hint
-            v[f"conv-{fid}-hint"] = ("conv", "conv_kernel", SIG_K, conv.meta(
+                num_groups=2, has_valid_counts=True, rows128=False))
+        if fid in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla"):  # conv's producer loads with an L2 prefetch hint, or for
+            hint = fid != "nvfp4_ds_mla"                   # nvfp4 (whose default has it) without
+            v[f"conv-{fid}-{'hint' if hint else 'nohint'}"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
-                num_groups=2, has_valid_counts=True, l2_hint=True))
+                num_groups=2, has_valid_counts=True, l2_hint=hint))
         if fid in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla"):  # conv's producer with every piece's loads before its wait
             v[f"conv-{fid}-early"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
