@@ -29,9 +29,11 @@ HOPPER_SMEM = 232448  # bytes of shared memory one block may use on sm_90 (227 K
 # measured.  The pair kernel (bf16): 64 / 64 / 80-104 since its vector hand-offs arrive per thread (publish()).
 STACK = {
     "3.6": {"bf16": 64, "few": 0, "wide": 88, "wide-fp8qk": 128, "conv": 32, "conv-ahead": 64, "conv-early": 0, "conv-regp": 16},
-    "3.8": {"bf16": 64, "few": 16, "wide": 96, "wide-fp8qk": 144, "conv": 0, "conv-ahead": 32, "conv-early": 32, "conv-regp": 0},
-    "3.9": {"bf16": 104, "few": 0, "wide": 160, "wide-fp8qk": 216, "conv": 144, "conv-ahead": 80, "conv-early": 152, "conv-regp": 200},
+    "3.8": {"bf16": 64, "few": 16, "wide": 96, "wide-fp8qk": 144, "conv": 24, "conv-ahead": 40, "conv-early": 32, "conv-regp": 0},
+    "3.9": {"bf16": 104, "few": 0, "wide": 160, "wide-fp8qk": 216, "conv": 144, "conv-ahead": 88, "conv-early": 152, "conv-regp": 200},
 }
+# conv with each kind's tuned producer options (conv.TUNED): on 3.8 fp8_ds_mla NoPE rows spill 24 bytes with early +
+# late_next (0 without), and the ahead order 40 (32 before); on 3.9 the ahead order 88 (80).
 # conv-ahead: warpgroup 0 with two score tiles live (meta(ahead=True)); at 208 registers the quantized kinds spill
 # 16-80 bytes, the bf16 kind (256 registers) none.  conv-early: the producer with a fourth piece's words in flight
 # across its free wait, the next block's loaded after its fence, the consumers' in-loop fences left to the writers
