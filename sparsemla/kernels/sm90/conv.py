@@ -679,8 +679,7 @@ def _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, k
 @gluon.jit
 def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
          NAMED: gl.constexpr, CL: gl.constexpr, AHEAD: gl.constexpr = False, tr=None, TRACE: gl.constexpr = False,
-         CF: gl.constexpr = True, REGP: gl.constexpr = False, BIAS: gl.constexpr = False,
-         FREEL: gl.constexpr = False):
+         CF: gl.constexpr = True, REGP: gl.constexpr = False, BIAS: gl.constexpr = False):
     """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse.  AHEAD: the
     next block's QK is issued before this block's softmax (it runs on the tensor cores while the softmax runs on
     the other units), not behind this block's PV; two score tiles are live at once."""
@@ -739,11 +738,10 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         if CF:  # LEAN: a converted tile was fenced by the producer before its arrival
             fence_async_shared()
         sc = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)
-        # tile b is released as soon as this PV is done, not after the next QK: the producer then converts the
-        # block after next while that QK runs.  wgmma groups retire in order and each of the QK's two or three
-        # wgmma (kL, kR, the rope) is a group of its own: the PV is done once at most that many are outstanding
-        # (waiting for one would hold the tile until the QK's kL and kR parts are done too)
-        acc = warpgroup_mma_wait(1 if FREEL else (3 if ROPE else 2), deps=(acc, ))
+        # tile b is released once this PV and the next QK's kL and kR parts are done (wgmma groups retire in order,
+        # and each of the QK's wgmma is a group of its own).  Releasing it after the PV alone (waiting with the
+        # QK's two or three groups outstanding) measured no faster (CHANGELOG).
+        acc = warpgroup_mma_wait(1, deps=(acc, ))
         _stamp(tr, 8, i, TRACE)
         compat.barrier()  # every warp's reads of tile b are done
         if CL:
@@ -844,7 +842,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 FUSED: gl.constexpr = False, AHEAD: gl.constexpr = False, HINT: gl.constexpr = False,
                 W128: gl.constexpr = False, TRACE: gl.constexpr = False, EARLY: gl.constexpr = False,
                 LATE: gl.constexpr = False, LEAN: gl.constexpr = False, REGP: gl.constexpr = False,
-                SPLITF: gl.constexpr = False, BIAS: gl.constexpr = False, FREEL: gl.constexpr = False):
+                SPLITF: gl.constexpr = False, BIAS: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
     with num_ctas=2) x 128 heads x one split, NG = 1."""
@@ -956,7 +954,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     # LEAN: the consumers fence for the async proxy after their in-loop waits only where the writer cannot (cp.async
     # tiles land after the producer's arrival; st.async tiles come from the partner CTA)
     CF: gl.constexpr = B16 or CL or not LEAN
-    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, AHEAD, fo_ptr, TRACE, CF, REGP, BIAS, FREEL)),
+    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, AHEAD, fo_ptr, TRACE, CF, REGP, BIAS)),
                         (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, SPLITF)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT, W128,
                                      fo_ptr, TRACE, EARLY, LATE, SPLITF, BIAS))],
@@ -980,23 +978,21 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 # 12 warps, 168 registers
 # each at launch (warpgroup 0: 208 after setmaxnreg, warpgroup 1: 160, the producer: 136).
 
-# The producer variants each row kind takes by default (one CTA; the 2-CTA kernel has its own producer), chosen by
-# an A/B of every variant in one process beside the peers (H100, b 128, 64 and 128 heads, graph replay, L2 flushed;
-# CHANGELOG): bf16 rows gathered in 128-byte row segments (123 / 169 us against 149 / 249 at 64 / 128 heads);
-# nvfp4 loads with the L2 prefetch hint (114 / 207 against 119 / 225); fp8 and fp8_ds_mla rows with every value
-# piece in flight before the free wait, the next block's first pieces after the fence and no consumer-side proxy
-# fences (fp8 108 / 201 against 112 / 204; fp8_ds_mla 121 / 219 against 123 / 222).  The same options on the other
-# kinds measured slower (the hint on fp8 rows: 144 / 265; early + late on nvfp4 at 128 heads: 245).
-TUNED = {"bf16": dict(rows128=True), "nvfp4_ds_mla": dict(l2_hint=True),
-         "fp8": dict(early=True, late_next=True, lean_fences=True),
-         "fp8_ds_mla": dict(early=True, late_next=True, lean_fences=True)}
+# The producer variants each row kind takes by default (one CTA; the 2-CTA kernel has its own producer), from an
+# A/B of every variant in one process beside the peers (H100, b 128, 64 and 128 heads, graph replay, L2 flushed;
+# CHANGELOG): bf16 rows gathered in 128-byte row segments, 123 / 169 us against 149 / 249 at 64 / 128 heads.
+# Measured faster too, not yet default (the sm90-conv GPU suite has not yet passed with them as defaults): nvfp4
+# loads with the L2 prefetch hint (114 / 207 against 119 / 225); fp8 and fp8_ds_mla rows with early + late_next +
+# lean_fences (fp8 108 / 201 against 112 / 204; fp8_ds_mla 121 / 219 against 123 / 222).  The hint on fp8 rows
+# measured slower (144 / 265), early + late on nvfp4 at 128 heads too (245).
+TUNED = {"bf16": dict(rows128=True)}
 
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
          has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False,
          ahead: bool = False, l2_hint: bool | None = None, rows128: bool | None = None, trace: bool = False,
          early: bool | None = None, late_next: bool | None = None, lean_fences: bool | None = None,
-         reg_p: bool = False, split_free: bool = False, bias_mask: bool = False, free_late: bool = False) -> dict:
+         reg_p: bool = False, split_free: bool = False, bias_mask: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
@@ -1008,9 +1004,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     pieces after its fence), ``lean_fences`` (the consumers' in-loop proxy fences left to the writers).
     Opt-in variants that measured slower (CHANGELOG): ``ahead`` (the next QK before the softmax), ``reg_p``
     (warpgroup 0's PV from P in registers, before the hand-off), ``split_free`` (each MMA warpgroup frees its own
-    half of a tile), ``bias_mask`` (the row validity as a score bias), ``free_late`` (a tile released only once
-    the next QK's kL and kR parts are done too, as before); ``trace``: the diagnostic build that writes the SM
-    clock at every hand-off into the buffer passed as ``fo_ptr``."""
+    half of a tile), ``bias_mask`` (the row validity as a score bias); ``trace``: the diagnostic build that writes
+    the SM clock at every hand-off into the buffer passed as ``fo_ptr``."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     tuned = {} if cluster else TUNED.get(kind, {})
@@ -1039,7 +1034,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
              enable_fp_fusion=True, AHEAD=bool(ahead), HINT=bool(l2_hint), W128=bool(rows128),
              TRACE=bool(trace), EARLY=bool(early),
              LATE=bool(late_next), LEAN=bool(lean_fences), REGP=bool(reg_p),
-             SPLITF=bool(split_free), BIAS=bool(bias_mask), FREEL=bool(free_late), **fused_meta(fused))
+             SPLITF=bool(split_free), BIAS=bool(bias_mask), **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m
