@@ -200,13 +200,17 @@ def test_conv_l2_hint_matches_reference(fmt, heads, topk, splits):
     (64, 2048, 1, dict(split_free=True)), (96, 2051, 3, dict(split_free=True, ahead=True)),
     (128, 320, 2, dict(split_free=True, reg_p=True, early=True, late_next=True, lean_fences=True)),
     (33, 64, 1, dict(bias_mask=True)), (96, 2051, 3, dict(bias_mask=True, ahead=True)),
-    (64, 2048, 1, dict(bias_mask=True, split_free=True, reg_p=True, early=True, late_next=True, lean_fences=True))])
+    (64, 2048, 1, dict(bias_mask=True, split_free=True, reg_p=True, early=True, late_next=True, lean_fences=True)),
+    (64, 2048, 1, dict(idx_ahead=True)), (33, 64, 1, dict(idx_ahead=True)), (96, 2051, 3, dict(idx_ahead=True)),
+    (128, 320, 2, dict(idx_ahead=True, early=True, late_next=True, lean_fences=True)),
+    (96, 2051, 3, dict(idx_ahead=True, l2_hint=True))])
 def test_conv_early_loads_match_reference(fmt, heads, topk, splits, options):
     """Every value piece's loads issued before the producer's free wait (``conv.meta(early=True)``), the next
     block's first pieces loaded after its fence (``late_next=True``), the consumers' in-loop proxy fences left to
     the writers (``lean_fences=True``), warpgroup 0's PV from P in registers before the hand-off (``reg_p=True``),
     each MMA warpgroup freeing its half of a tile (``split_free=True``), the row validity as a score bias
-    (``bias_mask=True``), alone, together and with the ahead order: one block, odd block counts, splits, head counts that are not a
+    (``bias_mask=True``), the rows looked up two blocks ahead (``idx_ahead=True``), alone, together and with the
+    ahead order: one block, odd block counts, splits, head counts that are not a
     multiple of 64."""
     skip_unless_sm90()
     from sparsemla.kernels.sm90 import conv

@@ -84,6 +84,10 @@ def _variants():
             v[f"conv-{fid}-early"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                 num_groups=2, has_valid_counts=True, early=True, late_next=True, lean_fences=True, bias_mask=True))
+        if fid in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla-nope", "bf16"):  # conv's producer looking rows up two blocks ahead
+            v[f"conv-{fid}-idx2"] = ("conv", "conv_kernel", SIG_K, conv.meta(
+                kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
+                num_groups=2, has_valid_counts=True, idx_ahead=True))
         if fid in ("fp8_ds_mla", "bf16"):  # conv's warpgroup 0 with its PV from P in registers (meta(reg_p=True))
             v[f"conv-{fid}-regp"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,

@@ -419,12 +419,14 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
               DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, B16: gl.constexpr,
               CL: gl.constexpr, HINT: gl.constexpr = False, W128: gl.constexpr = False, tr=None,
               TRACE: gl.constexpr = False, EARLY: gl.constexpr = False, LATE: gl.constexpr = False,
-              SPLITF: gl.constexpr = False, BIAS: gl.constexpr = False):
+              SPLITF: gl.constexpr = False, BIAS: gl.constexpr = False, IDX2: gl.constexpr = False):
     """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run two
     pieces ahead of the conversion: piece P + 2 (after the last value piece: the rope, then the next block's
     first two pieces) is loaded before piece P is converted; the next block's rows are looked up at the start
     of a block.  fp8_ds_mla's bf16 rope needs no conversion: it is copied into the tile by cp.async as soon as
-    the tile is free, and waited for before the tile is published."""
+    the tile is free, and waited for before the tile is published.  IDX2: the rows are looked up two blocks
+    ahead, so that the next block's loads need no index load of their own (one memory latency fewer in the
+    producer's chain a block)."""
     (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K,
      rows_per_split, num_splits, smem,
      bars) = args
@@ -455,7 +457,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     if B16:
         _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE, ROPE_OFF,
-                     W128, tr, TRACE, SPLITF, BIAS)
+                     W128, tr, TRACE, SPLITF, BIAS, IDX2)
     elif CL:
         _convert_blocks_cl(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE,
                            SCALE_OFF, ROPE_OFF, DS, FP4)
@@ -473,9 +475,15 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
         base, valid = _ptrs(block_indices(idx_row, k_begin, k_end, rl), kv_ptr, BPT)
         raw, sc = _load_piece(base, valid, 0, SCALE_OFF, DS, FP4, False, HINT)
         raw1, sc1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4, False, HINT)
+        if IDX2:
+            nidx = block_indices(idx_row, k_begin + 64, k_end, rl)
         for i in range(n_blocks):
             b = i % 2
-            nbase, nvalid = _ptrs(block_indices(idx_row, k_begin + (i + 1) * 64, k_end, rl), kv_ptr, BPT)
+            if IDX2:  # block i + 1's rows were looked up a block ago; block i + 2's now
+                nbase, nvalid = _ptrs(nidx, kv_ptr, BPT)
+                nidx = block_indices(idx_row, k_begin + (i + 2) * 64, k_end, rl)
+            else:
+                nbase, nvalid = _ptrs(block_indices(idx_row, k_begin + (i + 1) * 64, k_end, rl), kv_ptr, BPT)
             raw2, sc2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4, False, HINT)
             if EARLY:  # every value piece in flight before the wait: none of their loads inside free -> ready
                 raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4, False, HINT)
@@ -532,7 +540,8 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
 @gluon.jit
 def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, ready, free, BPT: gl.constexpr,
                  ROPE: gl.constexpr, ROPE_OFF: gl.constexpr, W128: gl.constexpr = False, tr=None,
-                 TRACE: gl.constexpr = False, SPLITF: gl.constexpr = False, BIAS: gl.constexpr = False):
+                 TRACE: gl.constexpr = False, SPLITF: gl.constexpr = False, BIAS: gl.constexpr = False,
+                 IDX2: gl.constexpr = False):
     """bf16 rows: each 64-row block copied into tile i % 2 by cp.async as it is (no conversion).  The producer
     does not wait for its copies: each thread's cp.async arrival on ready[b] fires when that thread's copies have
     landed, so the next block's copies are issued as soon as its tile is free and both tiles can be in flight.
@@ -546,9 +555,15 @@ def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, read
         lay: gl.constexpr = L_B16
     rl: gl.constexpr = gl.SliceLayout(1, lay)
     base, valid = _ptrs(block_indices(idx_row, k_begin, k_end, rl), kv_ptr, BPT)
+    if IDX2:
+        nidx = block_indices(idx_row, k_begin + 64, k_end, rl)
     for i in range(n_blocks):
         b = i % 2
-        nbase, nvalid = _ptrs(block_indices(idx_row, k_begin + (i + 1) * 64, k_end, rl), kv_ptr, BPT)
+        if IDX2:  # block i + 1's rows were looked up a block ago; block i + 2's now
+            nbase, nvalid = _ptrs(nidx, kv_ptr, BPT)
+            nidx = block_indices(idx_row, k_begin + (i + 2) * 64, k_end, rl)
+        else:
+            nbase, nvalid = _ptrs(block_indices(idx_row, k_begin + (i + 1) * 64, k_end, rl), kv_ptr, BPT)
         rows = base.to(gl.pointer_type(gl.bfloat16))
         mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
         _stamp(tr, 0, i, TRACE)
@@ -842,7 +857,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 FUSED: gl.constexpr = False, AHEAD: gl.constexpr = False, HINT: gl.constexpr = False,
                 W128: gl.constexpr = False, TRACE: gl.constexpr = False, EARLY: gl.constexpr = False,
                 LATE: gl.constexpr = False, LEAN: gl.constexpr = False, REGP: gl.constexpr = False,
-                SPLITF: gl.constexpr = False, BIAS: gl.constexpr = False):
+                SPLITF: gl.constexpr = False, BIAS: gl.constexpr = False, IDX2: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
     with num_ctas=2) x 128 heads x one split, NG = 1."""
@@ -957,7 +972,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, AHEAD, fo_ptr, TRACE, CF, REGP, BIAS)),
                         (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, SPLITF)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT, W128,
-                                     fo_ptr, TRACE, EARLY, LATE, SPLITF, BIAS))],
+                                     fo_ptr, TRACE, EARLY, LATE, SPLITF, BIAS, IDX2))],
                        [4, 4], [WG1_REGS, PR])
     if CL:
         # neither CTA exits while the other may still send to it (Triton 3.9 adds this barrier itself, 3.8 not)
@@ -992,7 +1007,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
          has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False,
          ahead: bool = False, l2_hint: bool | None = None, rows128: bool | None = None, trace: bool = False,
          early: bool | None = None, late_next: bool | None = None, lean_fences: bool | None = None,
-         reg_p: bool = False, split_free: bool = False, bias_mask: bool = False) -> dict:
+         reg_p: bool = False, split_free: bool = False, bias_mask: bool = False, idx_ahead: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
@@ -1004,7 +1019,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     pieces after its fence), ``lean_fences`` (the consumers' in-loop proxy fences left to the writers).
     Opt-in variants that measured slower (CHANGELOG): ``ahead`` (the next QK before the softmax), ``reg_p``
     (warpgroup 0's PV from P in registers, before the hand-off), ``split_free`` (each MMA warpgroup frees its own
-    half of a tile), ``bias_mask`` (the row validity as a score bias); ``trace``: the diagnostic build that writes
+    half of a tile), ``bias_mask`` (the row validity as a score bias).  Not yet measured: ``idx_ahead`` (the
+    producer looks the rows up two blocks ahead, not one).  ``trace``: the diagnostic build that writes
     the SM clock at every hand-off into the buffer passed as ``fo_ptr``."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
@@ -1022,6 +1038,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
         raise ValueError("reg_p: built for the default order of one CTA")
     if cluster and ahead:
         raise ValueError("ahead: the 2-CTA kernel keeps the default order")
+    if cluster and idx_ahead:
+        raise ValueError("idx_ahead: the 2-CTA kernel's producers have a loop of their own")
     if cluster and fused:
         raise ValueError("fused: the 2-CTA kernel merges its splits by the combine kernel")
     if cluster and (kind == "bf16" or num_groups != 1 or named):
@@ -1034,7 +1052,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
              enable_fp_fusion=True, AHEAD=bool(ahead), HINT=bool(l2_hint), W128=bool(rows128),
              TRACE=bool(trace), EARLY=bool(early),
              LATE=bool(late_next), LEAN=bool(lean_fences), REGP=bool(reg_p),
-             SPLITF=bool(split_free), BIAS=bool(bias_mask), **fused_meta(fused))
+             SPLITF=bool(split_free), BIAS=bool(bias_mask), IDX2=bool(idx_ahead), **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m
