@@ -28,10 +28,12 @@ HOPPER_SMEM = 232448  # bytes of shared memory one block may use on sm_90 (227 K
 # first MMA warpgroup builds a wgmma op's shared-memory descriptors in registers up front (docs/design/kernels.md),
 # measured.  The pair kernel (bf16): 64 / 64 / 80-104 since its vector hand-offs arrive per thread (publish()).
 STACK = {
-    "3.6": {"bf16": 64, "few": 0, "wide": 88, "wide-fp8qk": 128, "conv": 32, "conv-ahead": 64, "conv-early": 0, "conv-regp": 16},
-    "3.8": {"bf16": 64, "few": 16, "wide": 96, "wide-fp8qk": 144, "conv": 0, "conv-ahead": 32, "conv-early": 32, "conv-regp": 0},
-    "3.9": {"bf16": 104, "few": 0, "wide": 160, "wide-fp8qk": 216, "conv": 144, "conv-ahead": 80, "conv-early": 152, "conv-regp": 200},
+    "3.6": {"bf16": 64, "few": 0, "wide": 88, "wide-fp8qk": 128, "conv": 32, "conv-ahead": 64, "conv-early": 0, "conv-regp": 16, "conv-idx2": 16},
+    "3.8": {"bf16": 64, "few": 16, "wide": 96, "wide-fp8qk": 144, "conv": 0, "conv-ahead": 32, "conv-early": 32, "conv-regp": 0, "conv-idx2": 8},
+    "3.9": {"bf16": 104, "few": 0, "wide": 160, "wide-fp8qk": 216, "conv": 144, "conv-ahead": 80, "conv-early": 152, "conv-regp": 200, "conv-idx2": 128},
 }
+# conv-idx2: the producer holding the next block's indices as well (meta(idx_ahead=True)): fp8_ds_mla's spills
+# 16 / 8 / 120 bytes on 3.6 / 3.8 / 3.9, plain fp8 128 on 3.9.
 # With early + late_next + lean_fences as fp8 / fp8_ds_mla defaults (not yet: conv.TUNED), 3.8 spilled 24 bytes on
 # fp8_ds_mla NoPE rows and 40 in the ahead order, 3.9 88 in the ahead order.
 # conv-ahead: warpgroup 0 with two score tiles live (meta(ahead=True)); at 208 registers the quantized kinds spill
@@ -45,7 +47,7 @@ STACK = {
 
 def _stack_limit(name):
     family = name.split("-")[0] + ("-fp8qk" if name.startswith("wide") and name.endswith("-fp8qk") else "")
-    for suffix in ("-ahead", "-early", "-regp"):
+    for suffix in ("-ahead", "-early", "-regp", "-idx2"):
         family += suffix if name.endswith(suffix) else ""
     release = ".".join(triton.__version__.split(".")[:2])
     if release in STACK and family in STACK[release]:
