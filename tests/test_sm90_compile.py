@@ -28,26 +28,20 @@ HOPPER_SMEM = 232448  # bytes of shared memory one block may use on sm_90 (227 K
 # first MMA warpgroup builds a wgmma op's shared-memory descriptors in registers up front (docs/design/kernels.md),
 # measured.  The pair kernel (bf16): 64 / 64 / 80-104 since its vector hand-offs arrive per thread (publish()).
 STACK = {
-    "3.6": {"bf16": 64, "few": 0, "wide": 88, "wide-fp8qk": 128, "conv": 32, "conv-ahead": 64, "conv-early": 0, "conv-regp": 16, "conv-idx2": 16},
-    "3.8": {"bf16": 64, "few": 16, "wide": 96, "wide-fp8qk": 144, "conv": 0, "conv-ahead": 32, "conv-early": 32, "conv-regp": 0, "conv-idx2": 8},
-    "3.9": {"bf16": 104, "few": 0, "wide": 160, "wide-fp8qk": 216, "conv": 144, "conv-ahead": 80, "conv-early": 152, "conv-regp": 200, "conv-idx2": 128},
+    "3.6": {"bf16": 64, "few": 0, "wide": 88, "wide-fp8qk": 128, "conv": 32, "conv-early": 0, "conv-idx2": 16},
+    "3.8": {"bf16": 64, "few": 16, "wide": 96, "wide-fp8qk": 144, "conv": 0, "conv-early": 32, "conv-idx2": 8},
+    "3.9": {"bf16": 104, "few": 0, "wide": 160, "wide-fp8qk": 216, "conv": 144, "conv-early": 152, "conv-idx2": 128},
 }
-# conv-idx2: the producer holding the next block's indices as well (meta(idx_ahead=True)): fp8_ds_mla's spills
-# 16 / 8 / 120 bytes on 3.6 / 3.8 / 3.9, plain fp8 128 on 3.9.
-# With early + late_next + lean_fences as fp8 / fp8_ds_mla defaults (not yet: conv.TUNED), 3.8 spilled 24 bytes on
-# fp8_ds_mla NoPE rows and 40 in the ahead order, 3.9 88 in the ahead order.
-# conv-ahead: warpgroup 0 with two score tiles live (meta(ahead=True)); at 208 registers the quantized kinds spill
-# 16-80 bytes, the bf16 kind (256 registers) none.  conv-early: the producer with a fourth piece's words in flight
-# across its free wait, the next block's loaded after its fence, the consumers' in-loop fences left to the writers
-# and the validity as a score bias (meta(early=True, late_next=True, lean_fences=True, bias_mask=True)): 0 bytes on
-# 3.6 and 3.8, 128-152 on 3.9.  conv-regp:
-# warpgroup 0's PV from P in registers, each MMA warpgroup freeing its half of a tile (meta(reg_p=True,
-# split_free=True)): its 16 registers beside O and S; 192-216 bytes on 3.9.
+# conv-early: the producer with a fourth piece's words in flight across its free wait, the next block's loaded
+# after its fence, the consumers' in-loop fences left to the writers (meta(early=True, late_next=True,
+# lean_fences=True)); as fp8 / fp8_ds_mla defaults 3.8 spilled 24 bytes on fp8_ds_mla NoPE rows.  conv-idx2: the
+# producer holding the next block's indices as well (meta(idx_ahead=True)): fp8_ds_mla's spills 16 / 8 / 120 bytes
+# on 3.6 / 3.8 / 3.9, plain fp8 128 on 3.9.
 
 
 def _stack_limit(name):
     family = name.split("-")[0] + ("-fp8qk" if name.startswith("wide") and name.endswith("-fp8qk") else "")
-    for suffix in ("-ahead", "-early", "-regp", "-idx2"):
+    for suffix in ("-early", "-idx2"):
         family += suffix if name.endswith(suffix) else ""
     release = ".".join(triton.__version__.split(".")[:2])
     if release in STACK and family in STACK[release]:

@@ -160,22 +160,8 @@ def test_conv_named_hand_off_matches_reference(fmt, heads, topk, splits):
         check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "bf16-nope", "fp8_ds_mla", "fp8", "nvfp4_ds_mla", "nvfp4_ds_mla-nope"])
-@pytest.mark.parametrize("heads,topk,splits", [(64, 2048, 1), (33, 64, 1), (96, 2051, 3), (128, 320, 2)])
-def test_conv_qk_ahead_matches_reference(fmt, heads, topk, splits):
-    """Warpgroup 0 issuing the next block's QK before this block's softmax (``conv.meta(ahead=True)``): the same
-    checks as the default's (one block, odd block counts, splits, head counts that are not a multiple of 64)."""
-    skip_unless_sm90()
-    from sparsemla.kernels.sm90 import conv
-    k_scale = _k_scale(fmt)
-    c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda",
-                  k_scale=k_scale)
-    with meta_variant(conv, KERNEL, ahead=True):
-        check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
-
-
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8", "fp8-nope", "nvfp4_ds_mla",
-                                 "nvfp4_ds_mla-nope"])
+                                 "nvfp4_ds_mla-nope", "nvfp4_ds_mla-nope-compact"])
 @pytest.mark.parametrize("heads,topk,splits", [(64, 2048, 1), (96, 2051, 3), (128, 320, 2)])
 def test_conv_l2_hint_matches_reference(fmt, heads, topk, splits):
     """The producer's loads through the read-only path with an L2 prefetch hint (``conv.meta(l2_hint=True)``;
@@ -189,29 +175,23 @@ def test_conv_l2_hint_matches_reference(fmt, heads, topk, splits):
         check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8", "nvfp4_ds_mla", "nvfp4_ds_mla-nope", "bf16"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8_ds_mla-nope-compact", "fp8", "nvfp4_ds_mla",
+                                 "nvfp4_ds_mla-nope", "nvfp4_ds_mla-nope-compact", "bf16"])
 @pytest.mark.parametrize("heads,topk,splits,options", [
     (64, 2048, 1, dict(early=True)), (33, 64, 1, dict(early=True)), (96, 2051, 3, dict(early=True, late_next=True)),
-    (128, 320, 2, dict(early=True, ahead=True)), (64, 2048, 1, dict(late_next=True)),
-    (33, 64, 1, dict(early=True, late_next=True, ahead=True)), (64, 2048, 1, dict(lean_fences=True)),
+    (64, 2048, 1, dict(late_next=True)), (64, 2048, 1, dict(lean_fences=True)),
     (96, 2051, 3, dict(early=True, late_next=True, lean_fences=True)),
-    (128, 320, 2, dict(early=True, late_next=True, lean_fences=True, ahead=True)), (64, 2048, 1, dict(reg_p=True)),
-    (96, 2051, 3, dict(reg_p=True, early=True, late_next=True, lean_fences=True)), (33, 64, 1, dict(reg_p=True)),
-    (64, 2048, 1, dict(split_free=True)), (96, 2051, 3, dict(split_free=True, ahead=True)),
-    (128, 320, 2, dict(split_free=True, reg_p=True, early=True, late_next=True, lean_fences=True)),
-    (33, 64, 1, dict(bias_mask=True)), (96, 2051, 3, dict(bias_mask=True, ahead=True)),
-    (64, 2048, 1, dict(bias_mask=True, split_free=True, reg_p=True, early=True, late_next=True, lean_fences=True)),
+    (128, 2048, None, dict(early=True, late_next=True, lean_fences=True)),
+    (64, 2048, 32, dict(early=True, late_next=True, lean_fences=True)),
     (64, 2048, 1, dict(idx_ahead=True)), (33, 64, 1, dict(idx_ahead=True)), (96, 2051, 3, dict(idx_ahead=True)),
     (128, 320, 2, dict(idx_ahead=True, early=True, late_next=True, lean_fences=True)),
     (96, 2051, 3, dict(idx_ahead=True, l2_hint=True))])
 def test_conv_early_loads_match_reference(fmt, heads, topk, splits, options):
     """Every value piece's loads issued before the producer's free wait (``conv.meta(early=True)``), the next
     block's first pieces loaded after its fence (``late_next=True``), the consumers' in-loop proxy fences left to
-    the writers (``lean_fences=True``), warpgroup 0's PV from P in registers before the hand-off (``reg_p=True``),
-    each MMA warpgroup freeing its half of a tile (``split_free=True``), the row validity as a score bias
-    (``bias_mask=True``), the rows looked up two blocks ahead (``idx_ahead=True``), alone, together and with the
-    ahead order: one block, odd block counts, splits, head counts that are not a
-    multiple of 64."""
+    the writers (``lean_fences=True``), the rows looked up two blocks ahead (``idx_ahead=True``), alone and
+    together: one block, odd block counts, splits (one block each at 32), head counts that are not a multiple of
+    64, NoPE rows with and without a rope slot."""
     skip_unless_sm90()
     from sparsemla.kernels.sm90 import conv
     k_scale = _k_scale(fmt)

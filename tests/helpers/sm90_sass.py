@@ -37,7 +37,6 @@ SIG = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "qr_ptr": "*bf1
 SIG_K = dict(list(SIG.items())[:19] + [("k_scale", "fp32")] + list(SIG.items())[19:])
 SIG_SPLIT = dict(SIG, o_ptr="*fp32")  # several splits: fp32 partial outputs
 SIG_K_SPLIT = dict(SIG_K, o_ptr="*fp32")
-AHEAD = ("bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla")
 # FUSED variants (the splits merged in the kernel, common.combine_in_kernel): one per kernel family
 FUSED = {"few-fp8_ds_mla-fused": ("few", "fp8_ds_mla"), "few-nvfp4_ds_mla-fused": ("few", "nvfp4_ds_mla"),
          "conv-nvfp4_ds_mla-fused": ("conv", "nvfp4_ds_mla"), "conv-bf16-fused": ("conv", "bf16"),
@@ -83,19 +82,11 @@ def _variants():
         if fid in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla"):  # conv's producer with every piece's loads before its wait
             v[f"conv-{fid}-early"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
-                num_groups=2, has_valid_counts=True, early=True, late_next=True, lean_fences=True, bias_mask=True))
+                num_groups=2, has_valid_counts=True, early=True, late_next=True, lean_fences=True))
         if fid in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla-nope", "bf16"):  # conv's producer looking rows up two blocks ahead
             v[f"conv-{fid}-idx2"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                 num_groups=2, has_valid_counts=True, idx_ahead=True))
-        if fid in ("fp8_ds_mla", "bf16"):  # conv's warpgroup 0 with its PV from P in registers (meta(reg_p=True))
-            v[f"conv-{fid}-regp"] = ("conv", "conv_kernel", SIG_K, conv.meta(
-                kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
-                num_groups=2, has_valid_counts=True, reg_p=True, split_free=True))
-        if fid in AHEAD:  # conv's warpgroup 0 with the next block's QK issued before the softmax (meta(ahead=True))
-            v[f"conv-{fid}-ahead"] = ("conv", "conv_kernel", SIG_K, conv.meta(
-                kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
-                num_groups=2, has_valid_counts=True, ahead=True))
         for name, (mod, f) in FUSED.items():
             if f == fid:
                 args = dict(bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, num_groups=2,

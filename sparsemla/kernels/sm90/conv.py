@@ -223,14 +223,6 @@ def _load_piece(base, valid, P: gl.constexpr, SCALE_OFF: gl.constexpr, DS: gl.co
 
 
 @gluon.jit
-def _validity(valid, BIAS: gl.constexpr):
-    """A block's row validity as warpgroup 0 reads it from sV: 1.0 / 0.0, or with BIAS the score bias 0 / -inf."""
-    if BIAS:
-        return gl.where(valid, 0.0, float("-inf"))
-    return valid.to(gl.float32)
-
-
-@gluon.jit
 def _store_piece(raw, sc, dst, DS: gl.constexpr, FP4: gl.constexpr):
     """Dequantize a piece (``_load_piece``) and store it into ``dst`` [64, 64] int32 (pairs of the tile's
     16-bit type: a tile slice)."""
@@ -419,7 +411,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
               DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, B16: gl.constexpr,
               CL: gl.constexpr, HINT: gl.constexpr = False, W128: gl.constexpr = False, tr=None,
               TRACE: gl.constexpr = False, EARLY: gl.constexpr = False, LATE: gl.constexpr = False,
-              SPLITF: gl.constexpr = False, BIAS: gl.constexpr = False, IDX2: gl.constexpr = False):
+              IDX2: gl.constexpr = False):
     """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run two
     pieces ahead of the conversion: piece P + 2 (after the last value piece: the rope, then the next block's
     first two pieces) is loaded before piece P is converted; the next block's rows are looked up at the start
@@ -457,7 +449,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     if B16:
         _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE, ROPE_OFF,
-                     W128, tr, TRACE, SPLITF, BIAS, IDX2)
+                     W128, tr, TRACE, IDX2)
     elif CL:
         _convert_blocks_cl(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE,
                            SCALE_OFF, ROPE_OFF, DS, FP4)
@@ -493,7 +485,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
                 _copy_rope_bf16(kEw.index(b), base, valid, ROPE_OFF)  # kEw: the bf16 tile for fp8_ds_mla
             # which rows are valid (1.0 / 0.0), for warpgroup 0's mask: from shared memory, not a global load in
             # its serial chain of QK, softmax and PV
-            sV.index(b).store(_validity(valid, BIAS))
+            sV.index(b).store(valid.to(gl.float32))
             _store_piece(raw, sc, _piece_dst(kLw, kRw, b, 0), DS, FP4)
             if not EARLY:
                 raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4, False, HINT)
@@ -504,8 +496,6 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
                                       ROPE_OFF, FP4, False, HINT)
                 else:
                     rope = _load_rope(base, valid, ROPE_OFF, FP4, False, HINT)
-                if SPLITF:  # kR once warpgroup 1 is done with this tile too
-                    mbarrier.wait(free.index(2 + b), ((i // 2) & 1) ^ 1)
                 _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
                 if not LATE:
                     raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
@@ -516,8 +506,6 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
             else:
                 if not LATE:
                     raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
-                if SPLITF:  # kR (and the rope) once warpgroup 1 is done with this tile too
-                    mbarrier.wait(free.index(2 + b), ((i // 2) & 1) ^ 1)
                 _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
                 if not LATE:
                     raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4, False, HINT)
@@ -540,8 +528,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
 @gluon.jit
 def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, ready, free, BPT: gl.constexpr,
                  ROPE: gl.constexpr, ROPE_OFF: gl.constexpr, W128: gl.constexpr = False, tr=None,
-                 TRACE: gl.constexpr = False, SPLITF: gl.constexpr = False, BIAS: gl.constexpr = False,
-                 IDX2: gl.constexpr = False):
+                 TRACE: gl.constexpr = False, IDX2: gl.constexpr = False):
     """bf16 rows: each 64-row block copied into tile i % 2 by cp.async as it is (no conversion).  The producer
     does not wait for its copies: each thread's cp.async arrival on ready[b] fires when that thread's copies have
     landed, so the next block's copies are issued as soon as its tile is free and both tiles can be in flight.
@@ -568,14 +555,12 @@ def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, read
         mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
         _stamp(tr, 0, i, TRACE)
         copy_rows(kL.index(b), rows, 0, 256, valid, lay)
-        if SPLITF:  # kR (and kE) once warpgroup 1 is done with this tile too
-            mbarrier.wait(free.index(2 + b), ((i // 2) & 1) ^ 1)
         copy_rows(kR.index(b), rows, 256, 256, valid, lay)
         if ROPE:
             copy_rows(kE.index(b), rows, ROPE_OFF // 2, 64, valid, lay)
         async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
         _stamp(tr, 1, i, TRACE)
-        sV.index(b).store(_validity(valid, BIAS))
+        sV.index(b).store(valid.to(gl.float32))
         base = nbase
         valid = nvalid
         compat.barrier()  # every producer thread stored its part of sV[b]
@@ -618,34 +603,21 @@ def _out_store(acc, inv_l, col0: gl.constexpr, o_ptr, stride_ot, stride_os, stri
 
 @gluon.jit
 def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS: gl.constexpr,
-                      NAMED: gl.constexpr, CL: gl.constexpr = False, kV=None, REGP: gl.constexpr = False,
-                      BIAS: gl.constexpr = False):
+                      NAMED: gl.constexpr, CL: gl.constexpr = False):
     """Block i's online softmax on its scores sc (tile b's invalid rows masked), O rescaled; P and alpha handed to
-    warpgroup 1 (through sP / sA once it is done with block i - 1's).  Returns (m, l, O).  REGP: this warpgroup's
-    PV (A = P from registers, B = ``kV``) is issued before the hand-off, not after it from sP; O is then in
-    flight.  BIAS: sV holds 0 / -inf (``_validity``), added to the scaled scores (one FFMA a score instead of a
-    multiply, a compare and a select)."""
-    if BIAS:
-        bias = sV.index(b).load(gl.SliceLayout(0, cga(S_LAYOUT, CL)))
-        if DS:
-            sc = sc * ss + bias[None, :]
-        else:
-            sc = sc * ss[:, None] + bias[None, :]
+    warpgroup 1 (through sP / sA once it is done with block i - 1's).  Returns (m, l, O)."""
+    # tile b's valid rows (the producer's, behind ready[b])
+    ok = sV.index(b).load(gl.SliceLayout(0, cga(S_LAYOUT, CL))) != 0.0
+    if DS:
+        sc = sc * ss
     else:
-        # tile b's valid rows (the producer's, behind ready[b])
-        ok = sV.index(b).load(gl.SliceLayout(0, cga(S_LAYOUT, CL))) != 0.0
-        if DS:
-            sc = sc * ss
-        else:
-            sc = sc * ss[:, None]
-        sc = gl.where(ok[None, :], sc, float("-inf"))
+        sc = sc * ss[:, None]
+    sc = gl.where(ok[None, :], sc, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(sc, 1))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(sc - m_new[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, cga(O_LAYOUT, CL)))[:, None]
-    if REGP:  # FlashMLA's order: its own PV needs neither the store of P nor the fence and barrier after it
-        acc = warpgroup_mma(gl.convert_layout(p.to(sP.dtype), P_OP), kV, acc, is_async=True)
     if NAMED:
         named_barrier(P_FREE_SYNC)
     else:
@@ -662,42 +634,9 @@ def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, 
 
 
 @gluon.jit
-def _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, kE, sP, sA, sV, ready, free, p_free,
-                  p_ready, ROPE: gl.constexpr, DS: gl.constexpr, NAMED: gl.constexpr, tr=None,
-                  TRACE: gl.constexpr = False, CF: gl.constexpr = True, BIAS: gl.constexpr = False):
-    """AHEAD: warpgroup 0's loop over every block but the last, the next block's QK issued before this block's
-    softmax and P hand-off, this block's PV after them; both waited for at once (wgmma groups retire in order, so
-    the PV done means the QK is too), then tile b is released.  Returns the last block's scores and the running
-    (m, l, O)."""
-    for i in range(n_blocks - 1):
-        b = i % 2
-        z = i // (n_blocks + 1)  # == 0; see _wg0
-        nb = 1 - b
-        _stamp(tr, 6, i + 1, TRACE)
-        mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
-        _stamp(tr, 7, i + 1, TRACE)
-        if CF:
-            fence_async_shared()
-        sn = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)  # in flight during this block's softmax
-        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
-                                          BIAS=BIAS)
-        _stamp(tr, 5, i, TRACE)
-        acc = warpgroup_mma(sP, kL.index(b + z), acc, is_async=True)
-        acc, sc = warpgroup_mma_wait(0, deps=(acc, sn))
-        _stamp(tr, 8, i, TRACE)
-        _stamp(tr, 4, i + 1, TRACE)
-        compat.barrier()  # every warp's reads of tile b are done
-        mbarrier.arrive(free.index(b), count=1)
-    return sc, m_i, l_i, acc
-
-
-@gluon.jit
 def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-         NAMED: gl.constexpr, CL: gl.constexpr, AHEAD: gl.constexpr = False, tr=None, TRACE: gl.constexpr = False,
-         CF: gl.constexpr = True, REGP: gl.constexpr = False, BIAS: gl.constexpr = False):
-    """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse.  AHEAD: the
-    next block's QK is issued before this block's softmax (it runs on the tensor cores while the softmax runs on
-    the other units), not behind this block's PV; two score tiles are live at once."""
+         NAMED: gl.constexpr, CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True):
+    """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
     qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV, sig = smem
@@ -728,24 +667,20 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         _stamp(tr, 4, 0, TRACE)
     else:
         sc = s_zero
-    if AHEAD:
-        sc, m_i, l_i, acc = _blocks_ahead(sc, ss, s_zero, m_i, l_i, acc, n_blocks, qL, qR, qE, kL, kR, kE, sP, sA, sV,
-                                          ready, free, p_free, p_ready, ROPE, DS, NAMED, tr, TRACE, CF, BIAS)
     # every block but the last: its softmax and P hand-off, its PV, the next block's QK behind it (the last block,
     # which has no next QK, is peeled off below: no branch on it inside the loop)
-    for i in range(0 if AHEAD else n_blocks - 1):
+    for i in range(n_blocks - 1):
         b = i % 2
         # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in the
         # loop instead of their wgmma descriptors being hoisted out of it (and spilled)
         z = i // (n_blocks + 1)
         m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
-                                          CL, kL.index(b + z), REGP, BIAS)
+                                          CL)
         _stamp(tr, 5, i, TRACE)
         # P for this warpgroup's PV from shared memory as well: as a register operand its 16 registers would be
         # live beside O and the next S, past the 192 that ptxas needs to keep the wgmma pipeline unserialized
-        # (REGP: from registers, issued in _softmax_hand_off)
-        if not REGP:
-            acc = warpgroup_mma(sP, kL.index(b + z), acc, is_async=True)
+        # (measured: issuing that PV from registers before the hand-off, FlashMLA's order, was no faster)
+        acc = warpgroup_mma(sP, kL.index(b + z), acc, is_async=True)
         nb = 1 - b
         _stamp(tr, 6, i + 1, TRACE)
         mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
@@ -769,10 +704,9 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         i = n_blocks - 1
         b = i % 2
         m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
-                                          CL, kL.index(b), REGP, BIAS)
+                                          CL)
         _stamp(tr, 5, i, TRACE)
-        if not REGP:
-            acc = warpgroup_mma(sP, kL.index(b), acc, is_async=True)
+        acc = warpgroup_mma(sP, kL.index(b), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         _stamp(tr, 8, i, TRACE)
         compat.barrier()  # every warp's reads of tile b are done
@@ -795,8 +729,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
 
 @gluon.jit
 def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr,
-         CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True,
-         SPLITF: gl.constexpr = False):
+         CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True):
     """Warpgroup 1: PV for output columns 256-511 with warpgroup 0's P and alpha."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
@@ -834,8 +767,6 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
             mbarrier.arrive(p_free, count=1)
         if CL:
             _signal(sig.index(2 * b + 1), free.index(b))
-        elif SPLITF:
-            mbarrier.arrive(free.index(2 + b), count=1)
         else:
             mbarrier.arrive(free.index(b), count=1)
     mbarrier.wait(l_bar, 0)
@@ -854,10 +785,9 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
                 NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr,
                 B16: gl.constexpr = False, NAMED: gl.constexpr = False, CL: gl.constexpr = False,
-                FUSED: gl.constexpr = False, AHEAD: gl.constexpr = False, HINT: gl.constexpr = False,
+                FUSED: gl.constexpr = False, HINT: gl.constexpr = False,
                 W128: gl.constexpr = False, TRACE: gl.constexpr = False, EARLY: gl.constexpr = False,
-                LATE: gl.constexpr = False, LEAN: gl.constexpr = False, REGP: gl.constexpr = False,
-                SPLITF: gl.constexpr = False, BIAS: gl.constexpr = False, IDX2: gl.constexpr = False):
+                LATE: gl.constexpr = False, LEAN: gl.constexpr = False, IDX2: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
     with num_ctas=2) x 128 heads x one split, NG = 1."""
@@ -901,8 +831,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     sV = gl.allocate_shared_memory(gl.float32, [2, 64], vecv)
     q_bar = gl.allocate_shared_memory(gl.int64, [NC], bl)
     ready = gl.allocate_shared_memory(gl.int64, [2, NC], bl)
-    # SPLITF: free[b] is warpgroup 0's (kL, kE, the validity), free[2 + b] warpgroup 1's (kR)
-    free = gl.allocate_shared_memory(gl.int64, [4 if SPLITF else 2, NC], bl)
+    free = gl.allocate_shared_memory(gl.int64, [2, NC], bl)
     p_ready = gl.allocate_shared_memory(gl.int64, [NC], bl)
     p_free = gl.allocate_shared_memory(gl.int64, [NC], bl)
     l_bar = gl.allocate_shared_memory(gl.int64, [NC], bl)
@@ -923,9 +852,6 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
             mbarrier.init(ready.index(b), count=1)  # the producer, after a warpgroup barrier
         if CL:
             mbarrier.init(free.index(b), count=1)  # the producer's expect; the bytes of four warpgroups' signals
-        elif SPLITF:
-            mbarrier.init(free.index(b), count=1)
-            mbarrier.init(free.index(2 + b), count=1)
         else:
             mbarrier.init(free.index(b), count=2)   # both consumer warpgroups
     mbarrier.init(p_ready, count=1)
@@ -969,10 +895,10 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     # LEAN: the consumers fence for the async proxy after their in-loop waits only where the writer cannot (cp.async
     # tiles land after the producer's arrival; st.async tiles come from the partner CTA)
     CF: gl.constexpr = B16 or CL or not LEAN
-    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, AHEAD, fo_ptr, TRACE, CF, REGP, BIAS)),
-                        (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, SPLITF)),
+    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF)),
+                        (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT, W128,
-                                     fo_ptr, TRACE, EARLY, LATE, SPLITF, BIAS, IDX2))],
+                                     fo_ptr, TRACE, EARLY, LATE, IDX2))],
                        [4, 4], [WG1_REGS, PR])
     if CL:
         # neither CTA exits while the other may still send to it (Triton 3.9 adds this barrier itself, 3.8 not)
@@ -1005,9 +931,9 @@ TUNED = {"bf16": dict(rows128=True)}
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
          has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False,
-         ahead: bool = False, l2_hint: bool | None = None, rows128: bool | None = None, trace: bool = False,
-         early: bool | None = None, late_next: bool | None = None, lean_fences: bool | None = None,
-         reg_p: bool = False, split_free: bool = False, bias_mask: bool = False, idx_ahead: bool = False) -> dict:
+         l2_hint: bool | None = None, rows128: bool | None = None, early: bool | None = None,
+         late_next: bool | None = None, lean_fences: bool | None = None, idx_ahead: bool = False,
+         trace: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
@@ -1016,12 +942,11 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     Producer variants, ``None`` taking the kind's entry in :data:`TUNED` (off for the 2-CTA kernel): ``l2_hint``
     (the producer's loads with FlashMLA's L2 prefetch hint), ``rows128`` (bf16 rows in 128-byte row segments),
     ``early`` (every value piece's loads before the producer's free wait), ``late_next`` (the next block's first
-    pieces after its fence), ``lean_fences`` (the consumers' in-loop proxy fences left to the writers).
-    Opt-in variants that measured slower (CHANGELOG): ``ahead`` (the next QK before the softmax), ``reg_p``
-    (warpgroup 0's PV from P in registers, before the hand-off), ``split_free`` (each MMA warpgroup frees its own
-    half of a tile), ``bias_mask`` (the row validity as a score bias).  Not yet measured: ``idx_ahead`` (the
-    producer looks the rows up two blocks ahead, not one).  ``trace``: the diagnostic build that writes
-    the SM clock at every hand-off into the buffer passed as ``fo_ptr``."""
+    pieces after its fence), ``lean_fences`` (the consumers' in-loop proxy fences left to the writers); not yet
+    measured: ``idx_ahead`` (the producer looks the rows up two blocks ahead, not one).  ``trace``: the diagnostic
+    build that writes the SM clock at every hand-off into the buffer passed as ``fo_ptr``.  (Variants that
+    measured slower -- the next QK before the softmax, P in registers for warpgroup 0's PV, a tile freed in
+    halves, the validity as a score bias -- are on the branch ``try/conv-variants``; CHANGELOG.)"""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     tuned = {} if cluster else TUNED.get(kind, {})
@@ -1030,14 +955,6 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     late_next, lean_fences = pick("late_next", late_next), pick("lean_fences", lean_fences)
     if trace and (cluster or fused):
         raise ValueError("trace: its buffer is the final-out argument, which the 2-CTA and FUSED variants use")
-    if bias_mask and cluster:
-        raise ValueError("bias_mask: the 2-CTA kernel's producers write the validity as 1.0 / 0.0")
-    if split_free and cluster:
-        raise ValueError("split_free: the 2-CTA kernel frees a tile by its consumers' signals")
-    if reg_p and (ahead or cluster):
-        raise ValueError("reg_p: built for the default order of one CTA")
-    if cluster and ahead:
-        raise ValueError("ahead: the 2-CTA kernel keeps the default order")
     if cluster and idx_ahead:
         raise ValueError("idx_ahead: the 2-CTA kernel's producers have a loop of their own")
     if cluster and fused:
@@ -1049,10 +966,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     m = dict(BPT=bytes_per_row, ROPE=rope_dim, SCALE_OFF=scale_offset if ds or fp4 else 0,
              ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
              FP4=fp4, B16=kind == "bf16", NAMED=named, CL=bool(cluster), num_warps=4, maxnreg=168,
-             enable_fp_fusion=True, AHEAD=bool(ahead), HINT=bool(l2_hint), W128=bool(rows128),
-             TRACE=bool(trace), EARLY=bool(early),
-             LATE=bool(late_next), LEAN=bool(lean_fences), REGP=bool(reg_p),
-             SPLITF=bool(split_free), BIAS=bool(bias_mask), IDX2=bool(idx_ahead), **fused_meta(fused))
+             enable_fp_fusion=True, HINT=bool(l2_hint), W128=bool(rows128), TRACE=bool(trace), EARLY=bool(early),
+             LATE=bool(late_next), LEAN=bool(lean_fences), IDX2=bool(idx_ahead), **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m
