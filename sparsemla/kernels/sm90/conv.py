@@ -491,7 +491,10 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
                 raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4, False, HINT)
             _store_piece(raw1, sc1, _piece_dst(kLw, kRw, b, 1), DS, FP4)
             if ROPE and not DS:
-                if SEP:
+                if SEP and IDX2:  # this block's row pointers in the rope's layout: no second index load
+                    rope = _load_rope(gl.convert_layout(base, el), gl.convert_layout(valid, el), ROPE_OFF, FP4,
+                                      False, HINT)
+                elif SEP:
                     rope = _load_rope(*_ptrs(block_indices(idx_row, k_begin + i * 64, k_end, el), kv_ptr, BPT),
                                       ROPE_OFF, FP4, False, HINT)
                 else:
