@@ -438,20 +438,20 @@ def releases_section(rows: Sequence[dict]) -> List[str]:
 
 # --- shortfalls: each printed only while the data show it ------------------------------------------------
 
-CAUSE_PAIR = ("bf16 rows above 64 heads (and prefill) run the warp-specialized pair kernel: one program per SM fits "
+CAUSE_PAIR = ("Prefill (more tokens than SMs) and bf16 rows above 128 heads run the warp-specialized pair kernel: one program per SM fits "
               "(q and two 64-row blocks fill the shared memory), so only the next pair of blocks is gathered "
               "ahead, which does not hide the gather latency of rows spread over a multi-GB cache.")
-CAUSE_BF16 = ("bf16 rows at 33-64 heads run sm90-conv's bf16 mode (a producer copying whole 64-row blocks, both tiles "
-              "in flight): 4.1 us a block at 64 heads where FlashInfer's kernel takes 2.8 (two warpgroups of up to "
-              "255 registers: one issues the copies and runs PV for half the columns, the other QK, the softmax "
-              "and the other half).  The copies are not what bounds it (publishing them asynchronously gained 2 us "
-              "of 135); "
-              "the MMA warpgroups' chain and its mbarrier hand-offs are next to measure.  " + CAUSE_PAIR)
+CAUSE_BF16 = ("bf16 rows at 33-64 heads ran sm90-conv's bf16 mode here (a producer copying whole 64-row blocks, both "
+              "tiles in flight, 64-byte row segments a warp instruction): 4.1 us a block at 64 heads where "
+              "FlashInfer's kernel takes 2.8.  Since these rows, the copies gather 128-byte segments (FlashInfer's "
+              "width) and the plan gives it bf16 decode up to 128 heads: on an H100, one process, 123 / 169 us at "
+              "64 / 128 heads against 149 / 249 before and FlashInfer's 122 / 160 (CHANGELOG).  " + CAUSE_PAIR)
 CAUSE_CONV = ("These rows run sm90-conv above 32 heads: a producer warpgroup converts each 64-row block into a 16-bit "
-              "tile, two MMA warpgroups run QK, the softmax and PV on it, 64 heads a program.  The first MMA "
-              "warpgroup's chain (QK, softmax, the P hand-off, PV) leaves the tensor cores idle during each "
-              "softmax: ~3.7 us a block at 64 heads where the MMAs need ~1.2; q and two tiles fill the shared "
-              "memory (231 KB), so the producer converts at most one block ahead; at 128 heads the two programs "
+              "tile, two MMA warpgroups run QK, the softmax and PV on it, 64 heads a program.  Its per-block "
+              "timeline (H100, fp8_ds_mla, 64 heads) puts a block at ~5,750 cycles, of which the first MMA "
+              "warpgroup waits ~2,900 for the producer, and the producer waits neither for a free tile nor for "
+              "its conversion alone: a block's index load and its row loads sit in series in its loop (a variant "
+              "that loads the indices a block earlier is built, not yet measured).  At 128 heads the two programs "
               "of a token each convert its rows (sm90-cluster, two CTAs converting each row once for both and "
               "exchanging it through distributed shared memory, is correct on Triton 3.9 but measured 1.5-1.9x "
               "slower than sm90-conv: docs/design/kernels.md).")
