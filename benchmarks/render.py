@@ -438,9 +438,9 @@ def releases_section(rows: Sequence[dict]) -> List[str]:
 
 # --- shortfalls: each printed only while the data show it ------------------------------------------------
 
-CAUSE_PAIR = ("Prefill (more tokens than SMs) and bf16 rows above 128 heads run the warp-specialized pair kernel: one program per SM fits "
-              "(q and two 64-row blocks fill the shared memory), so only the next pair of blocks is gathered "
-              "ahead, which does not hide the gather latency of rows spread over a multi-GB cache.")
+CAUSE_PAIR = ("Prefill (more tokens than SMs) and bf16 rows above 128 heads run the warp-specialized pair kernel: "
+              "one program per SM fits (q and two 64-row blocks fill the shared memory), so only the next pair of "
+              "blocks is gathered ahead, which does not hide the gather latency of rows spread over a multi-GB cache.")
 CAUSE_BF16 = ("bf16 rows at 33-64 heads ran sm90-conv's bf16 mode here (a producer copying whole 64-row blocks, both "
               "tiles in flight, 64-byte row segments a warp instruction): 4.1 us a block at 64 heads where "
               "FlashInfer's kernel takes 2.8.  Since these rows, the copies gather 128-byte segments (FlashInfer's "

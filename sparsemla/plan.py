@@ -343,8 +343,8 @@ _WHY = {
                      "two CTAs (64 heads each) whose producers each convert half of every block's rows into both "
                      "CTAs' tiles"),
     "sm90-conv": ("e4m3 / fp8_ds_mla / e2m1 rows on Hopper above 32 heads (bf16 rows at 33-128 heads, one token "
-                  "per SM): a producer warpgroup converts (or copies) each row once into a 16-bit tile, the MMA warpgroups run "
-                  "on it (64 heads a program)"),
+                  "per SM): a producer warpgroup converts (or copies) each row once into a 16-bit tile, the MMA "
+                  "warpgroups run on it (64 heads a program)"),
 }
 
 

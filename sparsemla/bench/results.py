@@ -13,7 +13,8 @@ format      KV format id (``fp8_ds_mla``, ``bf16-nope``, ...)
 heads       query heads; ``batch`` requests; ``s_q`` query tokens per request; ``topk`` indices per token
 impl        who ran it: ``sparsemla`` (default backend), ``sparsemla-fp8qk`` (backend ``triton-fp8qk``),
             ``sparsemla-conv`` (the opt-in sm90-conv kernel, forced), ``sparsemla-cluster`` (sm90-cluster, forced),
-            ``sparsemla-fused`` (the plan's kernel merging its splits in the kernel), ``flashmla``, ``flashinfer``, ``torch-gather`` (the PyTorch floor)
+            ``sparsemla-fused`` (the plan's kernel merging its splits in the kernel), ``flashmla``, ``flashinfer``,
+            ``torch-gather`` (the PyTorch floor)
 timing      ``graph`` (CUDA-graph replay), ``eager`` (one direct call between CUDA events),
             ``host`` (host time of one call, ``time.perf_counter`` over many back-to-back calls)
 value       the measurement, in ``unit`` (``us``, ``TFLOP/s`` or ``GB/s``)

@@ -74,16 +74,15 @@ def _variants():
             v[f"conv-{fid}-rows64"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                 num_groups=2, has_valid_counts=True, rows128=False))
-        if fid in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla"):  # conv's producer loads with an L2 prefetch hint, or for
-            hint = fid != "nvfp4_ds_mla"                   # nvfp4 (whose default has it) without
-            v[f"conv-{fid}-{'hint' if hint else 'nohint'}"] = ("conv", "conv_kernel", SIG_K, conv.meta(
+        if fid in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla"):  # conv's producer loads with an L2 prefetch hint
+            v[f"conv-{fid}-hint"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
-                num_groups=2, has_valid_counts=True, l2_hint=hint))
+                num_groups=2, has_valid_counts=True, l2_hint=True))
         if fid in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla"):  # conv's producer with every piece's loads before its wait
             v[f"conv-{fid}-early"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                 num_groups=2, has_valid_counts=True, early=True, late_next=True, lean_fences=True))
-        if fid in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla-nope", "bf16"):  # conv's producer looking rows up two blocks ahead
+        if fid in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla-nope", "bf16"):  # conv's producer, rows looked up 2 blocks ahead
             v[f"conv-{fid}-idx2"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                 num_groups=2, has_valid_counts=True, idx_ahead=True))

@@ -41,7 +41,7 @@ from . import compat
 
 from .common import (NEG_BIG, PUBLISH, combine_in_kernel, fused_meta, named_asm, named_barrier, program_coords,
                      publish)
-from .rows import copy_rows
+from .rows import L_ROWS128, copy_rows
 
 # Each consumer warpgroup (4 warps): S [64 heads, 64 rows] and O [64 heads, 256 columns] on wgmma; its own
 # P enters PV from registers.
@@ -85,7 +85,7 @@ def _producer(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr,
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, lay)
     if W128:
-        klay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        klay: gl.constexpr = L_ROWS128
     else:
         klay: gl.constexpr = lay
     krows_l: gl.constexpr = gl.SliceLayout(1, klay)

@@ -65,9 +65,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import compat
-from .common import (NEG_BIG, PER_THREAD, PUBLISH, combine_in_kernel, fused_meta, named_asm, named_barrier, normalizer,
-                     program_coords, publish)
-from .rows import block_indices, copy_rows, e4m3_words_bf16, e4m3_words_f16, fp4_words_f16, pow2_scale
+from .common import (NEG_BIG, PER_THREAD, PUBLISH, combine_in_kernel, fused_meta, named_asm, named_barrier,
+                     normalizer, program_coords, publish)
+from .rows import L_ROWS128, block_indices, copy_rows, e4m3_words_bf16, e4m3_words_f16, fp4_words_f16, pow2_scale
 
 # HINT's load of a thread's 4 consecutive words (pack 4: the first of its 4 addresses): FlashMLA's gather hint
 NC_LOAD = gl.constexpr("ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];")
@@ -126,8 +126,6 @@ L_W2C = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
 L_W2S = gl.constexpr(gl.SliceLayout(2, L_W2B.value))  # the e4m3 block scales [64 rows, 8 blocks]
 # bf16 q rows [64, 64k elements] (8 elements a thread)
 L_B16 = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
-# bf16 rows gathered 128 contiguous bytes of 4 rows a warp instruction (B16 with W128)
-L_B16W = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 # fp8_ds_mla's bf16 rope [64 rows, 64] (8 elements a thread, the rows of L_W8R): copied by cp.async
 L_B16R = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [0, 1]))
 
@@ -537,10 +535,10 @@ def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, read
     landed, so the next block's copies are issued as soon as its tile is free and both tiles can be in flight.
     ready[b] counts those 128 arrivals and one more for sV[b] (the validity, stored by every thread, published
     after a warpgroup barrier by one thread's ordinary arrival).  The consumers fence for the async proxy after
-    their wait.  W128: a warp's 16-byte copies cover 128 contiguous bytes of 4 rows (L_B16W, FlashInfer's
+    their wait.  W128: a warp's 16-byte copies cover 128 contiguous bytes of 4 rows (L_ROWS128, FlashInfer's
     gather), not 64 bytes of 8 rows."""
     if W128:
-        lay: gl.constexpr = L_B16W
+        lay: gl.constexpr = L_ROWS128
     else:
         lay: gl.constexpr = L_B16
     rl: gl.constexpr = gl.SliceLayout(1, lay)

@@ -23,6 +23,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from . import compat
 from .common import program_coords
 
+# bf16 rows [64, N] gathered by 16-byte copies covering 128 contiguous bytes of 4 rows a warp instruction
+# (FlashInfer's gather width; the kernels' other bf16 layouts cover 64 bytes of 8 rows)
+L_ROWS128 = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+
 # Raw e4m3 bytes of a 64-byte piece for QK, [64 rows, 64 bytes]: thread (warp w, lane 4g + t) holds rows
 # 16w + g and 16w + g + 8, bytes 16t .. 16t + 15 (register order = byte order: 128-bit loads); byte
 # 16 t + 4 s + 2 p + e is the wgmma A fragment's k = 16 s + 8 p + 2 t + e (relabel64)
