@@ -172,7 +172,8 @@ def test_conv_meta_takes_each_kinds_tuned_producer_options():
     common = dict(rope_dim=64, num_groups=1, has_valid_counts=False)
     rows = {"bf16": (1152, 1024, -1), "fp8": (576, 512, -1), "fp8_ds_mla": (656, 512, 528),
             "nvfp4_ds_mla": (352, 256, 320)}
-    flags = dict(l2_hint="HINT", rows128="W128", early="EARLY", late_next="LATE", lean_fences="LEAN")
+    flags = dict(l2_hint="HINT", rows128="W128", early="EARLY", late_next="LATE", lean_fences="LEAN",
+                 idx_ahead="IDX2")
     for kind, (bpr, rope_off, scale_off) in rows.items():
         args = dict(kind=kind, bytes_per_row=bpr, rope_offset=rope_off, scale_offset=scale_off, **common)
         m = conv.meta(**args)
@@ -182,7 +183,9 @@ def test_conv_meta_takes_each_kinds_tuned_producer_options():
         if kind != "bf16":
             cl = conv.meta(**args, cluster=True)
             assert not any(cl[c] for c in flags.values()), kind
-    assert conv.TUNED == {"bf16": {"rows128": True}}
+    ell = {"early": True, "late_next": True, "lean_fences": True}
+    assert conv.TUNED == {"bf16": {"rows128": True}, "nvfp4_ds_mla": {"l2_hint": True},
+                          "fp8": dict(ell, idx_ahead=True), "fp8_ds_mla": ell}
     on = conv.meta(kind="nvfp4_ds_mla", bytes_per_row=352, rope_offset=256, scale_offset=320, l2_hint=True, **common)
     assert on["HINT"] and not on["W128"]
 

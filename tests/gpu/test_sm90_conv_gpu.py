@@ -16,7 +16,7 @@ from sm90_gpu import (check_case, check_ds_scales_far_apart, check_k_scale_appli
                       check_reference, meta_variant, named_hand_off, plan_for, run, skip_unless_sm90)
 
 from sparsemla.formats import get_format  # noqa: E402
-from sparsemla.kernels.attention import attention_fwd  # noqa: E402
+from sparsemla.kernels.attention import attention_fwd, split_elements  # noqa: E402
 from sparsemla.plan import plan_attention, unavailable_kernels  # noqa: E402
 from sparsemla.reference import sparse_mla  # noqa: E402
 
@@ -130,7 +130,7 @@ def test_conv_one_token_many_splits_and_poisoned_split_buffers():
     sm = 576 ** -0.5
     plan = plan_for(c, KERNEL, 32)
     assert plan.num_splits == 32
-    buf = torch.full((1 * 32 * 128 * 513,), float("nan"), dtype=torch.float32, device="cuda")
+    buf = torch.full((split_elements(plan, 1, 128),), float("nan"), dtype=torch.float32, device="cuda")
     out = torch.full((1, 128, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((1, 128), float("nan"), dtype=torch.float32, device="cuda")
     attention_fwd(c["q"], c["cache"].rows, c["fmt"], c["indices"], sm, plan=plan, valid_counts=c["valid_counts"],

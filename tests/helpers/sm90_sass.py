@@ -74,15 +74,19 @@ def _variants():
             v[f"conv-{fid}-rows64"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                 num_groups=2, has_valid_counts=True, rows128=False))
-        if fid in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla"):  # conv's producer loads with an L2 prefetch hint
-            v[f"conv-{fid}-hint"] = ("conv", "conv_kernel", SIG_K, conv.meta(
+        # conv's producer options (conv.TUNED gives each kind its defaults, which the plain variants below carry):
+        # every option the kind does not take by default once, the others off (``-plain``: all off)
+        producer = dict(l2_hint=False, early=False, late_next=False, lean_fences=False, idx_ahead=False)
+        for suffix, on in (("-plain", {}), ("-hint", dict(l2_hint=True)), ("-idx2", dict(idx_ahead=True)),
+                           ("-early", dict(early=True, late_next=True, lean_fences=True))):
+            if kind == "bf16" or fid != kind or (on and all(conv.TUNED[kind].get(o) for o in on)):
+                continue
+            if suffix == "-idx2" and kind == "fp8":
+                continue  # its default looks ahead
+            v[f"conv-{fid}{suffix}"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
-                num_groups=2, has_valid_counts=True, l2_hint=True))
-        if fid in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla"):  # conv's producer with every piece's loads before its wait
-            v[f"conv-{fid}-early"] = ("conv", "conv_kernel", SIG_K, conv.meta(
-                kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
-                num_groups=2, has_valid_counts=True, early=True, late_next=True, lean_fences=True))
-        if fid in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla-nope", "bf16"):  # conv's producer, rows looked up 2 blocks ahead
+                num_groups=2, has_valid_counts=True, **dict(producer, **on)))
+        if fid in ("nvfp4_ds_mla-nope", "bf16"):  # idx_ahead for the NoPE rows' and bf16's producer
             v[f"conv-{fid}-idx2"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                 num_groups=2, has_valid_counts=True, idx_ahead=True))

@@ -921,19 +921,22 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 # each at launch (warpgroup 0: 208 after setmaxnreg, warpgroup 1: 160, the producer: 136).
 
 # The producer variants each row kind takes by default (one CTA; the 2-CTA kernel has its own producer), from an
-# A/B of every variant in one process beside the peers (H100, b 128, 64 and 128 heads, graph replay, L2 flushed;
-# CHANGELOG): bf16 rows gathered in 128-byte row segments, 123 / 169 us against 149 / 249 at 64 / 128 heads.
-# Measured faster too, not yet default (the sm90-conv GPU suite has not yet passed with them as defaults): nvfp4
-# loads with the L2 prefetch hint (114 / 207 against 119 / 225); fp8 and fp8_ds_mla rows with early + late_next +
-# lean_fences (fp8 108 / 201 against 112 / 204; fp8_ds_mla 121 / 219 against 123 / 222).  The hint on fp8 rows
-# measured slower (144 / 265), early + late on nvfp4 at 128 heads too (245).
-TUNED = {"bf16": dict(rows128=True)}
+# A/B of every variant in one process beside the peers (H100, b 128, 64 / 128 heads, graph replay, L2 flushed, us;
+# CHANGELOG): bf16 rows gathered in 128-byte row segments (123 / 169 against 149 / 249); nvfp4 loads with the L2
+# prefetch hint (114 / 207 against 119 / 226); fp8 rows with early + late_next + lean_fences + idx_ahead (103 / 192
+# against 112 / 204; without idx_ahead 108 / 201); fp8_ds_mla with early + late_next + lean_fences (120 / 219
+# against 122 / 222).  Slower: the hint on fp8 and fp8_ds_mla rows (146 / 258 for fp8_ds_mla), early + late on
+# nvfp4 (129 / 245), idx_ahead with early + late on fp8_ds_mla at 128 heads (237), idx_ahead alone within 3 % of
+# the default on every quantized kind.
+TUNED = {"bf16": dict(rows128=True), "nvfp4_ds_mla": dict(l2_hint=True),
+         "fp8": dict(early=True, late_next=True, lean_fences=True, idx_ahead=True),
+         "fp8_ds_mla": dict(early=True, late_next=True, lean_fences=True)}
 
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
          has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False,
          l2_hint: bool | None = None, rows128: bool | None = None, early: bool | None = None,
-         late_next: bool | None = None, lean_fences: bool | None = None, idx_ahead: bool = False,
+         late_next: bool | None = None, lean_fences: bool | None = None, idx_ahead: bool | None = None,
          trace: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
@@ -943,8 +946,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     Producer variants, ``None`` taking the kind's entry in :data:`TUNED` (off for the 2-CTA kernel): ``l2_hint``
     (the producer's loads with FlashMLA's L2 prefetch hint), ``rows128`` (bf16 rows in 128-byte row segments),
     ``early`` (every value piece's loads before the producer's free wait), ``late_next`` (the next block's first
-    pieces after its fence), ``lean_fences`` (the consumers' in-loop proxy fences left to the writers); not yet
-    measured: ``idx_ahead`` (the producer looks the rows up two blocks ahead, not one).  ``trace``: the diagnostic
+    pieces after its fence), ``lean_fences`` (the consumers' in-loop proxy fences left to the writers),
+    ``idx_ahead`` (the producer looks the rows up two blocks ahead, not one).  ``trace``: the diagnostic
     build that writes the SM clock at every hand-off into the buffer passed as ``fo_ptr``.  (Variants that
     measured slower -- the next QK before the softmax, P in registers for warpgroup 0's PV, a tile freed in
     halves, the validity as a score bias -- are on the branch ``try/conv-variants``; CHANGELOG.)"""
@@ -954,6 +957,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     pick = lambda name, value: bool(tuned.get(name, False) if value is None else value)
     l2_hint, rows128, early = pick("l2_hint", l2_hint), pick("rows128", rows128), pick("early", early)
     late_next, lean_fences = pick("late_next", late_next), pick("lean_fences", lean_fences)
+    idx_ahead = pick("idx_ahead", idx_ahead)
     if trace and (cluster or fused):
         raise ValueError("trace: its buffer is the final-out argument, which the 2-CTA and FUSED variants use")
     if cluster and idx_ahead:
