@@ -24,19 +24,20 @@ HOPPER_SMEM = 232448  # bytes of shared memory one block may use on sm_90 (227 K
 # Stack bytes (spill slots) per kernel family and Triton release, the largest over the family's variants.
 # The wide kernel keeps part of its loop state (the normaliser's partial sums) in local memory on every
 # release; a variant above its bound spills more than this code does on that release.  Releases not
-# listed get the largest bound of any.  The conv kernel: 0-32 bytes on 3.6 and 0 on 3.8; 40-144 on 3.9, whose
+# listed get the largest bound of any.  The conv kernel: 0-32 bytes on 3.6 and 0-24 on 3.8; 40-144 on 3.9, whose
 # first MMA warpgroup builds a wgmma op's shared-memory descriptors in registers up front (docs/design/kernels.md),
 # measured.  The pair kernel (bf16): 64 / 64 / 80-104 since its vector hand-offs arrive per thread (publish()).
 STACK = {
     "3.6": {"bf16": 64, "few": 0, "wide": 88, "wide-fp8qk": 128, "conv": 32, "conv-early": 0, "conv-idx2": 16},
-    "3.8": {"bf16": 64, "few": 16, "wide": 96, "wide-fp8qk": 144, "conv": 0, "conv-early": 32, "conv-idx2": 8},
-    "3.9": {"bf16": 104, "few": 0, "wide": 160, "wide-fp8qk": 216, "conv": 144, "conv-early": 152, "conv-idx2": 128},
+    "3.8": {"bf16": 64, "few": 16, "wide": 96, "wide-fp8qk": 144, "conv": 24, "conv-early": 32, "conv-idx2": 8},
+    "3.9": {"bf16": 104, "few": 0, "wide": 160, "wide-fp8qk": 216, "conv": 144, "conv-early": 152, "conv-idx2": 136},
 }
-# conv-early: the producer with a fourth piece's words in flight across its free wait, the next block's loaded
-# after its fence, the consumers' in-loop fences left to the writers (meta(early=True, late_next=True,
-# lean_fences=True)); as fp8 / fp8_ds_mla defaults 3.8 spilled 24 bytes on fp8_ds_mla NoPE rows.  conv-idx2: the
-# producer holding the next block's indices as well (meta(idx_ahead=True)): fp8_ds_mla's spills 16 / 8 / 120 bytes
-# on 3.6 / 3.8 / 3.9, plain fp8 128 on 3.9.
+# conv: each kind with its conv.TUNED producer options (fp8_ds_mla's NoPE rows with early + late_next spill 24
+# bytes on 3.8) and with them all off (-plain) or the hint alone (-hint).  conv-early: the producer with a fourth
+# piece's words in flight across its free wait, the next block's loaded after its fence, the consumers' in-loop
+# fences left to the writers (meta(early=True, late_next=True, lean_fences=True)) where a kind does not take them by
+# default.  conv-idx2: the producer holding the next block's indices as well (meta(idx_ahead=True)) where a kind
+# does not take it by default: fp8_ds_mla spills 16 / 8 / 120 bytes on 3.6 / 3.8 / 3.9, nvfp4 136 on 3.9.
 
 
 def _stack_limit(name):

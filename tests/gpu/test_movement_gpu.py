@@ -41,13 +41,17 @@ ALL_IDS = [f.id for f in all_formats(compact=True)]
 def heavy(n, d, seed, dtype=torch.bfloat16):
     """Student-t-like values, per-token scales over decades, outlier channels, rare spikes."""
     g = torch.Generator(device=DEV).manual_seed(seed)
-    x = torch.randn(n, d, generator=g, device=DEV) / torch.sqrt(torch.rand(n, d, generator=g, device=DEV) + 0.05)
-    x = x * torch.exp(1.5 * torch.randn(n, 1, generator=g, device=DEV))
-    x[:, 3] *= 30
-    x[:, d // 2] *= 10
-    x = torch.where(torch.rand(n, d, generator=g, device=DEV) < 0.005, x * 100, x)
-    x[0] = 0
-    return x.to(dtype)
+    out = torch.empty(n, d, dtype=dtype, device=DEV)
+    step = 1 << 18  # rows a chunk: the fp32 temporaries of a 4M-token cache would take tens of GB at once
+    for a in range(0, n, step):
+        m = min(step, n - a)
+        x = torch.randn(m, d, generator=g, device=DEV) / torch.sqrt(torch.rand(m, d, generator=g, device=DEV) + 0.05)
+        x = x * torch.exp(1.5 * torch.randn(m, 1, generator=g, device=DEV))
+        x[:, 3] *= 30
+        x[:, d // 2] *= 10
+        out[a:a + m] = torch.where(torch.rand(m, d, generator=g, device=DEV) < 0.005, x * 100, x)
+    out[0] = 0
+    return out
 
 
 def shuffled_slots(n, num_blocks, seed):

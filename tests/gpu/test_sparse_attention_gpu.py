@@ -108,7 +108,7 @@ def test_a_kernel_that_does_not_build_falls_back(fmt, monkeypatch):
         def __call__(self, grid, args, key=None, addrs=None):
             raise CompilationError("simulated", None, "the installed Triton cannot build this kernel")
 
-    monkeypatch.setattr(attn_mod, "_sm90_launch", lambda plan, fmt, has_vc: Broken())
+    monkeypatch.setattr(attn_mod, "_sm90_launch", lambda plan, fmt, has_vc, fused=False: Broken())
     monkeypatch.setattr(attn_mod, "_LAUNCHES", {})
     monkeypatch.setattr(attn_mod, "_BY_PLAN", {})
     monkeypatch.setattr(attn_mod, "_BOUND", {})
