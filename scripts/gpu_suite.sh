@@ -21,7 +21,7 @@
 # "decode small_batch prefill movement host_overhead"); BENCH_FORMATS narrows their formats; BENCH_ARGS (every
 # driver) and BENCH_ARGS_<driver> add arguments; SPARSEMLA_COMMIT=<sha> names the commit in the rows when the
 # copy of the tree has no git history.  Afterwards, on your machine:
-#   cat <files_at>/results.jsonl >> benchmarks/results/h200.jsonl && python3 benchmarks/render.py
+#   cat <files_at>/results.jsonl >> benchmarks/results/h200.jsonl && python3 benchmarks/render.py  (h100.jsonl: H100)
 set -u
 MODE=all; DRY=0
 for arg in "$@"; do

@@ -343,9 +343,11 @@ def _row(**kw):
     return R.make_row(ENV, **base)
 
 
-def test_results_file_rows_follow_the_schema():
-    rows = R.load(os.path.join(ROOT, "benchmarks", "results", "h200.jsonl"))
+@pytest.mark.parametrize("name", ["h100.jsonl", "h200.jsonl"])
+def test_results_file_rows_follow_the_schema(name):
+    rows = R.load(os.path.join(ROOT, "benchmarks", "results", name))
     assert rows, "the results file is empty"
+    assert len({r["gpu"] for r in rows}) == 1, "one GPU a results file"
     for r in rows:
         assert r.get("source") or r.get("command")  # a driver writes the command; seeded rows name their source
     # every standard decode format at 16 / 64 / 128 heads, b 128, has a sparsemla row
@@ -417,6 +419,34 @@ def test_render_per_release_table(tmp_path):
     bench = render.render_benchmarks(rows, "r.jsonl", triton="3.6.0")
     assert "Decode is slower on some Triton releases than on 3.6.0" in bench
     assert "fp8_ds_mla D-h16 on 3.9.0 1.14x" in bench and "D-h16 on 3.8.0" not in bench
+
+
+def test_render_each_gpu_on_its_own_newest_decode_run_first(tmp_path):
+    """Rows of two GPUs: BENCHMARKS.md has a heading and tables per GPU (no ratio across them), the GPU with the
+    newest decode run first, and the README block is that GPU's table."""
+    render = _load_script("benchmarks/render.py")
+    old = [_row(value=70.0), _row(impl="flashmla", value=100.0)]
+    new = [dict(r, gpu="NVIDIA H100 80GB HBM3", date="2026-12-05T00:00:00Z")
+           for r in (_row(value=90.0), _row(impl="flashmla", value=117.0))]
+    p100, p200 = str(tmp_path / "h100.jsonl"), str(tmp_path / "h200.jsonl")
+    R.append(p200, old)
+    R.append(p100, new)
+    rows = R.load(p100) + R.load(p200)
+    assert render.gpus_newest_first(rows) == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+    bench = render.render_benchmarks(rows, "r.jsonl")
+    a, b = bench.index("## NVIDIA H100 80GB HBM3"), bench.index("## NVIDIA H200")
+    assert a < b and "### Decode" in bench[a:b] and "### Decode" in bench[b:]
+    assert "| `fp8_ds_mla` | 16 | 90.0 us (59 %) |" in bench[a:b] and "1.30x" in bench[a:b]  # 117 / 90
+    assert "| `fp8_ds_mla` | 16 | 70.0 us (59 %) |" in bench[b:] and "1.43x" in bench[b:]   # 100 / 70
+    assert "1.11x" not in bench  # 100 / 90: never across GPUs
+    block = render.render_readme_block(rows)
+    assert "NVIDIA H100 80GB HBM3" in block and "| 16 | -- | -- | 90 us |" in block
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{render.BEGIN}\nold\n{render.END}\n")
+    out = tmp_path / "B.md"
+    args = ["--results", p100, "--results", p200, "--benchmarks", str(out), "--readme", str(readme)]
+    assert render.main(args) == 0 and render.main(args + ["--check"]) == 0
+    assert "h100.jsonl" in out.read_text() and "h200.jsonl" in out.read_text()
 
 
 def test_the_documents_match_the_results_file():

@@ -1,7 +1,7 @@
 """The results file: one JSON object per line, one line per measurement.
 
-``benchmarks/results/h200.jsonl`` holds the figures that BENCHMARKS.md and the README's table are rendered
-from (``benchmarks/render.py``), so that the documents cannot drift from the data.  Every benchmark driver
+``benchmarks/results/<gpu>.jsonl`` (one file per GPU: ``h200.jsonl``, ``h100.jsonl``) hold the figures that
+BENCHMARKS.md and the README's table are rendered from (``benchmarks/render.py``), so that the documents cannot drift from the data.  Every benchmark driver
 in ``benchmarks/`` appends rows to a file its caller names (``--results PATH``).
 
 A row (:data:`REQUIRED` keys always, :data:`OPTIONAL` keys where they apply):
