@@ -337,7 +337,8 @@ CAUSE_HOST = ("Before any Python, a call pays Triton's C launch function (4.7 us
               "output allocations (2.8 us each); a b 1 call makes two launches, the attention kernel's split-KV "
               "partials and their combine (about 9 us more than b 128).  The sm_90 kernels can merge the splits "
               "themselves after a grid barrier, one launch (plan option fused_combine): on an H100 it saves 5.7 us "
-              "of host time at b 1 but adds 2.9 us of GPU time, so it stays off.  The host differs from one GPU-machine call to the next by up to 2x.")
+              "of host time at b 1 but adds 2.9 us of GPU time, so it stays off.  The host differs from one "
+              "GPU-machine call to the next by up to 2x.")
 CAUSE_PAIR_Q = ("The kernels read the pair in place; what the call adds is Python (the checks of the query's parts, "
                 "the indices and the counts, the cache view, the plan lookup), and the host differs from one "
                 "GPU-machine call to the next by up to 2x.")

@@ -1,8 +1,9 @@
 """The results file: one JSON object per line, one line per measurement.
 
-``benchmarks/results/<gpu>.jsonl`` (one file per GPU: ``h200.jsonl``, ``h100.jsonl``) hold the figures that
-BENCHMARKS.md and the README's table are rendered from (``benchmarks/render.py``), so that the documents cannot drift from the data.  Every benchmark driver
-in ``benchmarks/`` appends rows to a file its caller names (``--results PATH``).
+The files ``benchmarks/results/<gpu>.jsonl`` (one per GPU: ``h200.jsonl``, ``h100.jsonl``) hold the figures that
+BENCHMARKS.md and the README's table are rendered from (``benchmarks/render.py``), so that the documents cannot
+drift from the data.  Every benchmark driver in ``benchmarks/`` appends rows to a file its caller names
+(``--results PATH``).
 
 A row (:data:`REQUIRED` keys always, :data:`OPTIONAL` keys where they apply):
 
