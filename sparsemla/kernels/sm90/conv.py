@@ -230,7 +230,7 @@ def _load_piece(base, valid, P: gl.constexpr, SCALE_OFF: gl.constexpr, DS: gl.co
 def _store_piece(raw, sc, dst, DS: gl.constexpr, FP4: gl.constexpr, F16: gl.constexpr = False, f=None):
     """Dequantize a piece (``_load_piece``) and store it into ``dst`` [64, 64] int32 (pairs of the tile's
     16-bit type: a tile slice).  F16 (fp8_ds_mla's fp16 tile): each value times its group scale / the row's power
-    of two ``f`` (``_row_pow2``; 0 for a row without a positive scale)."""
+    of two ``f`` (``_row_pow2``; a row whose f is 0 is stored as zeros)."""
     if FP4:
         v = fp4_words_f16(gl.convert_layout(raw.reshape([64, 8, 2]), L_W2B), sc)  # the same registers
     elif DS and F16:
