@@ -101,6 +101,18 @@ def test_conv_ds_scales_far_apart(fmt):
     check_ds_scales_far_apart(fmt, KERNEL)
 
 
+def _q_across_the_bf16_range(c, h0):
+    """Case ``c``'s q made to span the bf16 range: head h times 2^e, e from -100 to 100 over the heads; head ``h0``
+    all zeros, head h0 + 1 tiny (times 2^-40) but for one entry of 2^40.  Use sm_scale 2^-110 (the largest head's
+    scores stay finite in fp32)."""
+    q = c["q"].float()
+    q = q * torch.exp2(torch.linspace(-100, 100, q.shape[1], device="cuda").round())[None, :, None]
+    q[:, h0] = 0.0
+    q[:, h0 + 1] = q[:, h0 + 1] * 2.0 ** -40
+    q[:, h0 + 1, 7] = 2.0 ** 40
+    c["q"] = q.to(torch.bfloat16)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4_ds_mla", "fp8", "nvfp4_ds_mla-nope"])
 def test_conv_fp16_q_across_the_bf16_range(fmt):
     """fp16 tiles (nvfp4, fp8): q is converted to fp16 per head times a power of two.  Heads whose q spans
@@ -110,13 +122,7 @@ def test_conv_fp16_q_across_the_bf16_range(fmt):
     skip_unless_sm90()
     k_scale = _k_scale(fmt)
     c = make_case(fmt, 3, 64, 512, ctx=1024, block_size=64, device="cuda", k_scale=k_scale)
-    q = c["q"].float()
-    exps = torch.linspace(-100, 100, q.shape[1], device="cuda").round()
-    q = q * torch.exp2(exps)[None, :, None]
-    q[:, 5] = 0.0
-    q[:, 6] = q[:, 6] * 2.0 ** -40
-    q[:, 6, 7] = 2.0 ** 40
-    c["q"] = q.to(torch.bfloat16)
+    _q_across_the_bf16_range(c, 5)
     sm = 2.0 ** -110
     plan = plan_for(c, KERNEL, 1)
     out, lse = run(c, sm, plan, k_scale)
@@ -254,11 +260,7 @@ def test_conv_f16_tile_scales_far_apart_and_fp16_q(fmt):
     with meta_variant(conv, KERNEL, f16_tile=True):
         check_ds_scales_far_apart(fmt, KERNEL)
         c = make_case(fmt, 3, 64, 512, ctx=1024, block_size=64, device="cuda")
-        q = c["q"].float() * torch.exp2(torch.linspace(-100, 100, 64, device="cuda").round())[None, :, None]
-        q[:, 5] = 0.0
-        q[:, 6] = q[:, 6] * 2.0 ** -40
-        q[:, 6, 7] = 2.0 ** 40
-        c["q"] = q.to(torch.bfloat16)
+        _q_across_the_bf16_range(c, 5)
         sm = 2.0 ** -110
         out, lse = run(c, sm, plan_for(c, KERNEL, 1))
         check_reference(c, sm, out, lse)
@@ -315,11 +317,7 @@ def test_cluster_fp16_q_across_the_bf16_range(fmt):
     _skip_unless_cluster()
     k_scale = _k_scale(fmt)
     c = make_case(fmt, 3, 128, 512, ctx=1024, block_size=64, device="cuda", k_scale=k_scale)
-    q = c["q"].float() * torch.exp2(torch.linspace(-100, 100, 128, device="cuda").round())[None, :, None]
-    q[:, 69] = 0.0
-    q[:, 70] = q[:, 70] * 2.0 ** -40
-    q[:, 70, 7] = 2.0 ** 40
-    c["q"] = q.to(torch.bfloat16)
+    _q_across_the_bf16_range(c, 69)
     sm = 2.0 ** -110
     out, lse = run(c, sm, plan_for(c, "sm90-cluster", 1), k_scale)
     check_reference(c, sm, out, lse, k_scale)
