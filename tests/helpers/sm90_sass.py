@@ -81,8 +81,6 @@ def _variants():
                            ("-early", dict(early=True, late_next=True, lean_fences=True))):
             if kind == "bf16" or fid != kind or (on and all(conv.TUNED[kind].get(o) for o in on)):
                 continue
-            if suffix == "-idx2" and kind == "fp8":
-                continue  # its default looks ahead
             v[f"conv-{fid}{suffix}"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                 num_groups=2, has_valid_counts=True, **dict(producer, **on)))

@@ -236,7 +236,7 @@ def _store_piece(raw, sc, dst, DS: gl.constexpr, FP4: gl.constexpr, F16: gl.cons
     elif DS and F16:
         # 1 / f from f's exponent bits (f = 2^e, 2^-126 <= f <= 2^119 for any scale of a bf16 row: exact, normal)
         inv_f = gl.where(f > 0.0, ((254 << 23) - f.to(gl.int32, bitcast=True)).to(gl.float32, bitcast=True), 0.0)
-        v = e4m3_words_f16_times(raw, gl.broadcast((sc * inv_f)[:, None], raw)[0])  # sc / f in [-2, 2]
+        v = e4m3_words_f16_times(raw, gl.broadcast((sc * inv_f)[:, None], raw)[0])  # sc / f in (-2, 2)
     elif DS:
         v = e4m3_words_bf16(raw, gl.broadcast(sc[:, None], raw)[0])
     else:

@@ -89,20 +89,16 @@ mul.f16x2 $3, $3, $5;
 }""")
 
 # One 32-bit word of four e4m3 values ($2, dim order) -> fp16 pairs $0 (dims 0-1), $1 (dims 2-3), exact
-_E4M3W_ASM = gl.constexpr("""{
+_E4M3W_CVT = """{
 .reg .b16 l, h;
 mov.b32 {l, h}, $2;
 cvt.rn.f16x2.e4m3x2 $0, l;
 cvt.rn.f16x2.e4m3x2 $1, h;
-}""")
+"""
+_E4M3W_ASM = gl.constexpr(_E4M3W_CVT + "}")
 
 # ... times the fp16 pair $3 (both halves the same factor; rounded once, to fp16)
-_E4M3WF_ASM = gl.constexpr("""{
-.reg .b16 l, h;
-mov.b32 {l, h}, $2;
-cvt.rn.f16x2.e4m3x2 $0, l;
-cvt.rn.f16x2.e4m3x2 $1, h;
-mul.rn.f16x2 $0, $0, $3;
+_E4M3WF_ASM = gl.constexpr(_E4M3W_CVT + """mul.rn.f16x2 $0, $0, $3;
 mul.rn.f16x2 $1, $1, $3;
 }""")
 
