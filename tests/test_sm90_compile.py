@@ -191,20 +191,6 @@ def test_conv_meta_takes_each_kinds_tuned_producer_options():
     assert on["HINT"] and not on["W128"]
 
 
-def test_conv_f16_tile_is_for_fp8_ds_mla_in_one_cta():
-    """conv.meta(f16_tile=True): fp8_ds_mla rows only, not the 2-CTA kernel; the flag reaches the kernel."""
-    common = dict(rope_dim=64, num_groups=1, has_valid_counts=False)
-    m = conv.meta(kind="fp8_ds_mla", bytes_per_row=656, rope_offset=528, scale_offset=512, f16_tile=True, **common)
-    assert m["F16"] and m["DS"]
-    assert not conv.meta(kind="fp8_ds_mla", bytes_per_row=656, rope_offset=528, scale_offset=512, **common)["F16"]
-    for kind, bpr, ro, so in (("fp8", 576, 512, -1), ("nvfp4_ds_mla", 352, 256, 320), ("bf16", 1152, 1024, -1)):
-        with pytest.raises(ValueError, match="f16_tile"):
-            conv.meta(kind=kind, bytes_per_row=bpr, rope_offset=ro, scale_offset=so, f16_tile=True, **common)
-    with pytest.raises(ValueError, match="f16_tile"):
-        conv.meta(kind="fp8_ds_mla", bytes_per_row=656, rope_offset=528, scale_offset=512, f16_tile=True,
-                  cluster=True, **common)
-
-
 def test_compat_names_exist_on_this_release():
     assert all(callable(f) for f in (compat.barrier, compat.async_load, compat.reinterpret))
 

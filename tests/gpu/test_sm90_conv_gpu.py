@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from attn_cases import SEED, make_case, rel_err  # noqa: E402
-from sm90_gpu import (check_case, check_ds_scales_far_apart, check_k_scale_applied_once, scales_view,  # noqa: E402
+from sm90_gpu import (check_case, check_ds_scales_far_apart, check_k_scale_applied_once,  # noqa: E402
                       check_reference, meta_variant, named_hand_off, plan_for, run, skip_unless_sm90)
 
 from sparsemla.formats import get_format  # noqa: E402
@@ -101,18 +101,6 @@ def test_conv_ds_scales_far_apart(fmt):
     check_ds_scales_far_apart(fmt, KERNEL)
 
 
-def _q_across_the_bf16_range(c, h0):
-    """Case ``c``'s q made to span the bf16 range: head h times 2^e, e from -100 to 100 over the heads; head ``h0``
-    all zeros, head h0 + 1 tiny (times 2^-40) but for one entry of 2^40.  Use sm_scale 2^-110 (the largest head's
-    scores stay finite in fp32)."""
-    q = c["q"].float()
-    q = q * torch.exp2(torch.linspace(-100, 100, q.shape[1], device="cuda").round())[None, :, None]
-    q[:, h0] = 0.0
-    q[:, h0 + 1] = q[:, h0 + 1] * 2.0 ** -40
-    q[:, h0 + 1, 7] = 2.0 ** 40
-    c["q"] = q.to(torch.bfloat16)
-
-
 @pytest.mark.parametrize("fmt", ["nvfp4_ds_mla", "fp8", "nvfp4_ds_mla-nope"])
 def test_conv_fp16_q_across_the_bf16_range(fmt):
     """fp16 tiles (nvfp4, fp8): q is converted to fp16 per head times a power of two.  Heads whose q spans
@@ -122,7 +110,13 @@ def test_conv_fp16_q_across_the_bf16_range(fmt):
     skip_unless_sm90()
     k_scale = _k_scale(fmt)
     c = make_case(fmt, 3, 64, 512, ctx=1024, block_size=64, device="cuda", k_scale=k_scale)
-    _q_across_the_bf16_range(c, 5)
+    q = c["q"].float()
+    exps = torch.linspace(-100, 100, q.shape[1], device="cuda").round()
+    q = q * torch.exp2(exps)[None, :, None]
+    q[:, 5] = 0.0
+    q[:, 6] = q[:, 6] * 2.0 ** -40
+    q[:, 6, 7] = 2.0 ** 40
+    c["q"] = q.to(torch.bfloat16)
     sm = 2.0 ** -110
     plan = plan_for(c, KERNEL, 1)
     out, lse = run(c, sm, plan, k_scale)
@@ -207,65 +201,6 @@ def test_conv_early_loads_match_reference(fmt, heads, topk, splits, options):
         check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
 
 
-DS_FORMATS = ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8_ds_mla-nope-compact"]
-
-
-@pytest.mark.parametrize("fmt", DS_FORMATS)
-@pytest.mark.parametrize("heads,topk,splits,options", [
-    (64, 2048, 1, {}), (33, 64, 1, {}), (96, 2051, 3, {}), (128, 2048, None, {}), (64, 2048, 32, {}),
-    (128, 320, 2, dict(early=False, late_next=False, lean_fences=False)), (96, 2051, 3, dict(idx_ahead=True)),
-    (64, 2048, 1, dict(named=True))])
-def test_conv_f16_tile_matches_reference(fmt, heads, topk, splits, options):
-    """fp8_ds_mla rows in fp16 tiles (``conv.meta(f16_tile=True)``: each row divided by the power of two of its
-    largest group scale, q in fp16 per head, the bf16 rope's QK a wgmma of its own): one block, odd block counts,
-    splits (one block each at 32), head counts that are not a multiple of 64, NoPE rows with and without a rope
-    slot, with the producer options on and off and the named hand-off."""
-    skip_unless_sm90()
-    from sparsemla.kernels.sm90 import conv
-    c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda")
-    with meta_variant(conv, KERNEL, f16_tile=True, **options):
-        check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, 1.0, o_tol=1e-2, lse_tol=2e-3)
-
-
-@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope"])
-def test_conv_f16_tile_scales_at_the_edges(fmt):
-    """fp8_ds_mla in fp16 tiles: group scales that are not powers of two, 2^-8 .. 2^8 apart between rows and
-    2^-12 .. 2^12 within a row; rows whose scales are all zero, one group's zero, subnormal (stored as zeros:
-    their values are below 2^-120 of any other row's); the rows' factors change from block to block (O's unit
-    follows the largest): against the float64 reference."""
-    skip_unless_sm90()
-    from sparsemla.kernels.sm90 import conv
-    c = make_case(fmt, 3, 64, 512, ctx=1024, block_size=64, device="cuda")
-    sc = scales_view(c)
-    g = torch.Generator(device="cuda").manual_seed(SEED)
-    n = sc.shape[0]
-    e = torch.randint(-8, 9, (n, 1), generator=g, device="cuda") + torch.randint(-12, 13, (n, 4), generator=g,
-                                                                                 device="cuda")
-    sc.mul_(torch.exp2(e.float()) * (1.0 + torch.rand(n, 4, generator=g, device="cuda")))
-    sc[0::7] = 0.0
-    sc[1::11, 2] = 0.0
-    sc[2::13] = 1e-40
-    sm = c["fmt"].head_dim ** -0.5 * 2.0 ** -12
-    with meta_variant(conv, KERNEL, f16_tile=True):
-        out, lse = run(c, sm, plan_for(c, KERNEL, 2))
-    check_reference(c, sm, out, lse)
-
-
-@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope"])
-def test_conv_f16_tile_scales_far_apart_and_fp16_q(fmt):
-    """fp8_ds_mla in fp16 tiles: the power-of-two scales 2^20 apart of ``check_ds_scales_far_apart``, then q
-    across the bf16 range as in ``test_conv_fp16_q_across_the_bf16_range``."""
-    skip_unless_sm90()
-    from sparsemla.kernels.sm90 import conv
-    with meta_variant(conv, KERNEL, f16_tile=True):
-        check_ds_scales_far_apart(fmt, KERNEL)
-        c = make_case(fmt, 3, 64, 512, ctx=1024, block_size=64, device="cuda")
-        _q_across_the_bf16_range(c, 5)
-        sm = 2.0 ** -110
-        out, lse = run(c, sm, plan_for(c, KERNEL, 1))
-        check_reference(c, sm, out, lse)
-
-
 @pytest.mark.parametrize("fmt", ["bf16", "bf16-nope"])
 @pytest.mark.parametrize("heads,topk,splits", [(64, 2048, 1), (33, 64, 1), (96, 2051, 3), (128, 320, 2)])
 def test_conv_bf16_rows64_matches_reference(fmt, heads, topk, splits):
@@ -317,7 +252,11 @@ def test_cluster_fp16_q_across_the_bf16_range(fmt):
     _skip_unless_cluster()
     k_scale = _k_scale(fmt)
     c = make_case(fmt, 3, 128, 512, ctx=1024, block_size=64, device="cuda", k_scale=k_scale)
-    _q_across_the_bf16_range(c, 69)
+    q = c["q"].float() * torch.exp2(torch.linspace(-100, 100, 128, device="cuda").round())[None, :, None]
+    q[:, 69] = 0.0
+    q[:, 70] = q[:, 70] * 2.0 ** -40
+    q[:, 70, 7] = 2.0 ** 40
+    c["q"] = q.to(torch.bfloat16)
     sm = 2.0 ** -110
     out, lse = run(c, sm, plan_for(c, "sm90-cluster", 1), k_scale)
     check_reference(c, sm, out, lse, k_scale)

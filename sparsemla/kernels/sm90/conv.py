@@ -28,12 +28,7 @@ by the producer, each head times a power of two that keeps it in fp16's range (u
 fp8_ds_mla: e4m3 x the 128-dim group's fp32 scale, rounded to bf16 (exact for the power-of-two scales the
 writers produce; other scales round once, like a bf16 cache; fp16 could overflow); the bf16 rope and q are
 copied.  Converting to fp16 saves a third of the producer's instructions against bf16 (no detour through
-fp32), measured in SASS: about 800 against 1230 a thread and block for nvfp4.  ``meta(f16_tile=True)`` (opt-in, not
-yet measured on a GPU) gives fp8_ds_mla fp16 tiles too: each row is divided by f, the power of two of its largest
-group scale (``_row_pow2``; e4m3 x scale / f < 896, one convert and one multiply a pair), its scores are multiplied
-by f before its bf16 rope's QK (a wgmma of its own) is added, and O is kept in units of u, the largest f so far:
-P goes to the PV as P f / u and O's rescale takes u_old / u_new; l stays in true units and the output is O u / l.
-The producer loop's SASS falls from 955 to 509 instructions a thread and block; warpgroup 0's grows from 627 to 749.
+fp32), measured in SASS: about 800 against 1230 a thread and block for nvfp4.
 
 mbarriers: ``q_bar`` (q staged: one cp.async arrival per producer thread; fp16 q: the producer's
 ``common.publish``), ``ready[b]`` (tile b and sV[b]; the producer fences its generic-proxy stores for the async
@@ -72,8 +67,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from . import compat
 from .common import (NEG_BIG, PER_THREAD, PUBLISH, combine_in_kernel, fused_meta, named_asm, named_barrier,
                      normalizer, program_coords, publish)
-from .rows import (L_ROWS128, block_indices, copy_rows, e4m3_words_bf16, e4m3_words_f16, e4m3_words_f16_times,
-                   fp4_words_f16, pow2_scale)
+from .rows import L_ROWS128, block_indices, copy_rows, e4m3_words_bf16, e4m3_words_f16, fp4_words_f16, pow2_scale
 
 # HINT's load of a thread's 4 consecutive words (pack 4: the first of its 4 addresses): FlashMLA's gather hint
 NC_LOAD = gl.constexpr("ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];")
@@ -227,34 +221,16 @@ def _load_piece(base, valid, P: gl.constexpr, SCALE_OFF: gl.constexpr, DS: gl.co
 
 
 @gluon.jit
-def _store_piece(raw, sc, dst, DS: gl.constexpr, FP4: gl.constexpr, F16: gl.constexpr = False, f=None):
+def _store_piece(raw, sc, dst, DS: gl.constexpr, FP4: gl.constexpr):
     """Dequantize a piece (``_load_piece``) and store it into ``dst`` [64, 64] int32 (pairs of the tile's
-    16-bit type: a tile slice).  F16 (fp8_ds_mla's fp16 tile): each value times its group scale / the row's power
-    of two ``f`` (``_row_pow2``; a row whose f is 0 is stored as zeros)."""
+    16-bit type: a tile slice)."""
     if FP4:
         v = fp4_words_f16(gl.convert_layout(raw.reshape([64, 8, 2]), L_W2B), sc)  # the same registers
-    elif DS and F16:
-        # 1 / f from f's exponent bits (f = 2^e, 2^-126 <= f <= 2^119 for any scale of a bf16 row: exact, normal)
-        inv_f = gl.where(f > 0.0, ((254 << 23) - f.to(gl.int32, bitcast=True)).to(gl.float32, bitcast=True), 0.0)
-        v = e4m3_words_f16_times(raw, gl.broadcast((sc * inv_f)[:, None], raw)[0])  # sc / f in (-2, 2)
     elif DS:
         v = e4m3_words_bf16(raw, gl.broadcast(sc[:, None], raw)[0])
     else:
         v = e4m3_words_f16(raw)
     dst.store(v)
-
-
-@gluon.jit
-def _row_pow2(base, valid, SCALE_OFF: gl.constexpr):
-    """fp8_ds_mla's fp16 tile: for the rows ``base`` [64] (SliceLayout(1, L_W8R)), 2^floor(log2 s) of the largest
-    magnitude s of their four group scales (its exponent bits), 0 for an invalid row or one where s is not a normal
-    number (zero, subnormal or not finite: the row's values are stored as zeros)."""
-    sp = (base + SCALE_OFF).to(gl.pointer_type(gl.float32))
-    m = gl.abs(gl.load(sp, mask=valid, other=0.0))
-    for t in gl.static_range(1, 4):
-        m = gl.maximum(m, gl.abs(gl.load(sp + t, mask=valid, other=0.0)))
-    e = m.to(gl.int32, bitcast=True) & 0x7F800000
-    return gl.where(e != 0x7F800000, e.to(gl.float32, bitcast=True), 0.0)
 
 
 @gluon.jit
@@ -415,7 +391,7 @@ def _stage_q_f16(q_row, qe_row, hm, qL, qR, qE, sQ, ROPE: gl.constexpr, CL: gl.c
         qR.index(0).slice(128 * j, 128, dim=1).store(
             (_q_part(q_row, hm, 256 + 128 * j, 128, True, CL) * c[:, None]).to(gl.float16))
     if ROPE:
-        qE.index(0).store((_q_part(qe_row, hm, 0, 64, True, CL) * c[:, None]).to(qE.dtype))  # fp16 (F16: bf16)
+        qE.index(0).store((_q_part(qe_row, hm, 0, 64, True, CL) * c[:, None]).to(gl.float16))
     sQ.store(inv_c * 0.0078125)
 
 
@@ -433,19 +409,18 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
               DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, B16: gl.constexpr,
               CL: gl.constexpr, HINT: gl.constexpr = False, W128: gl.constexpr = False, tr=None,
               TRACE: gl.constexpr = False, EARLY: gl.constexpr = False, LATE: gl.constexpr = False,
-              IDX2: gl.constexpr = False, F16: gl.constexpr = False):
+              IDX2: gl.constexpr = False):
     """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run two
     pieces ahead of the conversion: piece P + 2 (after the last value piece: the rope, then the next block's
     first two pieces) is loaded before piece P is converted; the next block's rows are looked up at the start
     of a block.  fp8_ds_mla's bf16 rope needs no conversion: it is copied into the tile by cp.async as soon as
     the tile is free, and waited for before the tile is published.  IDX2: the rows are looked up two blocks
     ahead, so that the next block's loads need no index load of their own (one memory latency fewer in the
-    producer's chain a block).  F16 (fp8_ds_mla's fp16 tile): q staged as fp16 (each head times a power of two, its
-    rope part bf16), each row's values divided by the row's power of two (``_row_pow2``), which goes into sK[b]."""
+    producer's chain a block)."""
     (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K,
      rows_per_split, num_splits, smem,
      bars) = args
-    qL, qR, qE, kLw, kRw, kEw, sQ, sV, sK = smem
+    qL, qR, qE, kLw, kRw, kEw, sQ, sV = smem
     q_bar, ready, free = bars
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     _stamp(tr, 2, 0, TRACE)
@@ -455,7 +430,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     hm = heads < H
     q_row = gl.multiple_of(q_ptr + t.to(gl.int64) * stride_qt + gl.where(hm, heads, 0).to(gl.int64) * stride_qh, 16)
     qe_row = gl.multiple_of(qr_ptr + t.to(gl.int64) * stride_rt + gl.where(hm, heads, 0).to(gl.int64) * stride_rh, 16)
-    if (DS and not F16) or B16:
+    if DS or B16:
         # bf16, as it is, by cp.async
         copy_rows(qL.index(0), q_row, 0, 256, hm, LB)
         copy_rows(qR.index(0), q_row, 256, 256, hm, LB)
@@ -490,10 +465,6 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
         base, valid = _ptrs(block_indices(idx_row, k_begin, k_end, rl), kv_ptr, BPT)
         raw, sc = _load_piece(base, valid, 0, SCALE_OFF, DS, FP4, False, HINT)
         raw1, sc1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4, False, HINT)
-        if F16:
-            f = _row_pow2(base, valid, SCALE_OFF)
-        else:
-            f = sc  # (unused)
         if IDX2:
             nidx = block_indices(idx_row, k_begin + 64, k_end, rl)
         for i in range(n_blocks):
@@ -506,10 +477,6 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
             raw2, sc2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4, False, HINT)
             if EARLY:  # every value piece in flight before the wait: none of their loads inside free -> ready
                 raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4, False, HINT)
-            if F16:
-                nf = _row_pow2(nbase, nvalid, SCALE_OFF)
-            else:
-                nf = f
             mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
             _stamp(tr, 0, i, TRACE)
             if ROPE and DS:
@@ -517,12 +484,10 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
             # which rows are valid (1.0 / 0.0), for warpgroup 0's mask: from shared memory, not a global load in
             # its serial chain of QK, softmax and PV
             sV.index(b).store(valid.to(gl.float32))
-            if F16:
-                sK.index(b).store(f)
-            _store_piece(raw, sc, _piece_dst(kLw, kRw, b, 0), DS, FP4, F16, f)
+            _store_piece(raw, sc, _piece_dst(kLw, kRw, b, 0), DS, FP4)
             if not EARLY:
                 raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4, False, HINT)
-            _store_piece(raw1, sc1, _piece_dst(kLw, kRw, b, 1), DS, FP4, F16, f)
+            _store_piece(raw1, sc1, _piece_dst(kLw, kRw, b, 1), DS, FP4)
             if ROPE and not DS:
                 if SEP and IDX2:  # this block's row pointers in the rope's layout: no second index load
                     rope = _load_rope(gl.convert_layout(base, el), gl.convert_layout(valid, el), ROPE_OFF, FP4,
@@ -532,23 +497,22 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
                                       ROPE_OFF, FP4, False, HINT)
                 else:
                     rope = _load_rope(base, valid, ROPE_OFF, FP4, False, HINT)
-                _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4, F16, f)
+                _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
                 if not LATE:
                     raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
-                _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4, F16, f)
+                _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
                 if not LATE:
                     raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4, False, HINT)
                 _store_rope(rope, kEw.index(b))
             else:
                 if not LATE:
                     raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
-                _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4, F16, f)
+                _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
                 if not LATE:
                     raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4, False, HINT)
-                _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4, F16, f)
+                _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
             base = nbase
             valid = nvalid
-            f = nf
             if ROPE and DS:
                 async_copy.wait_group(0)  # this thread's rope copies have landed
             _stamp(tr, 14, i, TRACE)
@@ -626,18 +590,6 @@ def _qk(qL, qR, qE, kL, kR, kE, b, z, s_zero, ROPE: gl.constexpr):
 
 
 @gluon.jit
-def _scale_rope_qk(sc, qE, kE, sK, b, z, ROPE: gl.constexpr):
-    """fp8_ds_mla's fp16 tile: the scores of tile b's fp16 part ``sc`` (waited for) times each row's power of two
-    (sK[b]), then its bf16 rope part added (a wgmma of its own, waited for).  Returns (S, the rows' factors)."""
-    f = sK.index(b).load(gl.SliceLayout(0, S_LAYOUT))
-    sc = sc * f[None, :]
-    if ROPE:
-        sc = warpgroup_mma(qE.index(z), kE.index(b).permute((1, 0)), sc, is_async=True)
-        sc = warpgroup_mma_wait(0, deps=(sc, ))
-    return sc, f
-
-
-@gluon.jit
 def _out_store(acc, inv_l, col0: gl.constexpr, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H,
                CL: gl.constexpr = False):
     """Columns col0 .. col0 + 255 of heads 64 g .. 64 g + 63 (CL: 0 .. 127): acc [64, 256] x inv_l (per head)."""
@@ -652,11 +604,9 @@ def _out_store(acc, inv_l, col0: gl.constexpr, o_ptr, stride_ot, stride_os, stri
 
 @gluon.jit
 def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS: gl.constexpr,
-                      NAMED: gl.constexpr, CL: gl.constexpr = False, F16: gl.constexpr = False, f=None, u=None):
+                      NAMED: gl.constexpr, CL: gl.constexpr = False):
     """Block i's online softmax on its scores sc (tile b's invalid rows masked), O rescaled; P and alpha handed to
-    warpgroup 1 (through sP / sA once it is done with block i - 1's).  Returns (m, l, O, u).  F16 (fp8_ds_mla's
-    fp16 tile, whose rows hold value / f): O is kept in units of ``u``, the largest row factor f so far, so P goes
-    out as P f / u (<= 1, fp16) and O's rescale includes u_old / u_new; l stays in true units."""
+    warpgroup 1 (through sP / sA once it is done with block i - 1's).  Returns (m, l, O)."""
     # tile b's valid rows (the producer's, behind ready[b])
     ok = sV.index(b).load(gl.SliceLayout(0, cga(S_LAYOUT, CL))) != 0.0
     if DS:
@@ -668,13 +618,6 @@ def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, 
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(sc - m_new[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
-    if F16:
-        u_new = gl.maximum(u, gl.max(f, 0))
-        inv_u = 1.0 / u_new  # one division a block; powers of two: exact
-        alpha = alpha * (u * inv_u)
-        p = p * (f * inv_u)[None, :]
-    else:
-        u_new = u
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, cga(O_LAYOUT, CL)))[:, None]
     if NAMED:
         named_barrier(P_FREE_SYNC)
@@ -688,18 +631,16 @@ def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, 
         named_barrier(P_READY_ARRIVE)
     else:
         mbarrier.arrive(p_ready, count=1)
-    return m_new, l_i, acc, u_new
+    return m_new, l_i, acc
 
 
 @gluon.jit
 def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-         NAMED: gl.constexpr, CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True,
-         F16: gl.constexpr = False):
-    """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse.  ``DS``: bf16
-    q (one score scale for every head); F16: fp8_ds_mla's fp16 tile (``_scale_rope_qk``, ``_softmax_hand_off``)."""
+         NAMED: gl.constexpr, CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True):
+    """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
-    qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV, sK, sig = smem
+    qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV, sig = smem
     q_bar, ready, free, p_ready, p_free, l_bar = bars
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
@@ -707,13 +648,9 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
     OL: gl.constexpr = cga(O_LAYOUT, CL)
     HM: gl.constexpr = 64 * head_groups(CL)
     ss = sm_scale_log2
-    if not DS and not FP4 and not F16:
+    if not DS and not FP4:
         ss = ss * k_scale  # plain fp8 rows hold value / k_scale
     s_zero = gl.zeros([HM, 64], gl.float32, SL)
-    # F16: the rows' power-of-two factors of the block and O's unit (the largest factor so far; from the smallest
-    # normal fp32, so that a first block of zero factors divides by no zero)
-    f = gl.zeros([64], gl.float32, gl.SliceLayout(0, SL))
-    u = sm_scale_log2 * 0.0 + 1.1754943508222875e-38
     m_i = gl.full([HM], NEG_BIG, gl.float32, gl.SliceLayout(1, SL))
     l_i = gl.zeros([HM], gl.float32, gl.SliceLayout(1, SL))
     acc = gl.zeros([HM, 256], gl.float32, OL)
@@ -726,10 +663,8 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         mbarrier.wait(ready.index(0), 0)
         _stamp(tr, 7, 0, TRACE)
         fence_async_shared()
-        sc = _qk(qL, qR, qE, kL, kR, kE, 0, 0, s_zero, ROPE and not F16)
+        sc = _qk(qL, qR, qE, kL, kR, kE, 0, 0, s_zero, ROPE)
         sc = warpgroup_mma_wait(0, deps=(sc, ))
-        if F16:
-            sc, f = _scale_rope_qk(sc, qE, kE, sK, 0, 0, ROPE)
         _stamp(tr, 4, 0, TRACE)
     else:
         sc = s_zero
@@ -740,8 +675,8 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in the
         # loop instead of their wgmma descriptors being hoisted out of it (and spilled)
         z = i // (n_blocks + 1)
-        m_i, l_i, acc, u = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS,
-                                             NAMED, CL, F16, f, u)
+        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
+                                          CL)
         _stamp(tr, 5, i, TRACE)
         # P for this warpgroup's PV from shared memory as well: as a register operand its 16 registers would be
         # live beside O and the next S, past the 192 that ptxas needs to keep the wgmma pipeline unserialized
@@ -753,7 +688,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         _stamp(tr, 7, i + 1, TRACE)
         if CF:  # LEAN: a converted tile was fenced by the producer before its arrival
             fence_async_shared()
-        sc = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE and not F16)
+        sc = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)
         # tile b is released once this PV and the next QK's kL and kR parts are done (wgmma groups retire in order,
         # and each of the QK's wgmma is a group of its own).  Releasing it after the PV alone (waiting with the
         # QK's two or three groups outstanding) measured no faster (CHANGELOG).
@@ -765,14 +700,12 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         else:
             mbarrier.arrive(free.index(b), count=1)
         sc = warpgroup_mma_wait(0, deps=(sc, ))
-        if F16:
-            sc, f = _scale_rope_qk(sc, qE, kE, sK, nb + z, z, ROPE)
         _stamp(tr, 4, i + 1, TRACE)
     if n_blocks > 0:
         i = n_blocks - 1
         b = i % 2
-        m_i, l_i, acc, u = _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
-                                             CL, F16, f, u)
+        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
+                                          CL)
         _stamp(tr, 5, i, TRACE)
         acc = warpgroup_mma(sP, kL.index(b), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -782,16 +715,11 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
             _signal(sig.index(2 * b), free.index(b))
         else:
             mbarrier.arrive(free.index(b), count=1)
-    # both warpgroups normalize with these row sums (F16: in O's unit u)
-    if F16:
-        sL.store(l_i * (1.0 / u))
-    else:
-        sL.store(l_i)
+    # both warpgroups normalize with these row sums
+    sL.store(l_i)
     publish(l_bar)
     inv_l, lse = normalizer(m_i, l_i)
-    if F16:
-        inv_l = inv_l * u
-    elif not DS and not FP4:
+    if not DS and not FP4:
         inv_l = inv_l * k_scale
     _out_store(acc, gl.convert_layout(inv_l, gl.SliceLayout(1, OL)), 0, o_ptr, stride_ot, stride_os, stride_oh, t,
                s, g, H, CL)
@@ -802,12 +730,11 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
 
 @gluon.jit
 def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr,
-         CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True,
-         F16: gl.constexpr = False):
+         CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True):
     """Warpgroup 1: PV for output columns 256-511 with warpgroup 0's P and alpha."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
-    qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV, sK, sig = smem
+    qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV, sig = smem
     q_bar, ready, free, p_ready, p_free, l_bar = bars
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
@@ -846,7 +773,7 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
     mbarrier.wait(l_bar, 0)
     # the same normalizer as warpgroup 0 (m does not enter 1 / l)
     inv_l, lse_unused = normalizer(gl.zeros([64 * head_groups(CL)], gl.float32, OR), sL.load(OR))
-    if not DS and not FP4 and not F16:
+    if not DS and not FP4:
         inv_l = inv_l * k_scale
     _out_store(acc, inv_l, 256, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H, CL)
 
@@ -861,23 +788,16 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 B16: gl.constexpr = False, NAMED: gl.constexpr = False, CL: gl.constexpr = False,
                 FUSED: gl.constexpr = False, HINT: gl.constexpr = False,
                 W128: gl.constexpr = False, TRACE: gl.constexpr = False, EARLY: gl.constexpr = False,
-                LATE: gl.constexpr = False, LEAN: gl.constexpr = False, IDX2: gl.constexpr = False,
-                F16: gl.constexpr = False):
+                LATE: gl.constexpr = False, LEAN: gl.constexpr = False, IDX2: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
-    with num_ctas=2) x 128 heads x one split, NG = 1.  F16: fp8_ds_mla rows in fp16 tiles (``meta(f16_tile=True)``)."""
-    # the 16-bit type of q, the tiles and P: fp16 where the values are exact in it (nvfp4, fp8; fp8_ds_mla with F16,
-    # each row divided by a power of two), else bf16
-    Q16: gl.constexpr = (DS and not F16) or B16  # bf16 q and tiles, q copied as it is, one score scale for all heads
+    with num_ctas=2) x 128 heads x one split, NG = 1."""
+    # the 16-bit type of q, the tiles and P: fp16 where the values are exact in it (nvfp4, fp8), else bf16
+    Q16: gl.constexpr = DS or B16  # bf16 q and tiles, q copied as it is, one softmax scale for every head
     if Q16:
         TD: gl.constexpr = gl.bfloat16
     else:
         TD: gl.constexpr = gl.float16
-    # the rope's: fp8_ds_mla's bf16 rope is copied as it is (F16 too: its QK is a wgmma of its own)
-    if DS or B16:
-        RD: gl.constexpr = gl.bfloat16
-    else:
-        RD: gl.constexpr = TD
     if CL:
         # q, P and the per-head vectors split over the two CTAs (64 heads each); the tiles, the row validity
         # whole in each; every mbarrier one per CTA
@@ -893,30 +813,23 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
         half: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], TD)
         small: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], TD)
         halfk: gl.constexpr = half
-        smallk: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], RD)
+        smallk: gl.constexpr = small
         vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         vecv: gl.constexpr = vec
         bl: gl.constexpr = mbarrier.MBarrierLayout()
         NC: gl.constexpr = 1
     qL = gl.allocate_shared_memory(TD, [1, 64 * NC, 256], half)
     qR = gl.allocate_shared_memory(TD, [1, 64 * NC, 256], half)
-    if CL:
-        qE = gl.allocate_shared_memory(RD, [1, 64 * NC, 64], small)
-    else:
-        qE = gl.allocate_shared_memory(RD, [1, 64 * NC, 64], smallk)
+    qE = gl.allocate_shared_memory(TD, [1, 64 * NC, 64], small)
     kL = gl.allocate_shared_memory(TD, [2, 64, 256], halfk)
     kR = gl.allocate_shared_memory(TD, [2, 64, 256], halfk)
-    kE = gl.allocate_shared_memory(RD, [2, 64, 64], smallk)
+    kE = gl.allocate_shared_memory(TD, [2, 64, 64], smallk)
     sP = gl.allocate_shared_memory(TD, [64 * NC, 64], small)
     sA = gl.allocate_shared_memory(gl.float32, [64 * NC], vec)
     sL = gl.allocate_shared_memory(gl.float32, [64 * NC], vec)
     sQ = gl.allocate_shared_memory(gl.float32, [64 * NC], vec)  # fp16 q: 1 / each head's scale
     # tile b's valid rows (1.0 / 0.0), written by the producer with the tile
     sV = gl.allocate_shared_memory(gl.float32, [2, 64], vecv)
-    if F16:  # tile b's rows' power-of-two factors
-        sK = gl.allocate_shared_memory(gl.float32, [2, 64], vecv)
-    else:
-        sK = sV  # (unused)
     q_bar = gl.allocate_shared_memory(gl.int64, [NC], bl)
     ready = gl.allocate_shared_memory(gl.int64, [2, NC], bl)
     free = gl.allocate_shared_memory(gl.int64, [2, NC], bl)
@@ -951,7 +864,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     # (constexprs reach a partition as constexprs only when written into warp_specialize's argument tuples)
     ca = (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls,
           stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-          (qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV, sK, sig), (q_bar, ready, free, p_ready, p_free, l_bar))
+          (qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV, sig), (q_bar, ready, free, p_ready, p_free, l_bar))
     # the producer stores bf16 pairs as 32-bit words: the same bytes under the same 128-byte swizzle
     words: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     if B16:
@@ -966,7 +879,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     else:
         kLw = compat.reinterpret(kL, gl.int32, [2, 64, 128], words)
         kRw = compat.reinterpret(kR, gl.int32, [2, 64, 128], words)
-    if DS or B16:
+    if Q16:
         kEw = kE  # fp8_ds_mla's bf16 rope is copied as it is (cp.async)
     elif CL:
         kEw = compat.reinterpret(kE, gl.int32, [2, 2, 64, 32], words_cl)
@@ -974,7 +887,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
         kEw = compat.reinterpret(kE, gl.int32, [2, 64, 32], words)
     pa = (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K,
           rows_per_split, num_splits,
-          (qL, qR, qE, kLw, kRw, kEw, sQ, sV, sK), (q_bar, ready, free))
+          (qL, qR, qE, kLw, kRw, kEw, sQ, sV), (q_bar, ready, free))
     if B16:
         PR: gl.constexpr = B16_PRODUCER_REGS
     else:
@@ -983,10 +896,10 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     # LEAN: the consumers fence for the async proxy after their in-loop waits only where the writer cannot (cp.async
     # tiles land after the producer's arrival; st.async tiles come from the partner CTA)
     CF: gl.constexpr = B16 or CL or not LEAN
-    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, F16)),
-                        (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, F16)),
+    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF)),
+                        (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT, W128,
-                                     fo_ptr, TRACE, EARLY, LATE, IDX2, F16))],
+                                     fo_ptr, TRACE, EARLY, LATE, IDX2))],
                        [4, 4], [WG1_REGS, PR])
     if CL:
         # neither CTA exits while the other may still send to it (Triton 3.9 adds this barrier itself, 3.8 not)
@@ -1024,7 +937,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
          has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False,
          l2_hint: bool | None = None, rows128: bool | None = None, early: bool | None = None,
          late_next: bool | None = None, lean_fences: bool | None = None, idx_ahead: bool | None = None,
-         trace: bool = False, f16_tile: bool = False) -> dict:
+         trace: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
@@ -1035,10 +948,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     ``early`` (every value piece's loads before the producer's free wait), ``late_next`` (the next block's first
     pieces after its fence), ``lean_fences`` (the consumers' in-loop proxy fences left to the writers),
     ``idx_ahead`` (the producer looks the rows up two blocks ahead, not one).  ``trace``: the diagnostic
-    build that writes the SM clock at every hand-off into the buffer passed as ``fo_ptr``.  ``f16_tile``
-    (fp8_ds_mla, one CTA): fp16 tiles, each row divided by the power of two of its largest group scale, which
-    multiplies its scores and, relative to the largest so far, its P; e4m3 x scale costs one convert and one
-    multiply a pair instead of a detour through fp32.  (Variants that
+    build that writes the SM clock at every hand-off into the buffer passed as ``fo_ptr``.  (Variants that
     measured slower -- the next QK before the softmax, P in registers for warpgroup 0's PV, a tile freed in
     halves, the validity as a score bias -- are on the branch ``try/conv-variants``; CHANGELOG.)"""
     if kind not in KINDS:
@@ -1052,8 +962,6 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
         raise ValueError("trace: its buffer is the final-out argument, which the 2-CTA and FUSED variants use")
     if cluster and idx_ahead:
         raise ValueError("idx_ahead: the 2-CTA kernel's producers have a loop of their own")
-    if f16_tile and (kind != "fp8_ds_mla" or cluster):
-        raise ValueError(f"f16_tile: fp8_ds_mla rows in one CTA only, got kind={kind!r}, cluster={cluster}")
     if cluster and fused:
         raise ValueError("fused: the 2-CTA kernel merges its splits by the combine kernel")
     if cluster and (kind == "bf16" or num_groups != 1 or named):
@@ -1064,8 +972,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
              ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
              FP4=fp4, B16=kind == "bf16", NAMED=named, CL=bool(cluster), num_warps=4, maxnreg=168,
              enable_fp_fusion=True, HINT=bool(l2_hint), W128=bool(rows128), TRACE=bool(trace), EARLY=bool(early),
-             LATE=bool(late_next), LEAN=bool(lean_fences), IDX2=bool(idx_ahead), F16=bool(f16_tile),
-             **fused_meta(fused))
+             LATE=bool(late_next), LEAN=bool(lean_fences), IDX2=bool(idx_ahead), **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m

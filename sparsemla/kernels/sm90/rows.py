@@ -89,17 +89,11 @@ mul.f16x2 $3, $3, $5;
 }""")
 
 # One 32-bit word of four e4m3 values ($2, dim order) -> fp16 pairs $0 (dims 0-1), $1 (dims 2-3), exact
-_E4M3W_CVT = """{
+_E4M3W_ASM = gl.constexpr("""{
 .reg .b16 l, h;
 mov.b32 {l, h}, $2;
 cvt.rn.f16x2.e4m3x2 $0, l;
 cvt.rn.f16x2.e4m3x2 $1, h;
-"""
-_E4M3W_ASM = gl.constexpr(_E4M3W_CVT + "}")
-
-# ... times the fp16 pair $3 (both halves the same factor; rounded once, to fp16)
-_E4M3WF_ASM = gl.constexpr(_E4M3W_CVT + """mul.rn.f16x2 $0, $0, $3;
-mul.rn.f16x2 $1, $1, $3;
 }""")
 
 # ... and to bf16 pairs, each value times the fp32 scale $3 (rounded once, to bf16)
@@ -168,16 +162,6 @@ def e4m3_words_f16(w):
     """Words of four e4m3 values ``w`` [R, C] int32 (dim order) -> fp16 pairs [R, 2C] int32 (pair j = dims 2j,
     2j + 1; exact)."""
     a, b = gl.inline_asm_elementwise(_E4M3W_ASM, "=r,=r,r", [w], (gl.int32, gl.int32), True, 1)
-    return gl.join(a, b).reshape([w.shape[0], 2 * w.shape[1]])
-
-
-@gluon.jit
-def e4m3_words_f16_times(w, f):
-    """Words of four e4m3 values ``w`` [R, C] int32 (dim order) times ``f`` (fp32, w's shape; rounded to fp16,
-    |f| < 2) -> fp16 pairs [R, 2C] int32 (pair j = dims 2j, 2j + 1), the product rounded once: exact where f is a
-    power of two (|e4m3| <= 448: no overflow)."""
-    h = f.to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-    a, b = gl.inline_asm_elementwise(_E4M3WF_ASM, "=r,=r,r,r", [w, h | (h << 16)], (gl.int32, gl.int32), True, 1)
     return gl.join(a, b).reshape([w.shape[0], 2 * w.shape[1]])
 
 
