@@ -254,10 +254,12 @@ class Config:
 
 
 def draw_config(src, fmt: str, backend: str, *, many_heads: Optional[bool] = None,
-                many_tokens: Optional[bool] = None, band: Optional[int] = None, cache_rows: bool = False) -> Config:
+                many_tokens: Optional[bool] = None, band: Optional[int] = None, cache_rows: bool = False,
+                tokens_band: Optional[Tuple[int, int]] = None) -> Config:
     """A configuration; ``band``: the 16-head band ``b`` (H in ``16b+1 .. 16b+16``), else drawn (0-1 for few
     heads, 2-7 for many); ``cache_rows``: decode or prefill over the cache (not a bf16 workspace, whose rows are
-    bf16 whatever the format)."""
+    bf16 whatever the format); ``tokens_band``: the token counts, else drawn (a band that starts past the
+    profile's ``max_tokens`` is kept as it is)."""
     many_heads = src.chance(0.5) if many_heads is None else many_heads
     if band is None:
         band = src.integer(2, 7) if many_heads else src.integer(0, 1)
@@ -266,7 +268,8 @@ def draw_config(src, fmt: str, backend: str, *, many_heads: Optional[bool] = Non
     else:
         heads_band = (max(1, 16 * band + 1), 16 * band + 15)
     many_tokens = src.chance(0.3) if many_tokens is None else many_tokens
-    tokens_band = src.choice([(34, 64), (65, 96)]) if many_tokens else src.choice([(1, 4), (5, 16), (17, 33)])
+    tokens_band = tokens_band or (src.choice([(34, 64), (65, 96)]) if many_tokens
+                                  else src.choice([(1, 4), (5, 16), (17, 33)]))
     mode = src.choice(["decode", "decode", "prefill", "workspace"]) if not is_staged(backend) else "decode"
     if (is_fp8qk(backend) or cache_rows) and mode == "workspace":
         mode = "decode"
@@ -304,7 +307,9 @@ def draw_spec(src, profile: Profile, *, config: Optional[Config] = None, fmts: O
     else:
         backend, fmt, mode = config.backend, config.fmt, config.mode
         heads = src.integer(*config.heads_band)
-        tokens = min(src.integer(*config.tokens_band), profile.max_tokens)
+        tokens = src.integer(*config.tokens_band)
+        if config.tokens_band[0] <= profile.max_tokens:  # (a band past the profile's cap is asked for as it is)
+            tokens = min(tokens, profile.max_tokens)
         width, itk, kpool = _width(src, profile, config.width_kind)
         has_counts = config.has_counts
         q_layout, out, lse = config.q_layout, config.out, config.lse
