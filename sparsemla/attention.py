@@ -122,7 +122,7 @@ def _call(mode, q, kv, fmt, rows, num_rows, source, indices, sm_scale, valid_cou
     if lse is not None and not (isinstance(lse, torch.Tensor) and lse.dtype is _F32 and lse.shape == (t, h)
                                 and lse.device == dev):
         check_tensor("lse", lse, dtype=_F32, shape=(t, h), device=dev)
-    capturing = dev.type == "cuda" and _capturing()
+    capturing = q.is_cuda and _capturing()  # (q.is_cuda: no device string built)
     if capturing and isinstance(k_scale, torch.Tensor):
         raise TypeError("k_scale: pass a Python float during CUDA-graph capture (reading a tensor syncs)")
     chosen = registry.select_call(mode, fmt, h, ishape[1], dev, source, capturing, backend)

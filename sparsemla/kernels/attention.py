@@ -210,21 +210,24 @@ def attention_fwd(q: torch.Tensor, rows: torch.Tensor, fmt, indices: torch.Tenso
     return out, lse
 
 
-def _scratch(device: torch.device, n_o: int, n_all: int):
-    """(out partials, lse partials, whether they may be merged in the kernel) for a call without a runner (see
-    :func:`_partials`): views of one grow-only fp32 buffer per (device, stream), reused call after call (a call's
-    merge reads its partials before the next call on that stream writes them).  Under CUDA-graph capture, and for
-    a large buffer, views of a fresh allocation instead, which nothing keeps alive past the call (a graph pool must
-    hold no tensor that is not an output: torch.compile's CUDA-graph trees check it); its barrier words are not
-    zeroed (that would be a launch more), so the combine kernel merges those."""
-    if device.type != "cuda" or n_all > _SCRATCH_MAX or _capturing() or getattr(_LOCAL, "per_call", False):
-        buf = torch.empty(n_all + HEADER, dtype=torch.float32, device=device)
+def _scratch(q: torch.Tensor, n_o: int, n_all: int, ctx=None):
+    """(out partials, lse partials, whether they may be merged in the kernel) for a call on ``q`` without a runner
+    (see :func:`_partials`): views of one grow-only fp32 buffer per (device, stream), reused call after call (a
+    call's merge reads its partials before the next call on that stream writes them).  Under CUDA-graph capture,
+    and for a large buffer, views of a fresh allocation instead, which nothing keeps alive past the call (a graph
+    pool must hold no tensor that is not an output: torch.compile's CUDA-graph trees check it); its barrier words
+    are not zeroed (that would be a launch more), so the combine kernel merges those.  ``ctx``: the launch's
+    (device, stream) when the caller has read it (:func:`~sparsemla.kernels.launch.direct_context`)."""
+    if not q.is_cuda or n_all > _SCRATCH_MAX or _capturing() or getattr(_LOCAL, "per_call", False):
+        buf = torch.empty(n_all + HEADER, dtype=torch.float32, device=q.device)
         return buf[HEADER:HEADER + n_o], buf[HEADER + n_o:], False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (idx, torch._C._cuda_getCurrentRawStream(idx))
+    key = ctx
+    if key is None:
+        idx = q.get_device()
+        key = (idx, torch._C._cuda_getCurrentRawStream(idx))
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < n_all + HEADER:  # (its header is zeroed by _partials at its first use)
-        buf = _SCRATCH[key] = torch.empty(max(n_all + HEADER, 1 << 20), dtype=torch.float32, device=device)
+        buf = _SCRATCH[key] = torch.empty(max(n_all + HEADER, 1 << 20), dtype=torch.float32, device=q.device)
     return (*_partials(buf, n_o, n_all), True)
 
 
@@ -352,10 +355,12 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
         if b is None or b.plan is not plan or b.fmt is not fmt:
             b = _bind(sig, plan, fmt, has_vc, ishape, lse, qs, rs, is0, os_, ls_, q.device)
     vc = valid_counts if has_vc else indices  # a dummy pointer when absent
+    # the device, stream and launch hooks read once for the launches (the combine's too) and the scratch
+    ctx = direct_context() if b.launch.direct else None
     fused = False
     if b.n_all:
         if split_buffers is None:
-            o_dst, l_dst, fused = _scratch(q.device, b.n_o, b.n_all)
+            o_dst, l_dst, fused = _scratch(q, b.n_o, b.n_all, ctx)
         elif split_buffers.numel() < b.n_all + HEADER:
             raise ValueError(f"split_buffers: {split_buffers.numel()} fp32 elements, this call needs "
                              f"{b.n_all + HEADER}")
@@ -385,8 +390,6 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
         finals = p_out | p_lse
     aligned = not (pq | pqr | pr | pi | pv | po | pl | finals) & 15
     launch = b.fused if fused else b.launch
-    # the device, stream and launch hooks read once for both launches (the combine's too)
-    ctx = direct_context() if launch.direct else None
     if not (aligned and launch.launch_in(ctx, b.gx, 1, 1, b.key, addrs)):
         qr = q_pe if q_pe is not None else (q[..., V_DIM:] if fmt.rope_dim else q)
         args = (q, *addrs[1:3], qr, *addrs[4:6], rows, indices, is0, vc, o_dst, *addrs[11:14], l_dst, *addrs[15:])
