@@ -189,12 +189,16 @@ def test_a_run_reaches_every_configuration_first(monkeypatch):
 def test_the_gpu_pool_plans_every_kernel_in_its_first_cases():
     """Every kernel of the plan serves some configuration of an H200 run, whatever the seed, so that a short run
     (the GPU suite's few hundred cases) reaches each one: the random pool alone left the 64-head programs
-    (``sm90-wide``) to chance.  The kernel choice is the pure plan, so this runs on the CPU."""
+    (``sm90-wide``) to chance.  The kernel choice is the pure plan, so this runs on the CPU.  Every configuration
+    stays within what the API takes (1..128 heads): the plan alone would also place a call the API refuses."""
     import reliab_property as rp
+    from sparsemla.attention import MAX_HEADS
     names = rc.plan_kernel_names()
     assert "sm90-wide" in names
     for seed in range(12):
         configs = rp.draw_configs(seed, "cuda")
+        too_many = [c for c in configs if not 1 <= c.heads_band[0] <= c.heads_band[1] <= MAX_HEADS]
+        assert not too_many, f"seed {seed}: head counts the API refuses: {too_many}"
         planned = {str(rc.planned_kernel(rp.case_spec(seed, i, 0, c, rc.GPU))) for i, c in enumerate(configs)}
         missing = [k for k in names if not any(p.startswith(k) for p in planned)]
         assert not missing, f"seed {seed}: no configuration plans {missing}"
