@@ -459,7 +459,7 @@ CAUSE_CONV = ("These rows run sm90-conv above 32 heads: a producer warpgroup con
               "fp8_ds_mla's conversion (e4m3 to fp32, times the group scale, to bf16) costs three instructions a "
               "value where plain fp8's fp16 tile needs half of one, and plain fp8 runs 14 % faster on nearly the "
               "same bytes; yet an fp16 tile for fp8_ds_mla that halved the producer's instructions (each row's "
-              "power of two kept out of the tile and put back on the scores) measured 9-11 % slower on an H100, "
+              "power of two kept out of the tile and put back on the scores) measured 9-12 % slower on an H100, "
               "its extra work landing on the first MMA warpgroup.  At 128 heads the two programs of a token each convert its rows (sm90-cluster, two CTAs "
               "converting each row once for both and exchanging it through distributed shared memory, is correct "
               "on Triton 3.9 but measured 1.5-1.9x slower than sm90-conv: docs/design/kernels.md).")
