@@ -58,8 +58,8 @@ def sparse_mla_decode(q: torch.Tensor, cache: PagedKVCache, indices: torch.Tenso
     """
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
-    return _call("decode", q, cache, cache.fmt, cache.rows, cache.num_rows, "cache", indices, sm_scale, valid_counts,
-                 k_scale, backend, out, lse, check)
+    return _call("decode", q, cache, cache.fmt, cache.rows, "cache", indices, sm_scale, valid_counts, k_scale,
+                 backend, out, lse, check)
 
 
 def sparse_mla_prefill(q: torch.Tensor, kv, indices: torch.Tensor, sm_scale: float,
@@ -78,19 +78,19 @@ def sparse_mla_prefill(q: torch.Tensor, kv, indices: torch.Tensor, sm_scale: flo
     Returns ``(out, lse)`` as :func:`sparse_mla_decode`.
     """
     if isinstance(kv, PagedKVCache):
-        return _call("prefill", q, kv, kv.fmt, kv.rows, kv.num_rows, "cache", indices, sm_scale, valid_counts,
-                     k_scale, backend, out, lse, check)
+        return _call("prefill", q, kv, kv.fmt, kv.rows, "cache", indices, sm_scale, valid_counts, k_scale,
+                     backend, out, lse, check)
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"kv: expected a PagedKVCache or a bf16 [rows, head_dim] tensor, got {type(kv).__name__}")
     check_tensor("kv", kv, dtype=_BF16, ndim=2, contiguous=True)
     if kv.shape[1] not in (576, 512):
         raise ValueError(f"kv: expected a bf16 workspace [rows, 576 or 512], got shape {tuple(kv.shape)}")
     fmt = get_format("bf16", kv.shape[1] - V_DIM)
-    return _call("prefill", q, kv, fmt, kv, kv.shape[0], "workspace", indices, sm_scale, valid_counts, k_scale,
+    return _call("prefill", q, kv, fmt, kv, "workspace", indices, sm_scale, valid_counts, k_scale,
                  backend, out, lse, check)
 
 
-def _call(mode, q, kv, fmt, rows, num_rows, source, indices, sm_scale, valid_counts, k_scale, backend, out, lse,
+def _call(mode, q, kv, fmt, rows, source, indices, sm_scale, valid_counts, k_scale, backend, out, lse,
           check):
     # --- what the host knows, checked once (the fast tests first; the named helpers build the messages) ---------
     if type(sm_scale) is not float or not SCALE_MIN <= sm_scale <= SCALE_MAX:
@@ -127,7 +127,7 @@ def _call(mode, q, kv, fmt, rows, num_rows, source, indices, sm_scale, valid_cou
         raise TypeError("k_scale: pass a Python float during CUDA-graph capture (reading a tensor syncs)")
     chosen = registry.select_call(mode, fmt, h, ishape[1], dev, source, capturing, backend)
     if check and not capturing:
-        _check_index_values(indices, valid_counts, t, num_rows)
+        _check_index_values(indices, valid_counts, t, rows.shape[0])  # (rows: the cache's or the workspace's)
     # --- allocate what the caller did not pass, once; launch --------------------------------------------------
     # new_empty takes q's device and (for out) dtype without parsing them (less host time than torch.empty)
     if out is None:
