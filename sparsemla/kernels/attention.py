@@ -217,14 +217,13 @@ def _scratch(q: torch.Tensor, n_o: int, n_all: int, ctx=None):
     and for a large buffer, views of a fresh allocation instead, which nothing keeps alive past the call (a graph
     pool must hold no tensor that is not an output: torch.compile's CUDA-graph trees check it); its barrier words
     are not zeroed (that would be a launch more), so the combine kernel merges those.  ``ctx``: the launch's
-    (device, stream) when the caller has read it (:func:`~sparsemla.kernels.launch.direct_context`)."""
+    (device, stream) when the caller has read it (:func:`~sparsemla.kernels.launch.direct_context`; used when it
+    is q's device, the buffer's)."""
     if not q.is_cuda or n_all > _SCRATCH_MAX or _capturing() or getattr(_LOCAL, "per_call", False):
         buf = torch.empty(n_all + HEADER, dtype=torch.float32, device=q.device)
         return buf[HEADER:HEADER + n_o], buf[HEADER + n_o:], False
-    key = ctx
-    if key is None:
-        idx = q.get_device()
-        key = (idx, torch._C._cuda_getCurrentRawStream(idx))
+    idx = q.get_device()
+    key = ctx if ctx is not None and ctx[0] == idx else (idx, torch._C._cuda_getCurrentRawStream(idx))
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < n_all + HEADER:  # (its header is zeroed by _partials at its first use)
         buf = _SCRATCH[key] = torch.empty(max(n_all + HEADER, 1 << 20), dtype=torch.float32, device=q.device)
