@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ._device import current_cuda_index, on_current_device
 from ._validate import SCALE_MAX, SCALE_MIN, check_k_scale, check_sm_scale, check_tensor
 from .backends import registry
 from .cache import PagedKVCache
@@ -40,7 +41,8 @@ def sparse_mla_decode(q: torch.Tensor, cache: PagedKVCache, indices: torch.Tenso
 
     Args:
         q: bf16 ``[T, H, head_dim]`` (head_dim = ``cache.fmt.head_dim``: 576, or 512 for NoPE), H in 1..128;
-            the last dim contiguous.  Several tokens of one request (speculative decoding) are just rows.
+            the last dim contiguous; a CUDA q on the current CUDA device (the kernels run there).  Several tokens
+            of one request (speculative decoding) are just rows.
         cache: a :class:`PagedKVCache` on q's device, any format.
         indices: int32 ``[T, K]`` rows of ``cache.rows`` (contiguous rows), -1 = no token.
         sm_scale: softmax scale (positive, finite).
@@ -122,7 +124,11 @@ def _call(mode, q, kv, fmt, rows, source, indices, sm_scale, valid_counts, k_sca
     if lse is not None and not (isinstance(lse, torch.Tensor) and lse.dtype is _F32 and lse.shape == (t, h)
                                 and lse.device == dev):
         check_tensor("lse", lse, dtype=_F32, shape=(t, h), device=dev)
-    capturing = q.is_cuda and _capturing()  # (q.is_cuda: no device string built)
+    capturing = False
+    if q.is_cuda:  # (q.is_cuda: no device string built)
+        if q.get_device() != current_cuda_index():
+            on_current_device("q", q)
+        capturing = _capturing()
     if capturing and isinstance(k_scale, torch.Tensor):
         raise TypeError("k_scale: pass a Python float during CUDA-graph capture (reading a tensor syncs)")
     chosen = registry.select_call(mode, fmt, h, ishape[1], dev, source, capturing, backend)

@@ -43,7 +43,7 @@ from ..backends import registry
 from ..backends.registry import AttentionConfig, HostPlan, RunnerSpec
 from ..cache import PagedKVCache
 from ..formats import KVFormat, get_format
-from .._device import triton_runs_on
+from .._device import current_cuda_index, on_current_device, triton_runs_on
 from ..indices import convert_indices
 from ..kernels.convert_indices import convert_indices_triton
 from ..kernels.step_pack import step_pack
@@ -420,6 +420,8 @@ class SparseMLA:
         if not (qshape is not None and q.dtype is _BF16 and len(qshape) == 3 and qshape[1] == self.num_heads
                 and qshape[2] == self.head_dim and q.stride()[2] == 1 and q.device == dev):
             self._explain_q(q)
+        if q.is_cuda and q.get_device() != current_cuda_index():
+            on_current_device("q", q)
         t = qshape[0]
         if not plan.num_tokens <= t <= self.max_tokens:
             raise ValueError(f"q: expected {plan.num_tokens}..{self.max_tokens} tokens (the planned batch, or "

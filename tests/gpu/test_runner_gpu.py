@@ -374,3 +374,27 @@ def test_mixed_batch_prefill_through_the_workspace(fmt, k_scale):
           f"{(lse - rl)[torch.isfinite(rl)].abs().max().item():.2e}, max |lse| {rl[torch.isfinite(rl)].abs().max().item():.1f}")
     assert rel_err(out, ro) <= 1e-2, rel_err(out, ro)
     assert_close_lse(lse, rl)
+
+
+def test_a_call_on_another_device_than_the_current_one_raises(monkeypatch):
+    """Triton launches on the current device: a call whose q is on another one raises, naming both devices, in the
+    functional API and in the runner (another device simulated: the current-device query answers one index more)."""
+    import sparsemla._device as device_mod
+    import sparsemla.attention as api
+    import sparsemla.runner.runner as runner_mod
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    cache = filled_cache("fp8_ds_mla", 64, gen)
+    runner = SparseMLA(8, 8, 8, 16, 576, 256, "fp8_ds_mla", sm_scale=0.07, device=DEV)
+    batch = Batch(gen, 4, 400, cache.num_blocks, 256)
+    runner.plan(batch.md)
+    q = torch.randn(batch.num_tokens, 16, 576, device=DEV).to(torch.bfloat16)
+    idx = torch.zeros(batch.num_tokens, 256, dtype=torch.int32, device=DEV)
+    runner.run(q, cache, batch.topk_local)  # the current device: runs
+    sparse_mla_decode(q, cache, idx, 0.07)
+    other = lambda: q.get_device() + 1  # noqa: E731
+    for mod in (api, runner_mod, device_mod):
+        monkeypatch.setattr(mod, "current_cuda_index", other)
+    with pytest.raises(ValueError, match=r"q: on cuda:\d+, but the current CUDA device is cuda:\d+"):
+        sparse_mla_decode(q, cache, idx, 0.07)
+    with pytest.raises(ValueError, match=r"q: on cuda:\d+, but the current CUDA device is cuda:\d+"):
+        runner.run(q, cache, batch.topk_local)
