@@ -144,14 +144,20 @@ def test_capture_one_decode_step_and_replay_100_random_batches(fmt):
             assert_close_lse(g_lse[:b], rl)
 
 
-def test_plan_during_capture_raises():
-    gen = torch.Generator(device=DEV).manual_seed(1)
+def _planned_step(seed: int):
+    """(cache, runner, batch, q): a small fp8_ds_mla step, planned and run once (eagerly)."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
     cache = filled_cache("fp8_ds_mla", 64, gen)
     runner = SparseMLA(8, 8, 8, 16, 576, 256, "fp8_ds_mla", sm_scale=0.07, device=DEV)
     batch = Batch(gen, 4, 400, cache.num_blocks, 256)
     runner.plan(batch.md)
     q = torch.randn(batch.num_tokens, 16, 576, device=DEV).to(torch.bfloat16)
     runner.run(q, cache, batch.topk_local)
+    return cache, runner, batch, q
+
+
+def test_plan_during_capture_raises():
+    _, runner, batch, _ = _planned_step(1)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -382,14 +388,8 @@ def test_a_call_on_another_device_than_the_current_one_raises(monkeypatch):
     import sparsemla._device as device_mod
     import sparsemla.attention as api
     import sparsemla.runner.runner as runner_mod
-    gen = torch.Generator(device=DEV).manual_seed(2)
-    cache = filled_cache("fp8_ds_mla", 64, gen)
-    runner = SparseMLA(8, 8, 8, 16, 576, 256, "fp8_ds_mla", sm_scale=0.07, device=DEV)
-    batch = Batch(gen, 4, 400, cache.num_blocks, 256)
-    runner.plan(batch.md)
-    q = torch.randn(batch.num_tokens, 16, 576, device=DEV).to(torch.bfloat16)
+    cache, runner, batch, q = _planned_step(2)  # the current device: runs
     idx = torch.zeros(batch.num_tokens, 256, dtype=torch.int32, device=DEV)
-    runner.run(q, cache, batch.topk_local)  # the current device: runs
     sparse_mla_decode(q, cache, idx, 0.07)
     other = lambda: q.get_device() + 1  # noqa: E731
     for mod in (api, runner_mod, device_mod):
