@@ -29,16 +29,6 @@ def triton_runs_on(device) -> bool:
 current_cuda_index = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
-def on_current_device(name: str, t: torch.Tensor) -> None:
-    """Raise ``ValueError`` unless the CUDA tensor ``t`` is on the current CUDA device: Triton launches a kernel on
-    the current device, whatever device its tensors are on (the caller selects it: ``torch.cuda.device(...)``)."""
-    idx = t.get_device()
-    cur = current_cuda_index()
-    if idx != cur:
-        raise ValueError(f"{name}: on cuda:{idx}, but the current CUDA device is cuda:{cur} (the kernels run on the "
-                         f"current device): call under torch.cuda.device({name}.device)")
-
-
 _PROPS: dict = {}
 
 

@@ -11,6 +11,18 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from . import _device
+
+
+def check_current_device(name: str, t: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless the CUDA tensor ``t`` is on the current CUDA device: Triton launches a kernel on
+    the current device, whatever device its tensors are on (the caller selects it: ``torch.cuda.device(...)``)."""
+    idx = t.get_device()
+    cur = _device.current_cuda_index()
+    if idx != cur:
+        raise ValueError(f"{name}: on cuda:{idx}, but the current CUDA device is cuda:{cur} (the kernels run on the "
+                         f"current device): call under torch.cuda.device({name}.device)")
+
 
 def check_tensor(name: str, t, *, dtype=None, dtypes: Optional[Iterable] = None, ndim: Optional[int] = None,
                  shape: Optional[Sequence[Optional[int]]] = None, device=None, contiguous: bool = False) -> torch.Tensor:

@@ -20,8 +20,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._device import current_cuda_index, on_current_device
-from ._validate import SCALE_MAX, SCALE_MIN, check_k_scale, check_sm_scale, check_tensor
+from ._device import current_cuda_index
+from ._validate import SCALE_MAX, SCALE_MIN, check_current_device, check_k_scale, check_sm_scale, check_tensor
 from .backends import registry
 from .cache import PagedKVCache
 from .formats import get_format
@@ -127,7 +127,7 @@ def _call(mode, q, kv, fmt, rows, source, indices, sm_scale, valid_counts, k_sca
     capturing = False
     if q.is_cuda:  # (q.is_cuda: no device string built)
         if q.get_device() != current_cuda_index():
-            on_current_device("q", q)
+            check_current_device("q", q)
         capturing = _capturing()
     if capturing and isinstance(k_scale, torch.Tensor):
         raise TypeError("k_scale: pass a Python float during CUDA-graph capture (reading a tensor syncs)")

@@ -639,3 +639,13 @@ def test_cli_bad_flag_exits_2_naming_it(name, argv, flag, capsys):
     assert rc == 2, f"{argv}: exit status {rc} (expected 2); stderr: {err[-500:]!r}"
     assert re.search(flag, err), f"{argv}: the error must name {flag!r}: {err[-500:]!r}"
     assert "Traceback" not in err
+
+
+def test_a_tensor_off_the_current_device_is_named_with_both_devices(monkeypatch):
+    """The check behind every call's device test (the CPU has no CUDA device: the current index is simulated)."""
+    from sparsemla import _device, _validate
+    monkeypatch.setattr(_device, "current_cuda_index", lambda: 0)
+    with pytest.raises(ValueError, match=r"q: on cuda:-1, but the current CUDA device is cuda:0"):
+        _validate.check_current_device("q", torch.empty(1))
+    monkeypatch.setattr(_device, "current_cuda_index", lambda: -1)
+    _validate.check_current_device("q", torch.empty(1))  # the same index: no error

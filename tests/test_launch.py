@@ -77,13 +77,3 @@ def test_direct_context_is_none_while_a_hook_is_installed(direct):
     hooks[0] = True
     assert L.direct_context() is None
 
-
-def test_a_tensor_off_the_current_device_is_named_with_both_devices(monkeypatch):
-    """The check behind every call's device test (the CPU has no CUDA device: the current index is simulated)."""
-    import torch
-    from sparsemla import _device
-    monkeypatch.setattr(_device, "current_cuda_index", lambda: 0)
-    with pytest.raises(ValueError, match=r"q: on cuda:-1, but the current CUDA device is cuda:0"):
-        _device.on_current_device("q", torch.empty(1))
-    monkeypatch.setattr(_device, "current_cuda_index", lambda: -1)
-    _device.on_current_device("q", torch.empty(1))  # the same index: no error

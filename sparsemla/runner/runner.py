@@ -37,13 +37,13 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .._validate import (SCALE_MAX, SCALE_MIN, check_block_geometry, check_k_scale, check_positive_int,
-                         check_sm_scale, check_tensor)
+from .._validate import (SCALE_MAX, SCALE_MIN, check_block_geometry, check_current_device, check_k_scale,
+                         check_positive_int, check_sm_scale, check_tensor)
 from ..backends import registry
 from ..backends.registry import AttentionConfig, HostPlan, RunnerSpec
 from ..cache import PagedKVCache
 from ..formats import KVFormat, get_format
-from .._device import current_cuda_index, on_current_device, triton_runs_on
+from .._device import current_cuda_index, triton_runs_on
 from ..indices import convert_indices
 from ..kernels.convert_indices import convert_indices_triton
 from ..kernels.step_pack import step_pack
@@ -421,7 +421,7 @@ class SparseMLA:
                 and qshape[2] == self.head_dim and q.stride()[2] == 1 and q.device == dev):
             self._explain_q(q)
         if q.is_cuda and q.get_device() != current_cuda_index():
-            on_current_device("q", q)
+            check_current_device("q", q)
         t = qshape[0]
         if not plan.num_tokens <= t <= self.max_tokens:
             raise ValueError(f"q: expected {plan.num_tokens}..{self.max_tokens} tokens (the planned batch, or "
