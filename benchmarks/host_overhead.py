@@ -10,8 +10,10 @@ such loops, after a synchronization and a warm-up.  The loops are short enough t
 fills, so the GPU's speed does not enter.  Measured (aims in parentheses):
 
 * ``H-decode-b1`` / ``H-decode-b128``: ``sparse_mla_decode(q, cache, indices, sm_scale)``, default arguments,
-  fp8_ds_mla, 16 heads (25 us);
-* ``H-prefill``: ``sparse_mla_prefill`` with default arguments, 128 query tokens of one request (25 us);
+  fp8_ds_mla, 16 heads (25 us): replayed by the compiled host entry (``sparsemla.host_entry``) where it is in use
+  (the row's variant says); ``-python``: the same call's Python path, measured in turns with it;
+* ``H-prefill`` / ``H-prefill-python``: ``sparse_mla_prefill`` with default arguments, 128 query tokens of one
+  request (25 us);
 * ``H-run``: ``SparseMLA.run`` of one layer, b 128 (25 us);
 * ``H-plan``: ``SparseMLA.plan`` of a 128-request decode step (100 us);
 * ``H-metadata``: ``BatchMetadata.from_tensors`` of 128 requests whose tensors are on the GPU (100 us);
@@ -109,8 +111,7 @@ def main(argv=None) -> int:
         cfg = D.scaled(D.config_named("D-h16", batch=b, name=f"D-b{b}-h{HEADS}"), rec.dry)
         wl = build_workload(cfg, fmt, device=dev)
         name = f"H-decode-b{b}"
-        rec.attempt(name, lambda: record(rec, name, fname, cfg.batch, 1, cfg.topk, "sparsemla", lambda: (
-            sparsemla.sparse_mla_decode(wl.q, wl.cache, wl.indices, wl.sm_scale))))
+        rec.attempt(name, lambda: entry_and_python(rec, name, fname, cfg.batch, 1, cfg.topk, "decode", wl))
         if not a.no_peers:
             rec.attempt(f"{name} flashmla", lambda: record(rec, name, fname, cfg.batch, 1, cfg.topk, "flashmla",
                                                            P.flashmla_decode(wl), variant="heads padded to 64"))
@@ -151,10 +152,29 @@ def main(argv=None) -> int:
         del wl
     pcfg = D.scaled(D.config_named("P-h16", s_q=128, name="P-h16-q128"), rec.dry)
     wl = build_workload(pcfg, fmt, device=dev)
-    rec.attempt("H-prefill", lambda: record(rec, "H-prefill", fname, 1, pcfg.s_q, pcfg.topk, "sparsemla", lambda: (
-        sparsemla.sparse_mla_prefill(wl.q, wl.cache, wl.indices, wl.sm_scale))))
+    rec.attempt("H-prefill", lambda: entry_and_python(rec, "H-prefill", fname, 1, pcfg.s_q, pcfg.topk, "prefill", wl))
     rec.attempt("H-vllm", lambda: vllm_contract_rows(rec, fname))
     return rec.finish()
+
+
+def entry_and_python(rec, name: str, fname: str, batch: int, s_q: int, topk: int, mode: str, wl) -> None:
+    """``name``: the public call with default arguments (replayed by the compiled host entry where it is in use);
+    ``name-python``: the same call's Python path (what the public function runs when the entry does not replay
+    it), measured in turns with it."""
+    import sparsemla
+    from sparsemla import attention as A, host_entry
+    fn = sparsemla.sparse_mla_decode if mode == "decode" else sparsemla.sparse_mla_prefill
+    calls = {name: lambda: fn(wl.q, wl.cache, wl.indices, wl.sm_scale),
+             f"{name}-python": lambda: A._call(mode, wl.q, wl.cache, wl.cache.fmt, wl.cache.rows, "cache",
+                                               wl.indices, wl.sm_scale, None, 1.0, "auto", None, None, False)}
+    calls[name]()  # the first call of the configuration loads the entry and is recorded
+    n, reps = (1, 1) if rec.dry else (rec.args.calls, 2 * rec.args.reps + 1)
+    measured = host_us_interleaved(calls, rec.device, n, reps)
+    state = host_entry.status()
+    record(rec, name, fname, batch, s_q, topk, "sparsemla", calls[name], us=measured[name],
+           variant="host entry" if state.startswith("in use") else f"Python path: host entry {state}")
+    record(rec, f"{name}-python", fname, batch, s_q, topk, "sparsemla", calls[f"{name}-python"],
+           us=measured[f"{name}-python"], graph=False)
 
 
 def launch_pair(rec, wl, fmt, fname: str, cfg) -> None:

@@ -316,8 +316,11 @@ def movement_section(t: Table) -> List[str]:
 
 
 HOST = [("H-decode-b1", "`sparse_mla_decode`, default arguments, b 1"),
+        ("H-decode-b1-python", "the same call's Python path (no host entry), b 1"),
         ("H-decode-b128", "`sparse_mla_decode`, default arguments, b 128"),
+        ("H-decode-b128-python", "the same call's Python path (no host entry), b 128"),
         ("H-prefill", "`sparse_mla_prefill`, default arguments, 128 tokens"),
+        ("H-prefill-python", "the same call's Python path (no host entry), 128 tokens"),
         ("H-run", "`SparseMLA.run`, one layer, b 128"),
         ("H-plan", "`SparseMLA.plan`, 128 requests"),
         ("H-metadata", "`BatchMetadata.from_tensors`, 128 requests"),
@@ -358,8 +361,9 @@ def host_section(t: Table) -> List[str]:
         for r in rows:
             if r["config"] == cfg and r["timing"] == "host":
                 g = t.get(cfg, r["format"], r["impl"], "graph")
-                call = what if r["impl"].startswith("sparsemla") else \
-                    f"{PEERS[r['impl']]} ({r.get('variant', '')}), b {r['batch']}"
+                v = r.get("variant") or ""  # (whether the compiled host entry served the public call)
+                call = (what + (f" ({v})" if v.startswith(("host entry", "Python path")) else "")) \
+                    if r["impl"].startswith("sparsemla") else f"{PEERS[r['impl']]} ({v}), b {r['batch']}"
                 body.append([call.strip(), f"`{r['format']}`", r["batch"], r["heads"], f"{r['value']:.1f} us",
                              us(g, False) if g else "--"])
     out += md_table(["call", "format", "b", "heads", "host time per call", "GPU time (graph)"], body)

@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import host_entry
 from ._device import current_cuda_index
 from ._validate import SCALE_MAX, SCALE_MIN, check_current_device, check_k_scale, check_sm_scale, check_tensor
 from .backends import registry
@@ -58,10 +59,14 @@ def sparse_mla_decode(q: torch.Tensor, cache: PagedKVCache, indices: torch.Tenso
     Returns:
         ``(out, lse)``: bf16 ``[T, H, 512]`` and fp32 ``[T, H]`` (natural log, sm_scale included).
     """
+    # a configuration served before: replayed by the compiled host entry (sparsemla.host_entry), same checks
+    r = host_entry.call(0, q, cache, indices, sm_scale, valid_counts, k_scale, backend, out, lse, check)
+    if r.__class__ is tuple:
+        return r
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
     return _call("decode", q, cache, cache.fmt, cache.rows, "cache", indices, sm_scale, valid_counts, k_scale,
-                 backend, out, lse, check)
+                 backend, out, lse, check, r)
 
 
 def sparse_mla_prefill(q: torch.Tensor, kv, indices: torch.Tensor, sm_scale: float,
@@ -79,9 +84,12 @@ def sparse_mla_prefill(q: torch.Tensor, kv, indices: torch.Tensor, sm_scale: flo
 
     Returns ``(out, lse)`` as :func:`sparse_mla_decode`.
     """
+    r = host_entry.call(1, q, kv, indices, sm_scale, valid_counts, k_scale, backend, out, lse, check)
+    if r.__class__ is tuple:
+        return r
     if isinstance(kv, PagedKVCache):
         return _call("prefill", q, kv, kv.fmt, kv.rows, "cache", indices, sm_scale, valid_counts, k_scale,
-                     backend, out, lse, check)
+                     backend, out, lse, check, r)
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"kv: expected a PagedKVCache or a bf16 [rows, head_dim] tensor, got {type(kv).__name__}")
     check_tensor("kv", kv, dtype=_BF16, ndim=2, contiguous=True)
@@ -93,7 +101,8 @@ def sparse_mla_prefill(q: torch.Tensor, kv, indices: torch.Tensor, sm_scale: flo
 
 
 def _call(mode, q, kv, fmt, rows, source, indices, sm_scale, valid_counts, k_scale, backend, out, lse,
-          check):
+          check, entry_key=None):
+    """``entry_key``: the compiled host entry's key for this call's configuration, when it may be recorded."""
     # --- what the host knows, checked once (the fast tests first; the named helpers build the messages) ---------
     if type(sm_scale) is not float or not SCALE_MIN <= sm_scale <= SCALE_MAX:
         sm_scale = check_sm_scale(sm_scale)
@@ -142,7 +151,19 @@ def _call(mode, q, kv, fmt, rows, source, indices, sm_scale, valid_counts, k_sca
         lse = q.new_empty((t, h), dtype=_F32)
     if t == 0:
         return out, lse
+    if entry_key is not None and _replayable(chosen):
+        host_entry.begin(entry_key)  # the launcher records the call's launches under this key
+        try:
+            return chosen.forward(mode, q, kv, indices, sm_scale, valid_counts, k_scale, out, lse)
+        finally:
+            host_entry.end()
     return chosen.forward(mode, q, kv, indices, sm_scale, valid_counts, k_scale, out, lse)
+
+
+def _replayable(backend) -> bool:
+    """Whether a call to ``backend`` is the launcher's launches alone (the library's kernels, no other work)."""
+    from .backends.triton_native import TritonNative
+    return type(backend).forward is TritonNative.forward
 
 
 def _k_scale(k_scale, q) -> float:

@@ -50,6 +50,7 @@ import functools
 from dataclasses import dataclass
 from typing import FrozenSet, Optional, Tuple
 
+from . import host_entry
 from .formats import KVFormat, get_format
 
 KERNELS = ("sm90-few", "sm90-conv", "sm90-cluster", "sm90-wide", "sm90-bf16", "portable-wide", "portable-fp8",
@@ -420,6 +421,7 @@ def mark_unavailable(kernel: str, reason: str) -> None:
     global _UNAVAILABLE_SET
     _UNAVAILABLE[kernel] = reason
     _UNAVAILABLE_SET = frozenset(_UNAVAILABLE)
+    host_entry.clear()  # recorded calls may launch it
 
 
 def clear_unavailable() -> None:
@@ -427,6 +429,7 @@ def clear_unavailable() -> None:
     global _UNAVAILABLE_SET
     _UNAVAILABLE.clear()
     _UNAVAILABLE_SET = frozenset()
+    host_entry.clear()
 
 
 def unavailable_kernels() -> dict:

@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .. import host_entry
 from ..cache import PagedKVCache
 from ..formats import KVFormat, get_format
 
@@ -344,6 +345,7 @@ def register(backend: Backend, *, replace_existing: bool = False) -> Backend:
     if backend.name in _BACKENDS and not replace_existing:
         raise ValueError(f"backend: a backend named {backend.name!r} is already registered")
     _BACKENDS[backend.name] = backend
+    host_entry.clear()  # "auto" may now choose it
     with _select_lock:
         _selected.clear()
         _calls.clear()
@@ -444,6 +446,7 @@ def clear_selection_cache() -> None:
         _selected.clear()
         _logged.clear()
         _calls.clear()
+    host_entry.clear()
     for b in _BACKENDS.values():
         with b._probe_lock:
             b._probe_cache.clear()

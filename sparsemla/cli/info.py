@@ -5,7 +5,8 @@ peers found, each backend's probe on this machine, the kernels that cannot be bu
 (``sparsemla.plan.unavailable_kernels``; on a Hopper GPU each Gluon kernel is built and run once on a tiny
 call first, ``--no-build`` skips that), and for one call (default: the D-h16 decode of an
 fp8_ds_mla cache) the backend ``backend="auto"`` picks, the plan it runs (``sparsemla.plan.explain``) and, for
-every other backend, why not.
+every other backend, why not; and the compiled host entry's state (``sparsemla.host_entry``; built first on a CUDA
+machine unless ``--no-build``).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def add_parser(sub, name, help_):
     p.add_argument("--tokens", type=int, default=128, help="query tokens of the example call (default 128)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--no-build", action="store_true",
-                   help="do not build the Hopper kernels to find those the installed Triton cannot build")
+                   help="do not build the Hopper kernels to find those the installed Triton cannot build, nor the "
+                        "compiled host entry")
     p.set_defaults(run=run)
     return p
 
@@ -59,6 +61,7 @@ def gather(args) -> dict:
     info["example"] = {"call": problem.describe(), "chosen": chosen, "select_error": err,
                        "priority": list(B.priority(problem)), "why_not": reasons, "plan": _plan(args)}
     info["unavailable_kernels"] = _unavailable_kernels(build=not getattr(args, "no_build", False))
+    info["host_entry"] = _host_entry(build=not getattr(args, "no_build", False))
     info["example"]["plan"] = _plan(args)  # after the build probe: the plan skips kernels that did not build
     return info
 
@@ -98,6 +101,15 @@ def _unavailable_kernels(build: bool = True):
     return {str(k): str(v) for k, v in plan.unavailable_kernels().items()}
 
 
+def _host_entry(build: bool = True) -> str:
+    """The compiled host entry's state (built first on a CUDA machine, unless ``build`` is off)."""
+    from .. import host_entry
+    import torch
+    if build and torch.cuda.is_available():
+        host_entry.build()
+    return host_entry.status()
+
+
 def render(info: dict) -> str:
     lines = [f"sparsemla {info['sparsemla']}" + (f" (commit {info['sparsemla_commit']})" if info.get("sparsemla_commit") else "")]
     lines.append(f"python {info['python']}, torch {info['torch']} (CUDA {info.get('cuda_runtime') or 'none'}), "
@@ -128,6 +140,8 @@ def render(info: dict) -> str:
         lines += [f"  {k}: {v}" for k, v in un.items()]
     elif un is not None:
         lines.append("kernels: every kernel builds here")
+    if info.get("host_entry"):
+        lines.append(f"host entry (compiled; calls of a configuration seen before skip Python): {info['host_entry']}")
     ex = info["example"]
     lines.append(f"for a {ex['call']}:")
     if ex["chosen"]:

@@ -31,11 +31,11 @@ A Hopper (Gluon) kernel that fails to build on the installed Triton is recorded
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Optional, Tuple
 
 import torch
 
+from .. import host_entry
 from .. import plan as _plan
 from .._device import capability, interpreting, num_sms
 from ..formats import get_format
@@ -226,6 +226,8 @@ def _scratch(q: torch.Tensor, n_o: int, n_all: int, ctx=None):
     key = ctx if ctx is not None and ctx[0] == idx else (idx, torch._C._cuda_getCurrentRawStream(idx))
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < n_all + HEADER:  # (its header is zeroed by _partials at its first use)
+        if buf is not None:
+            host_entry.clear()  # (its records keep the old buffer alive: let it go)
         buf = _SCRATCH[key] = torch.empty(max(n_all + HEADER, 1 << 20), dtype=torch.float32, device=q.device)
     return (*_partials(buf, n_o, n_all), True)
 
@@ -243,7 +245,7 @@ def per_call_partials():
         _LOCAL.per_call = prev
 
 
-_LOCAL = threading.local()
+_LOCAL = host_entry.LAUNCHER_STATE  # (a threading.local the compiled host entry reads too)
 _SCRATCH: dict = {}
 _SCRATCH_MAX = 1 << 24  # fp32 elements (64 MB); a call needing more allocates its own
 
@@ -356,10 +358,11 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
     vc = valid_counts if has_vc else indices  # a dummy pointer when absent
     # the device, stream and launch hooks read once for the launches (the combine's too) and the scratch
     ctx = direct_context() if b.launch.direct else None
-    fused = False
+    fused = cached = False
     if b.n_all:
         if split_buffers is None:
             o_dst, l_dst, fused = _scratch(q, b.n_o, b.n_all, ctx)
+            cached = fused  # (the partials are the cached scratch exactly where they may be merged in the kernel)
         elif split_buffers.numel() < b.n_all + HEADER:
             raise ValueError(f"split_buffers: {split_buffers.numel()} fp32 elements, this call needs "
                              f"{b.n_all + HEADER}")
@@ -389,7 +392,8 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
         finals = p_out | p_lse
     aligned = not (pq | pqr | pr | pi | pv | po | pl | finals) & 15
     launch = b.fused if fused else b.launch
-    if not (aligned and launch.launch_in(ctx, b.gx, 1, 1, b.key, addrs)):
+    direct = aligned and launch.launch_in(ctx, b.gx, 1, 1, b.key, addrs)
+    if not direct:
         qr = q_pe if q_pe is not None else (q[..., V_DIM:] if fmt.rope_dim else q)
         args = (q, *addrs[1:3], qr, *addrs[4:6], rows, indices, is0, vc, o_dst, *addrs[11:14], l_dst, *addrs[15:])
         if f is not None:  # the final outputs as tensors
@@ -413,6 +417,7 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
                                                 unavailable=_plan.unavailable_set(), staged=plan.kind == "staged")
                 _run(fallback, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse, split_buffers, q_pe)
                 return
+    caddrs = None
     if b.combine is not None and not fused:
         c = b.cints
         caddrs = (po, pl, p_out, c[0], c[1], p_lse, c[2], c[3], c[4], c[5])
@@ -421,6 +426,57 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
         if not (caligned and b.combine.launch_in(ctx, *b.cgrid, c, caddrs)):
             b.combine(b.cgrid, (o_dst, l_dst, out, c[0], c[1], lse, c[2], c[3], c[4], c[5]),
                       c if caligned else None, caddrs)
+            direct = False
+    if direct:
+        # a call the compiled host entry may replay (sparsemla.host_entry): only direct launches, the partials (if
+        # any) in the cached scratch, q in one tensor
+        key = getattr(host_entry._pending, "key", None)
+        if key is not None and q_pe is None and split_buffers is None and (not b.n_all or cached):
+            host_entry.take()
+            _record(key, b, launch, ctx, addrs, caddrs, pqr - pq, (o_dst, l_dst) if b.n_all else None,
+                    dict(q=pq, q_rope=pqr, rows=pr, indices=pi, valid_counts=pv, out=p_out, lse=p_lse, scale=scale,
+                         k_scale=float(k_scale)))
+
+
+def _record(key: bytes, b: "_Bound", launch: Launch, ctx, addrs: tuple, caddrs, qr_offset: int, partials,
+            values: dict) -> None:
+    """Record the launches this call made for the compiled host entry: each launch's C function and arguments, the
+    per-call ones marked by slot (:data:`sparsemla.host_entry.SLOTS`).  Recorded only where substituting this
+    call's own values into the templates gives back exactly the arguments it launched with."""
+    slot = host_entry.SLOT
+    n = len(addrs)
+    kinds = [0] * n
+    for i, name in ((0, "q"), (3, "q_rope"), (6, "rows"), (7, "indices"), (9, "valid_counts"), (18, "scale")):
+        kinds[i] = slot[name]
+    if not b.n_all:  # the kernel writes out / lse itself
+        kinds[10], kinds[14] = slot["out"], slot["lse"]
+    if b.takes_k_scale:
+        kinds[19] = slot["k_scale"]
+    if b.final is not None:  # the sm_90 kernels' final out / lse (the last six arguments)
+        kinds[n - 6], kinds[n - 3] = slot["out"], slot["lse"]
+    records = [_template(launch.compiled(ctx, b.key), (b.gx, 1, 1), ctx[1], addrs, kinds, values)]
+    if caddrs is not None:
+        ckinds = [0, 0, slot["out"], 0, 0, slot["lse"], 0, 0, 0, 0]
+        records.append(_template(b.combine.compiled(ctx, b.cints), b.cgrid, ctx[1], caddrs, ckinds, values))
+    if all(r is not None for r in records):
+        host_entry.record(key, qr_offset, (b.fmt, partials), tuple(records))
+
+
+def _template(go, grid, stream, addrs: tuple, kinds: list, values: dict):
+    """One launch's record ``(fn, outer_values, outer_kinds, inner_values, inner_kinds)``, or None when ``go`` has no
+    parts or the slots do not reproduce ``addrs``."""
+    parts = getattr(go, "parts", None)
+    if parts is None:
+        return None
+    names = host_entry.SLOTS
+    for a, k in zip(addrs, kinds):
+        if k and not (type(a) is type(values[names[k]]) and a == values[names[k]]):
+            return None
+    fn, head, tail, packed = parts
+    lead = (*grid, stream, *head)
+    if packed:
+        return (fn, lead, (0,) * len(lead), (*addrs, *tail), (*kinds, *(0,) * len(tail)))
+    return (fn, (*lead, *addrs, *tail), (*(0,) * len(lead), *kinds, *(0,) * len(tail)), None, None)
 
 
 def _bind(sig, plan, fmt, has_vc, ishape, lse, qs, rs, is0, os_, ls_, device) -> "_Bound":

@@ -93,6 +93,11 @@ class Launch:
         go(gx, gy, gz, ctx[1], addrs)
         return True
 
+    def compiled(self, ctx, key):
+        """The direct launch :meth:`launch_in` makes for ``key`` on ``ctx``'s device (see :func:`_direct_launch`), or
+        None."""
+        return self._compiled.get((ctx[0], key)) if ctx is not None and self._direct else None
+
     def launch_known(self, gx: int, gy: int, gz: int, key, addrs: Sequence[int]) -> bool:
         """:meth:`launch_in` on the current device and stream."""
         return self._direct and self.launch_in(direct_context(), gx, gy, gz, key, addrs)
@@ -114,7 +119,9 @@ def _direct_launch(k, tail: tuple):
     Where the kernel needs no global or profiling scratch and no sanitizer instrumentation, Triton's Python
     launcher (``CudaLauncher.__call__``) only defines two closures and forwards to its C function; ``go`` calls
     that C function itself, in the argument order of the installed release (3.6; 3.8 and 3.9).  Anything else
-    goes through ``k.run``."""
+    goes through ``k.run``.  ``go.parts``: ``(function, head, tail, packed)``, what ``go`` calls: ``function(gx, gy,
+    gz, stream, *head, *addrs, *tail)``, or with ``packed`` ``function(gx, gy, gz, stream, *head, (*addrs, *tail))``
+    (the compiled host entry replays launches from it)."""
     run = k.run
     fn, meta = k.function, k.packed_metadata
     plain = (type(run).__name__ == "CudaLauncher" and getattr(run, "global_scratch_size", 1) == 0
@@ -122,14 +129,25 @@ def _direct_launch(k, tail: tuple):
     params = _call_params(type(run)) if plain else ()
     if plain and params == _PARAMS_36:
         c, coop, pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl
-        return lambda gx, gy, gz, stream, addrs: c(gx, gy, gz, stream, fn, coop, pdl, None, None, meta, None, None,
-                                                  None, *addrs, *tail)
-    if plain and params == _PARAMS_38 and hasattr(run, "arg_annotations") and hasattr(run, "kernel_signature"):
+        head, packed = (fn, coop, pdl, None, None, meta, None, None, None), False
+
+        def go(gx, gy, gz, stream, addrs):
+            return c(gx, gy, gz, stream, fn, coop, pdl, None, None, meta, None, None, None, *addrs, *tail)
+    elif plain and params == _PARAMS_38 and hasattr(run, "arg_annotations") and hasattr(run, "kernel_signature"):
         c, coop, pdl, ann, sig = (run.launch, run.launch_cooperative_grid, run.launch_pdl, run.arg_annotations,
                                   run.kernel_signature)
-        return lambda gx, gy, gz, stream, addrs: c(gx, gy, gz, stream, fn, coop, pdl, meta, None, None, None, None,
-                                                  None, ann, sig, (*addrs, *tail))
-    return lambda gx, gy, gz, stream, addrs: run(gx, gy, gz, stream, fn, meta, None, None, None, *addrs, *tail)
+        head, packed = (fn, coop, pdl, meta, None, None, None, None, None, ann, sig), True
+
+        def go(gx, gy, gz, stream, addrs):
+            return c(gx, gy, gz, stream, fn, coop, pdl, meta, None, None, None, None, None, ann, sig,
+                     (*addrs, *tail))
+    else:
+        c, head, packed = run, (fn, meta, None, None, None), False
+
+        def go(gx, gy, gz, stream, addrs):
+            return run(gx, gy, gz, stream, fn, meta, None, None, None, *addrs, *tail)
+    go.parts = (c, head, tail, packed)
+    return go
 
 
 # CudaLauncher.__call__'s parameters: Triton 3.6 forwards (metadata, hooks, arguments) as one *args; 3.8 and 3.9

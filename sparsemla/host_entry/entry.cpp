@@ -1,0 +1,462 @@
+// The compiled host entry of sparse_mla_decode / sparse_mla_prefill (over a PagedKVCache): a call whose
+// configuration the Python path has launched before is replayed here, without Python.
+//
+// A configuration is what decides everything a call launches apart from its tensors' addresses and its scales:
+// the mode, the format object, q's shape and strides, the indices' width and row stride, whether valid_counts is
+// given, the given out / lse strides, the device and the current stream.  The first call of a configuration
+// takes the Python path (every argument checked, the backend chosen, the plan made, the kernels compiled and
+// launched); where that call made only direct launches (sparsemla.kernels.launch), the launcher records them here
+// as templates: each launch's C function (Triton's) and its arguments, with the per-call values (addresses, the
+// scales) marked by slot.  A later call with the same configuration checks what the host knows (types, dtypes,
+// shapes, strides, devices, 16-byte alignment), allocates the outputs it was not given, fills the slots and calls
+// the same C functions with the same arguments the Python path would pass.
+//
+// Anything this entry does not handle returns None (not eligible: the Python path serves the call, and raises
+// where the arguments are wrong) or a bytes key (eligible, not recorded yet: the Python path serves the call and
+// records it under that key).  Every object is used with the GIL held.
+#include <Python.h>
+
+#include <torch/csrc/autograd/python_variable.h>
+#include <ATen/ops/empty.h>
+
+#include <cstring>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// Per-call values a template slot takes (sparsemla/host_entry/__init__.py: SLOTS, the same order).
+enum Slot : int { CONST = 0, Q, QR, ROWS, IDX, VC, OUT, LSE, SCALE, KSCALE, NUM_SLOTS };
+
+constexpr double LOG2E = 1.4426950408889634;
+constexpr int KEY_WORDS = 20;
+constexpr size_t MAX_ENTRIES = 4096;
+constexpr Py_ssize_t MAX_ARGS = 96;
+
+struct Key {
+  int64_t w[KEY_WORDS];
+  bool operator==(const Key& o) const { return std::memcmp(w, o.w, sizeof(w)) == 0; }
+};
+
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
+    for (int64_t v : k.w) {
+      h ^= static_cast<uint64_t>(v);
+      h *= 1099511628211ull;
+    }
+    return static_cast<size_t>(h);
+  }
+};
+
+// One argument list: constants (owned references) and the slots filled per call.
+struct Args {
+  std::vector<PyObject*> value;  // nullptr where kind != CONST
+  std::vector<int> kind;
+};
+
+struct LaunchRec {
+  PyObject* fn = nullptr;  // the launch's C function (owned)
+  Args outer;              // its positional arguments
+  bool packed = false;     // the last positional argument is a tuple made of `inner` (Triton >= 3.8)
+  Args inner;
+};
+
+struct Entry {
+  std::vector<LaunchRec> launches;
+  int64_t qr_offset = 0;  // bytes from q's address to its RoPE part (0 for NoPE rows)
+  PyObject* keep = nullptr;  // what the constants point into (the format, the split-partials buffer): owned
+};
+
+std::unordered_map<Key, Entry, KeyHash> g_entries;
+
+// Set by configure(): what the call reads of the process's state (torch's and Triton's functions; stand-ins in tests).
+PyObject* g_cache_type = nullptr;   // sparsemla.cache.PagedKVCache
+PyObject* g_get_device = nullptr;   // () -> the current CUDA device's index
+PyObject* g_get_stream = nullptr;   // (index) -> the current stream's handle on that device
+PyObject* g_capturing = nullptr;    // () -> whether the current stream is capturing a CUDA graph
+PyObject* g_runtime = nullptr;      // triton.knobs.runtime (its launch hooks)
+PyObject* g_local = nullptr;        // the launcher's thread-local state (per_call: partials per call, custom ops)
+PyObject* g_auto = nullptr;         // "auto"
+PyObject* g_str_enter = nullptr;    // attribute names, interned
+PyObject* g_str_exit = nullptr;
+PyObject* g_str_calls = nullptr;
+PyObject* g_str_per_call = nullptr;
+double g_scale_min = 0.0, g_scale_max = 0.0;
+bool g_allow_cpu = false;           // tests: CPU tensors (device index -1) with a test context
+
+void release(Args& a) {
+  for (PyObject* o : a.value) Py_XDECREF(o);
+  a.value.clear();
+  a.kind.clear();
+}
+
+void release(Entry& e) {
+  for (LaunchRec& l : e.launches) {
+    Py_XDECREF(l.fn);
+    release(l.outer);
+    release(l.inner);
+  }
+  Py_XDECREF(e.keep);
+}
+
+void clear_entries() {
+  // Move the map out first: a destructor run by a decref must not see a half-cleared map.
+  std::unordered_map<Key, Entry, KeyHash> old;
+  old.swap(g_entries);
+  for (auto& kv : old) release(kv.second);
+}
+
+// -1: error; 1: the attribute is an installed hook (a HookChain with calls, or a plain callable); 0: none.
+int hooked(PyObject* name) {
+  PyObject* h = PyObject_GetAttr(g_runtime, name);
+  if (h == nullptr) return -1;
+  int r = 0;
+  if (h != Py_None) {
+    PyObject* calls = PyObject_GetAttr(h, g_str_calls);  // Triton >= 3.5: a HookChain, empty when none installed
+    if (calls == nullptr) {
+      PyErr_Clear();
+      r = 1;
+    } else {
+      r = PyObject_IsTrue(calls);
+      Py_DECREF(calls);
+    }
+  }
+  Py_DECREF(h);
+  return r;
+}
+
+// 1: a replay may run now (*dev, *stream set); 0: the Python path must serve the call (a CUDA graph being captured,
+// partials per call, a profiler's launch hook: every launch then goes through Triton); -1: error.
+int context(long long* dev, long long* stream) {
+  PyObject* cap = PyObject_CallNoArgs(g_capturing);
+  if (cap == nullptr) return -1;
+  int busy = PyObject_IsTrue(cap);
+  Py_DECREF(cap);
+  if (busy != 0) return busy < 0 ? -1 : 0;
+  PyObject* pc = PyObject_GetAttr(g_local, g_str_per_call);
+  if (pc == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+    PyErr_Clear();
+  } else {
+    busy = PyObject_IsTrue(pc);
+    Py_DECREF(pc);
+    if (busy != 0) return busy < 0 ? -1 : 0;
+  }
+  for (PyObject* name : {g_str_enter, g_str_exit}) {
+    busy = hooked(name);
+    if (busy != 0) return busy < 0 ? -1 : 0;
+  }
+  PyObject* d = PyObject_CallNoArgs(g_get_device);
+  if (d == nullptr) return -1;
+  *dev = PyLong_AsLongLong(d);
+  PyObject* s = PyObject_CallOneArg(g_get_stream, d);
+  Py_DECREF(d);
+  if (s == nullptr) return -1;
+  *stream = PyLong_AsLongLong(s);
+  Py_DECREF(s);
+  return PyErr_Occurred() ? -1 : 1;
+}
+
+inline bool exact_float(PyObject* o, double* v) {
+  if (!PyFloat_CheckExact(o)) return false;
+  *v = PyFloat_AS_DOUBLE(o);
+  return true;
+}
+
+inline uint64_t address(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
+
+// A plain torch.Tensor (not a subclass: FakeTensor and other wrappers go through Python) on `dev`.
+inline const at::Tensor* plain(PyObject* o) {
+  return THPVariable_CheckExact(o) ? &THPVariable_Unpack(o) : nullptr;
+}
+
+bool fill(const Args& a, PyObject* const* slot, PyObject** dst) {
+  const size_t n = a.kind.size();
+  for (size_t i = 0; i < n; ++i) {
+    const int k = a.kind[i];
+    PyObject* v = k == CONST ? a.value[i] : slot[k];
+    if (v == nullptr) return false;
+    dst[i] = v;
+  }
+  return true;
+}
+
+// call(mode, q, cache, indices, sm_scale, valid_counts, k_scale, backend, out, lse, check)
+//   -> (out, lse) replayed | bytes (eligible, not recorded) | None (the Python path)
+PyObject* call(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != 11 || g_cache_type == nullptr) Py_RETURN_NONE;
+  PyObject *mode = a[0], *qo = a[1], *cache = a[2], *io = a[3], *sm = a[4], *vco = a[5], *ks = a[6],
+           *backend = a[7], *outo = a[8], *lseo = a[9], *check = a[10];
+  if (check != Py_False) Py_RETURN_NONE;
+  if (backend != g_auto && !(PyUnicode_CheckExact(backend) && PyUnicode_Compare(backend, g_auto) == 0)) {
+    if (PyErr_Occurred()) PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  double sm_scale, k_scale;
+  if (!exact_float(sm, &sm_scale) || !(sm_scale >= g_scale_min && sm_scale <= g_scale_max)) Py_RETURN_NONE;
+  if (!exact_float(ks, &k_scale) || !(k_scale >= g_scale_min && k_scale <= g_scale_max)) Py_RETURN_NONE;
+  int r = PyObject_IsInstance(cache, g_cache_type);
+  if (r <= 0) {
+    if (r < 0) PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  const at::Tensor* q = plain(qo);
+  const at::Tensor* idx = plain(io);
+  if (q == nullptr || idx == nullptr) Py_RETURN_NONE;
+  if (q->dim() != 3 || q->scalar_type() != at::kBFloat16 || q->stride(2) != 1) Py_RETURN_NONE;
+  const int64_t t = q->size(0), h = q->size(1), d = q->size(2);
+  if (t < 1) Py_RETURN_NONE;
+  const at::Device dev = q->device();
+  if (!(dev.is_cuda() || (g_allow_cpu && dev.is_cpu()))) Py_RETURN_NONE;
+  if (idx->dim() != 2 || idx->scalar_type() != at::kInt || idx->size(0) != t || idx->stride(1) != 1 ||
+      idx->device() != dev)
+    Py_RETURN_NONE;
+  const at::Tensor* vc = nullptr;
+  if (vco != Py_None) {
+    vc = plain(vco);
+    if (vc == nullptr || vc->dim() != 1 || vc->scalar_type() != at::kInt || vc->size(0) != t ||
+        vc->stride(0) != 1 || vc->device() != dev)
+      Py_RETURN_NONE;
+  }
+  const at::Tensor* out = nullptr;
+  if (outo != Py_None) {
+    out = plain(outo);
+    if (out == nullptr || out->dim() != 3 || out->scalar_type() != at::kBFloat16 || out->size(0) != t ||
+        out->size(1) != h || out->size(2) != 512 || out->stride(2) != 1 || out->device() != dev)
+      Py_RETURN_NONE;
+  }
+  const at::Tensor* lse = nullptr;
+  if (lseo != Py_None) {
+    lse = plain(lseo);
+    if (lse == nullptr || lse->dim() != 2 || lse->scalar_type() != at::kFloat || lse->size(0) != t ||
+        lse->size(1) != h || lse->device() != dev)
+      Py_RETURN_NONE;
+  }
+  PyObject* rows_o = PyObject_GetAttrString(cache, "rows");
+  if (rows_o == nullptr) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  const at::Tensor* rows = plain(rows_o);
+  const bool rows_ok = rows != nullptr && rows->device() == dev;
+  const uint64_t pr = rows_ok ? address(*rows) : 0;
+  Py_DECREF(rows_o);  // (the cache keeps the tensor alive)
+  if (!rows_ok) Py_RETURN_NONE;
+  PyObject* fmt = PyObject_GetAttrString(cache, "fmt");
+  if (fmt == nullptr) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  Py_DECREF(fmt);  // identity only (a recorded entry owns a reference to its format)
+
+  // Device, stream, and whether the Python path must serve the call (a launch hook, a CUDA-graph capture, ...).
+  long long cdev = 0, stream = 0;
+  const int ready = context(&cdev, &stream);
+  if (ready < 0) return nullptr;
+  if (ready == 0) Py_RETURN_NONE;
+  const long long qdev = dev.is_cuda() ? dev.index() : -1;
+  if (cdev != qdev) Py_RETURN_NONE;  // q not on the current device: the Python path raises
+
+  const uint64_t pq = address(*q), pi = address(*idx), pv = vc ? address(*vc) : pi;
+  uint64_t align = pq | pr | pi | pv;
+  if (out) align |= address(*out);
+  if (lse) align |= address(*lse);
+  if (align & 15) Py_RETURN_NONE;  // the Python path launches unaligned tensors through Triton
+
+  Key key;
+  int64_t* w = key.w;
+  w[0] = PyLong_AsLong(mode);
+  w[1] = reinterpret_cast<int64_t>(fmt);
+  w[2] = t; w[3] = h; w[4] = d;
+  w[5] = q->stride(0); w[6] = q->stride(1);
+  w[7] = idx->size(1); w[8] = idx->stride(0);
+  w[9] = vc != nullptr;
+  w[10] = out != nullptr; w[11] = out ? out->stride(0) : 0; w[12] = out ? out->stride(1) : 0;
+  w[13] = lse != nullptr; w[14] = lse ? lse->stride(0) : 0; w[15] = lse ? lse->stride(1) : 0;
+  w[16] = qdev; w[17] = stream; w[18] = 0; w[19] = 0;
+  if (PyErr_Occurred()) return nullptr;
+  auto it = g_entries.find(key);
+  if (it == g_entries.end()) return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(w), sizeof(key.w));
+  const Entry& e = it->second;
+
+  // --- replay: the outputs not given, the slots, the launches ----------------------------------------------------
+  at::Tensor out_t, lse_t;
+  if (out) out_t = *out; else out_t = at::empty({t, h, 512}, q->options());
+  if (lse) lse_t = *lse; else lse_t = at::empty({t, h}, q->options().dtype(at::kFloat));
+  PyObject* slot[NUM_SLOTS] = {nullptr};
+  slot[Q] = PyLong_FromUnsignedLongLong(pq);
+  slot[QR] = PyLong_FromUnsignedLongLong(pq + static_cast<uint64_t>(e.qr_offset));
+  slot[ROWS] = PyLong_FromUnsignedLongLong(pr);
+  slot[IDX] = PyLong_FromUnsignedLongLong(pi);
+  slot[VC] = PyLong_FromUnsignedLongLong(pv);
+  slot[OUT] = PyLong_FromUnsignedLongLong(address(out_t));
+  slot[LSE] = PyLong_FromUnsignedLongLong(address(lse_t));
+  slot[SCALE] = PyFloat_FromDouble(sm_scale * LOG2E);  // the Python path's float(sm_scale) * LOG2E
+  slot[KSCALE] = ks;
+  Py_INCREF(ks);
+  PyObject* result = nullptr;
+  bool ok = true;
+  for (int i = 1; i < NUM_SLOTS; ++i) ok = ok && slot[i] != nullptr;
+  for (const LaunchRec& l : e.launches) {
+    if (!ok) break;
+    PyObject* argv[MAX_ARGS];
+    const size_t n_outer = l.outer.kind.size();
+    if (n_outer > static_cast<size_t>(MAX_ARGS) || !fill(l.outer, slot, argv)) { ok = false; break; }
+    PyObject* packed = nullptr;
+    if (l.packed) {
+      const size_t n_inner = l.inner.kind.size();
+      packed = PyTuple_New(static_cast<Py_ssize_t>(n_inner));
+      if (packed == nullptr) { ok = false; break; }
+      for (size_t j = 0; j < n_inner; ++j) {
+        const int k = l.inner.kind[j];
+        PyObject* v = k == CONST ? l.inner.value[j] : slot[k];
+        Py_INCREF(v);
+        PyTuple_SET_ITEM(packed, static_cast<Py_ssize_t>(j), v);
+      }
+      if (n_outer + 1 > static_cast<size_t>(MAX_ARGS)) { Py_DECREF(packed); ok = false; break; }
+      argv[n_outer] = packed;
+    }
+    PyObject* rv = PyObject_Vectorcall(l.fn, argv, n_outer + (l.packed ? 1 : 0), nullptr);
+    Py_XDECREF(packed);
+    if (rv == nullptr) { ok = false; break; }
+    Py_DECREF(rv);
+  }
+  for (int i = 1; i < NUM_SLOTS; ++i) Py_XDECREF(slot[i]);
+  if (!ok) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "sparsemla host entry: a replayed launch failed");
+    return nullptr;
+  }
+  PyObject* po = THPVariable_Wrap(std::move(out_t));
+  PyObject* pl = THPVariable_Wrap(std::move(lse_t));
+  if (po && pl) result = PyTuple_Pack(2, po, pl);
+  Py_XDECREF(po);
+  Py_XDECREF(pl);
+  return result;
+}
+
+bool parse_args(PyObject* values, PyObject* kinds, Args* dst) {
+  if (!PyTuple_Check(values) || !PyTuple_Check(kinds) || PyTuple_GET_SIZE(values) != PyTuple_GET_SIZE(kinds)) {
+    PyErr_SetString(PyExc_TypeError, "record: values and kinds must be tuples of one length");
+    return false;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(values);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const long k = PyLong_AsLong(PyTuple_GET_ITEM(kinds, i));
+    if (k < 0 || k >= NUM_SLOTS) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "record: a kind out of range");
+      return false;
+    }
+    PyObject* v = nullptr;
+    if (k == CONST) {
+      v = PyTuple_GET_ITEM(values, i);
+      Py_INCREF(v);
+    }
+    dst->value.push_back(v);
+    dst->kind.push_back(static_cast<int>(k));
+  }
+  return true;
+}
+
+// record(key: bytes, qr_offset: int, keep: object, launches: tuple of
+//        (fn, outer_values, outer_kinds, inner_values or None, inner_kinds or None))
+PyObject* record(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != 4 || !PyBytes_Check(a[0]) || PyBytes_GET_SIZE(a[0]) != static_cast<Py_ssize_t>(sizeof(Key::w)) ||
+      !PyTuple_Check(a[3])) {
+    PyErr_SetString(PyExc_TypeError, "record(key, qr_offset, keep, launches)");
+    return nullptr;
+  }
+  Key key;
+  std::memcpy(key.w, PyBytes_AS_STRING(a[0]), sizeof(key.w));
+  Entry e;
+  e.qr_offset = PyLong_AsLongLong(a[1]);
+  if (PyErr_Occurred()) return nullptr;
+  const Py_ssize_t nl = PyTuple_GET_SIZE(a[3]);
+  bool ok = nl >= 1;
+  for (Py_ssize_t i = 0; ok && i < nl; ++i) {
+    PyObject* l = PyTuple_GET_ITEM(a[3], i);
+    if (!PyTuple_Check(l) || PyTuple_GET_SIZE(l) != 5) { ok = false; break; }
+    e.launches.emplace_back();
+    LaunchRec& rec = e.launches.back();
+    rec.fn = PyTuple_GET_ITEM(l, 0);
+    Py_INCREF(rec.fn);
+    ok = parse_args(PyTuple_GET_ITEM(l, 1), PyTuple_GET_ITEM(l, 2), &rec.outer);
+    if (ok && PyTuple_GET_ITEM(l, 3) != Py_None) {
+      rec.packed = true;
+      ok = parse_args(PyTuple_GET_ITEM(l, 3), PyTuple_GET_ITEM(l, 4), &rec.inner);
+    }
+    ok = ok && rec.outer.kind.size() + 1 <= static_cast<size_t>(MAX_ARGS);
+  }
+  if (!ok) {
+    release(e);
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "record: malformed launches");
+    return nullptr;
+  }
+  e.keep = a[2];
+  Py_INCREF(e.keep);
+  if (g_entries.size() >= MAX_ENTRIES) clear_entries();
+  auto it = g_entries.find(key);
+  if (it != g_entries.end()) {
+    release(it->second);
+    g_entries.erase(it);
+  }
+  g_entries.emplace(key, std::move(e));
+  Py_RETURN_NONE;
+}
+
+PyObject* clear(PyObject*, PyObject*) {
+  clear_entries();
+  Py_RETURN_NONE;
+}
+
+PyObject* size(PyObject*, PyObject*) { return PyLong_FromSize_t(g_entries.size()); }
+
+// configure(cache_type, get_device, get_stream, capturing, runtime, local, scale_min, scale_max, allow_cpu)
+PyObject* configure(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != 9 || !PyCallable_Check(a[1]) || !PyCallable_Check(a[2]) || !PyCallable_Check(a[3])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "configure(cache_type, get_device, get_stream, capturing, runtime, local, scale_min, scale_max, "
+                    "allow_cpu)");
+    return nullptr;
+  }
+  const double lo = PyFloat_AsDouble(a[6]), hi = PyFloat_AsDouble(a[7]);
+  const int cpu = PyObject_IsTrue(a[8]);
+  if (PyErr_Occurred() || cpu < 0) return nullptr;
+  clear_entries();
+  PyObject** slots[] = {&g_cache_type, &g_get_device, &g_get_stream, &g_capturing, &g_runtime, &g_local};
+  for (int i = 0; i < 6; ++i) {
+    Py_INCREF(a[i]);
+    Py_XSETREF(*slots[i], a[i]);
+  }
+  g_scale_min = lo;
+  g_scale_max = hi;
+  g_allow_cpu = cpu != 0;
+  if (g_auto == nullptr) {
+    g_auto = PyUnicode_InternFromString("auto");
+    g_str_enter = PyUnicode_InternFromString("launch_enter_hook");
+    g_str_exit = PyUnicode_InternFromString("launch_exit_hook");
+    g_str_calls = PyUnicode_InternFromString("calls");
+    g_str_per_call = PyUnicode_InternFromString("per_call");
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kMethods[] = {
+    {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(call)), METH_FASTCALL,
+     "call(mode, q, cache, indices, sm_scale, valid_counts, k_scale, backend, out, lse, check)"},
+    {"record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(record)), METH_FASTCALL,
+     "record(key, qr_offset, keep, launches)"},
+    {"configure", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(configure)), METH_FASTCALL,
+     "configure(cache_type, get_device, get_stream, capturing, runtime, local, scale_min, scale_max, allow_cpu)"},
+    {"clear", clear, METH_NOARGS, "forget every recorded configuration"},
+    {"size", size, METH_NOARGS, "the number of recorded configurations"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "sparsemla_host_entry", nullptr, -1, kMethods};
+
+}  // namespace
+
+#define SPARSEMLA_CAT2(a, b) a##b
+#define SPARSEMLA_CAT(a, b) SPARSEMLA_CAT2(a, b)
+PyMODINIT_FUNC SPARSEMLA_CAT(PyInit_, TORCH_EXTENSION_NAME)() { return PyModule_Create(&kModule); }

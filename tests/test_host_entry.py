@@ -1,0 +1,285 @@
+"""The compiled host entry (``sparsemla.host_entry``) on the CPU: built with the machine's C++ compiler, driven on
+CPU tensors with a stand-in for Triton's launch functions (the real ones need a GPU).  A replayed call must make
+exactly the launches the Python path makes for the same tensors, and every call the entry does not handle must
+take the Python path."""
+import shutil
+
+import pytest
+import torch
+
+import sparsemla.attention as A
+import sparsemla.host_entry as H
+from sparsemla import PagedKVCache, sparse_mla_decode, sparse_mla_prefill
+from sparsemla.kernels import attention as KA
+from sparsemla.kernels import launch as L
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler on this machine")
+
+
+@pytest.fixture(scope="module")
+def module():
+    return H._build()
+
+
+class _Launches:
+    """Stands in for Triton's C launch functions: every Launch is direct, its ``go`` records what it is called with
+    (as Triton's function would receive it: flat, or with the arguments packed in one tuple as on Triton 3.8)."""
+
+    def __init__(self, packed: bool):
+        self.packed, self.calls, self.gos = packed, [], {}
+
+    def fn(self, *args):
+        self.calls.append(args)
+
+    def compiled(self, launch, ctx, key):
+        go = self.gos.get((id(launch), key))
+        if go is None:
+            head, tail = ("fn", id(launch) % 1000, None), ("tail", 3)
+            if self.packed:
+                def go(gx, gy, gz, stream, addrs):
+                    self.fn(gx, gy, gz, stream, *head, (*addrs, *tail))
+            else:
+                def go(gx, gy, gz, stream, addrs):
+                    self.fn(gx, gy, gz, stream, *head, *addrs, *tail)
+            go.parts = (self.fn, head, tail, self.packed)
+            self.gos[(id(launch), key)] = go
+        return go
+
+
+@pytest.fixture(params=[False, True], ids=["flat", "packed"])
+def entry(request, module, monkeypatch):
+    fake = _Launches(request.param)
+    buf = torch.zeros(1 << 21, dtype=torch.float32)
+
+    def launch_in(self, ctx, gx, gy, gz, key, addrs):
+        if ctx is None:
+            return False
+        fake.compiled(self, ctx, key)(gx, gy, gz, ctx[1], addrs)
+        return True
+
+    def scratch(q, n_o, n_all, ctx=None):  # the cached scratch of a CUDA call
+        return (*KA._partials(buf, n_o, n_all), True)
+
+    monkeypatch.setattr(L.Launch, "direct", property(lambda self: True))
+    monkeypatch.setattr(L.Launch, "launch_in", launch_in)
+    monkeypatch.setattr(L.Launch, "compiled", lambda self, ctx, key: fake.compiled(self, ctx, key))
+    monkeypatch.setattr(KA, "direct_context", lambda: (-1, 5))
+    monkeypatch.setattr(KA, "_scratch", scratch)
+    select = A.registry.select_call  # "auto" on CPU tensors is the reference: make it the Triton kernels
+    monkeypatch.setattr(A.registry, "select_call", lambda *a: select(*a[:-1], "triton-portable" if a[-1] == "auto"
+                                                                      else a[-1]))
+    _cpu(module)
+    monkeypatch.setattr(H, "_module", module)
+    monkeypatch.setattr(H, "call", module.call)
+    python_calls = []
+    real_call = A._call
+    monkeypatch.setattr(A, "_call", lambda *a: python_calls.append(a[0]) or real_call(*a))
+    yield module, fake, python_calls
+    module.clear()
+    H._configure(module, allow_cpu=False)
+
+
+class _Hooks:
+    def __init__(self):
+        self.calls = []
+
+
+class _Runtime:
+    def __init__(self):
+        self.launch_enter_hook, self.launch_exit_hook = _Hooks(), _Hooks()
+
+
+def _cpu(module, dev=-1, stream=5, capturing=False, runtime=None):
+    """The entry on CPU tensors (device index -1), with stand-ins for the current device, stream and capture."""
+    H._configure(module, allow_cpu=True, get_device=lambda: dev, get_stream=lambda d: stream,
+                 capturing=lambda: capturing, runtime=runtime or _Runtime())
+
+
+def _tensors(seed, t=1, h=16, k=96, fmt="fp8_ds_mla", vc=False):
+    g = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache(fmt, num_blocks=4, block_size=64)
+    q = torch.randn((t, h, cache.fmt.head_dim), generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, cache.rows.shape[0], (t, k), generator=g, dtype=torch.int32)
+    counts = torch.randint(0, k + 1, (t,), generator=g, dtype=torch.int32) if vc else None
+    return cache, q, idx, counts
+
+
+def _normalized(calls, tensors):
+    """The launches' arguments with the addresses of ``tensors`` (name -> tensor) replaced by their names."""
+    names = {t.data_ptr(): n for n, t in tensors.items()}
+    names.update({t.data_ptr() + 1024: n + "+1024" for n, t in tensors.items() if n == "q"})
+
+    def norm(a):
+        if isinstance(a, tuple):
+            return tuple(norm(x) for x in a)
+        return names.get(a, a) if type(a) is int else a
+    return [norm(c) for c in calls]
+
+
+@pytest.mark.parametrize("t,vc,given", [(1, False, False), (1, True, False), (64, False, True), (3, True, True)])
+def test_a_replayed_call_launches_what_the_python_path_launches(entry, t, vc, given):
+    module, fake, python_calls = entry
+    cache, q, idx, counts = _tensors(0, t=t, vc=vc)
+    kw = dict(valid_counts=counts)
+    if given:
+        kw.update(out=torch.empty((t, 16, 512), dtype=torch.bfloat16), lse=torch.empty((t, 16)))
+    sparse_mla_decode(q, cache, idx, 0.07, **kw)  # served by Python, recorded
+    assert python_calls == ["decode"] and module.size() == 1
+    # new tensors of the same configuration: replayed
+    _, q2, idx2, counts2 = _tensors(1, t=t, vc=vc)
+    kw2 = dict(valid_counts=counts2)
+    if given:
+        kw2.update(out=torch.empty((t, 16, 512), dtype=torch.bfloat16), lse=torch.empty((t, 16)))
+    fake.calls.clear()
+    out, lse = sparse_mla_decode(q2, cache, idx2, 0.07, **kw2)
+    assert python_calls == ["decode"], "the second call took the Python path"
+    replayed = _normalized(fake.calls, dict(q=q2, rows=cache.rows, idx=idx2, out=out, lse=lse,
+                                            **({"vc": counts2} if vc else {})))
+    assert out.shape == (t, 16, 512) and out.dtype == torch.bfloat16 and lse.shape == (t, 16)
+    assert lse.dtype == torch.float32
+    if given:
+        assert out is kw2["out"] and lse is kw2["lse"]
+    # the same tensors through the Python path
+    module.clear()
+    fake.calls.clear()
+    out3, lse3 = sparse_mla_decode(q2, cache, idx2, 0.07, **(kw2 if given else dict(valid_counts=counts2)))
+    assert python_calls == ["decode", "decode"]
+    direct = _normalized(fake.calls, dict(q=q2, rows=cache.rows, idx=idx2, out=out3, lse=lse3,
+                                          **({"vc": counts2} if vc else {})))
+    assert replayed == direct and len(direct) in (1, 2)
+    assert any("q" in str(a) for a in direct[0])  # the addresses were found (the comparison is not vacuous)
+
+
+def test_the_scales_are_passed_per_call(entry):
+    module, fake, python_calls = entry
+    cache, q, idx, _ = _tensors(0, fmt="fp8")
+    sparse_mla_decode(q, cache, idx, 0.25, k_scale=2.0)
+    fake.calls.clear()
+    sparse_mla_decode(q, cache, idx, 0.5, k_scale=3.0)
+    assert python_calls == ["decode"]
+    args = fake.calls[0] if not fake.packed else fake.calls[0][-1]
+    assert 0.5 * KA.LOG2E in args and 3.0 in args and 0.25 * KA.LOG2E not in args
+
+
+def test_prefill_over_a_cache_is_replayed_and_a_workspace_is_not(entry):
+    module, fake, python_calls = entry
+    cache, q, idx, _ = _tensors(0, t=5, fmt="bf16")
+    sparse_mla_prefill(q, cache, idx, 0.1)
+    sparse_mla_prefill(q, cache, idx, 0.1)
+    assert python_calls == ["prefill"]
+    ws = torch.zeros((256, 576), dtype=torch.bfloat16)
+    sparse_mla_prefill(q, ws, idx, 0.1)
+    sparse_mla_prefill(q, ws, idx, 0.1)
+    assert python_calls == ["prefill"] * 3
+
+
+def test_calls_the_entry_does_not_handle_take_the_python_path(entry):
+    module, fake, python_calls = entry
+    cache, q, idx, _ = _tensors(0)
+    sparse_mla_decode(q, cache, idx, 0.1)
+    assert python_calls == ["decode"]
+    n = 1
+    for kw in (dict(check=True), dict(backend="triton-portable"), dict(sm_scale=1), dict(k_scale=torch.tensor(1.0))):
+        sm = kw.pop("sm_scale", 0.1)
+        sparse_mla_decode(q, cache, idx, sm, **kw)
+        n += 1
+        assert len(python_calls) == n, kw
+    sparse_mla_decode(q, cache, idx[:, :64].contiguous(), 0.1)  # another configuration: Python, then recorded
+    sparse_mla_decode(q, cache, idx[:, :64].contiguous(), 0.1)
+    assert len(python_calls) == n + 1
+    sparse_mla_decode(q[:, :, :].clone(), cache, idx, 0.1)  # the first configuration again: replayed
+    assert len(python_calls) == n + 1
+
+
+def test_wrong_arguments_raise_as_before(entry):
+    module, fake, python_calls = entry
+    cache, q, idx, _ = _tensors(0)
+    sparse_mla_decode(q, cache, idx, 0.1)
+    with pytest.raises(ValueError, match="sm_scale"):
+        sparse_mla_decode(q, cache, idx, -1.0)
+    with pytest.raises(TypeError, match="q"):
+        sparse_mla_decode(q.float(), cache, idx, 0.1)
+    with pytest.raises(ValueError, match="indices"):
+        sparse_mla_decode(q, cache, idx[:, ::2], 0.1)
+    with pytest.raises(ValueError, match="valid_counts"):
+        sparse_mla_decode(q, cache, idx, 0.1, valid_counts=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(TypeError, match="cache"):
+        sparse_mla_decode(q, object(), idx, 0.1)
+
+
+def test_no_context_no_replay_and_changes_of_the_plan_inputs_forget_records(entry, monkeypatch):
+    module, fake, python_calls = entry
+    cache, q, idx, _ = _tensors(0)
+    sparse_mla_decode(q, cache, idx, 0.1)
+    assert module.size() == 1
+    _cpu(module, capturing=True)  # a CUDA graph being captured
+    sparse_mla_decode(q, cache, idx, 0.1)
+    assert python_calls == ["decode"] * 2 and module.size() == 0
+    for hook in ("launch_enter_hook", "launch_exit_hook"):  # a profiler's launch hook
+        rt = _Runtime()
+        getattr(rt, hook).calls.append(print)
+        _cpu(module, runtime=rt)
+        sparse_mla_decode(q, cache, idx, 0.1)
+        sparse_mla_decode(q, cache, idx, 0.1)
+        assert module.size() == 0
+    rt = _Runtime()
+    rt.launch_enter_hook = print  # a plain callable (an older Triton)
+    _cpu(module, runtime=rt)
+    sparse_mla_decode(q, cache, idx, 0.1)
+    assert module.size() == 0 and len(python_calls) == 7
+    _cpu(module)
+    with KA.per_call_partials():  # the custom ops: partials per call
+        sparse_mla_decode(q, cache, idx, 0.1)
+        sparse_mla_decode(q, cache, idx, 0.1)
+    assert module.size() == 0 and len(python_calls) == 9
+    sparse_mla_decode(q, cache, idx, 0.1)
+    assert module.size() == 1
+    from sparsemla import plan
+    plan.clear_unavailable()
+    assert module.size() == 0
+    sparse_mla_decode(q, cache, idx, 0.1)
+    from sparsemla.backends import registry
+    registry.clear_selection_cache()
+    assert module.size() == 0
+
+
+def test_another_stream_or_device_is_another_configuration(entry):
+    module, fake, python_calls = entry
+    cache, q, idx, _ = _tensors(0)
+    sparse_mla_decode(q, cache, idx, 0.1)
+    sparse_mla_decode(q, cache, idx, 0.1)
+    assert len(python_calls) == 1
+    _cpu(module, stream=6)
+    sparse_mla_decode(q, cache, idx, 0.1)
+    assert len(python_calls) == 2
+    _cpu(module, dev=0)  # q is not on the current device
+    sparse_mla_decode(q, cache, idx, 0.1)
+    assert len(python_calls) == 3
+
+
+def test_cpu_tensors_are_not_replayed_outside_tests(module):
+    H._configure(module, allow_cpu=False, get_device=lambda: -1, get_stream=lambda d: 5, capturing=lambda: False,
+                 runtime=_Runtime())
+    cache, q, idx, _ = _tensors(0)
+    assert module.call(0, q, cache, idx, 0.1, None, 1.0, "auto", None, None, False) is None
+    H._configure(module, allow_cpu=False)
+
+
+def test_status_and_switches(monkeypatch):
+    monkeypatch.setattr(H, "_module", None)
+    monkeypatch.setattr(H, "_disabled", False)
+    monkeypatch.setenv(H.ENV, "0")
+    assert H.load() is None and "disabled" in H.status()
+    monkeypatch.setenv(H.ENV, "1")
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setattr(H, "_name", lambda: "sparsemla_host_entry_never_built")
+    assert H.load() is None and "could not be built" in H.status()
+    # a call on CPU tensors never loads it
+    monkeypatch.setattr(H, "call", H._first_call)
+    cache, q, idx, _ = _tensors(0)
+    assert H.call(0, q, cache, idx, 0.1, None, 1.0, "auto", None, None, False) is None
+    H.disable()
+    assert "disabled" in H.status() and H.call is H._no_entry
+    H.enable()
+    assert H.call is H._first_call
