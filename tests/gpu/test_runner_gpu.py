@@ -391,10 +391,19 @@ def test_a_call_on_another_device_than_the_current_one_raises(monkeypatch):
     cache, runner, batch, q = _planned_step(2)  # the current device: runs
     idx = torch.zeros(batch.num_tokens, 256, dtype=torch.int32, device=DEV)
     sparse_mla_decode(q, cache, idx, 0.07)
+    sparse_mla_decode(q, cache, idx, 0.07)  # (recorded by the compiled host entry where it is in use)
     other = lambda: q.get_device() + 1  # noqa: E731
     for mod in (api, runner_mod, device_mod):
         monkeypatch.setattr(mod, "current_cuda_index", other)
-    with pytest.raises(ValueError, match=r"q: on cuda:\d+, but the current CUDA device is cuda:\d+"):
-        sparse_mla_decode(q, cache, idx, 0.07)
+    from sparsemla import host_entry
+    entry = host_entry.load()
+    if entry is not None:  # the entry reads the current device itself
+        host_entry._configure(entry, get_device=other)
+    try:
+        with pytest.raises(ValueError, match=r"q: on cuda:\d+, but the current CUDA device is cuda:\d+"):
+            sparse_mla_decode(q, cache, idx, 0.07)
+    finally:
+        if entry is not None:
+            host_entry._configure(entry)
     with pytest.raises(ValueError, match=r"q: on cuda:\d+, but the current CUDA device is cuda:\d+"):
         runner.run(q, cache, batch.topk_local)
