@@ -71,7 +71,8 @@ group_files() {
         attention)   existing tests/gpu/test_sparse_attention_gpu.py ;;
         sm90)        ls tests/gpu/test_ws_*_gpu.py tests/gpu/test_fp8*_gpu.py tests/gpu/test_sm90*_gpu.py 2>/dev/null ;;
         movement)    existing tests/gpu/test_movement_gpu.py ;;
-        system)      ls tests/gpu/test_runner_gpu.py tests/gpu/test_layer_gpu.py tests/gpu/test_cli_gpu.py \
+        system)      ls tests/gpu/test_runner_gpu.py tests/gpu/test_host_entry_gpu.py tests/gpu/test_layer_gpu.py \
+                        tests/gpu/test_cli_gpu.py \
                         tests/gpu/test_vllm*_gpu.py 2>/dev/null ;;
         reliability) ls tests/gpu/test_property_gpu.py tests/gpu/test_graph_long_gpu.py \
                         tests/gpu/test_large_cache_gpu.py 2>/dev/null ;;

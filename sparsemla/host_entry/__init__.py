@@ -93,6 +93,7 @@ def load():
 def _build():
     """Compile entry.cpp into the cache folder (once per source digest and torch build) and import it."""
     import importlib.util
+    import shutil
     import subprocess
     import sys
     import sysconfig
@@ -108,7 +109,7 @@ def _build():
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
         lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-        cxx = os.environ.get("CXX", "c++")
+        cxx = os.environ.get("CXX") or next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), "c++")
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         os.close(fd)
         cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", _SOURCE, "-o", tmp,
