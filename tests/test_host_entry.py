@@ -283,3 +283,27 @@ def test_status_and_switches(monkeypatch):
     assert "disabled" in H.status() and H.call is H._no_entry
     H.enable()
     assert H.call is H._first_call
+
+
+def test_tensors_without_strides_take_the_python_path(entry):
+    module, fake, python_calls = entry
+    cache, q, idx, _ = _tensors(0)
+    sparse_mla_decode(q, cache, idx, 0.1)
+    assert module.call(0, q.to_sparse(), cache, idx, 0.1, None, 1.0, "auto", None, None, False) is None
+    assert module.call(0, q, cache, idx.to_sparse(), 0.1, None, 1.0, "auto", None, None, False) is None
+    assert module.call(0, q, cache, idx, 0.1, None, 1.0, "auto", None, None, False).__class__ is tuple
+
+
+def test_a_process_with_records_exits_cleanly(module, tmp_path):
+    """Records hold Python references: they must not be released after the interpreter has gone."""
+    import subprocess
+    import sys
+    code = (
+        "import torch, sparsemla.host_entry as H\n"
+        "from sparsemla import PagedKVCache\n"
+        "m = H._build()\n"
+        "H._configure(m, allow_cpu=True, get_device=lambda: -1, get_stream=lambda d: 0, capturing=lambda: False)\n"
+        "m.record(bytes(160), 0, (object(), torch.zeros(3)), ((print, (1, 2), (0, 0), None, None),))\n"
+        "assert m.size() == 1\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

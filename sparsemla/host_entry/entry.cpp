@@ -20,6 +20,8 @@
 #include <ATen/ops/empty.h>
 
 #include <cstring>
+#include <exception>
+#include <memory>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -69,7 +71,10 @@ struct Entry {
   PyObject* keep = nullptr;  // what the constants point into (the format, the split-partials buffer): owned
 };
 
-std::unordered_map<Key, Entry, KeyHash> g_entries;
+// (shared: a replay holds its entry while it calls into Triton, whatever clears the map meanwhile.  Never destroyed:
+// at the process's exit a destructor would release Python references without the GIL.)
+using Map = std::unordered_map<Key, std::shared_ptr<Entry>, KeyHash>;
+Map& g_entries = *new Map();
 
 // Set by configure(): what the call reads of the process's state (torch's and Triton's functions; stand-ins in tests).
 PyObject* g_cache_type = nullptr;   // sparsemla.cache.PagedKVCache
@@ -83,6 +88,8 @@ PyObject* g_str_enter = nullptr;    // attribute names, interned
 PyObject* g_str_exit = nullptr;
 PyObject* g_str_calls = nullptr;
 PyObject* g_str_per_call = nullptr;
+PyObject* g_str_rows = nullptr;
+PyObject* g_str_fmt = nullptr;
 double g_scale_min = 0.0, g_scale_max = 0.0;
 bool g_allow_cpu = false;           // tests: CPU tensors (device index -1) with a test context
 
@@ -95,17 +102,25 @@ void release(Args& a) {
 void release(Entry& e) {
   for (LaunchRec& l : e.launches) {
     Py_XDECREF(l.fn);
+    l.fn = nullptr;
     release(l.outer);
     release(l.inner);
   }
   Py_XDECREF(e.keep);
+  e.keep = nullptr;
 }
+
+struct Release {  // an entry's references go when its last holder does
+  void operator()(Entry* e) const {
+    release(*e);
+    delete e;
+  }
+};
 
 void clear_entries() {
   // Move the map out first: a destructor run by a decref must not see a half-cleared map.
-  std::unordered_map<Key, Entry, KeyHash> old;
+  Map old;
   old.swap(g_entries);
-  for (auto& kv : old) release(kv.second);
 }
 
 // -1: error; 1: the attribute is an installed hook (a HookChain with calls, or a plain callable); 0: none.
@@ -167,9 +182,12 @@ inline bool exact_float(PyObject* o, double* v) {
 
 inline uint64_t address(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
 
-// A plain torch.Tensor (not a subclass: FakeTensor and other wrappers go through Python) on `dev`.
+// A plain dense torch.Tensor (not a subclass: FakeTensor and other wrappers go through Python; not sparse, not
+// nested: they have no strides), or nullptr.
 inline const at::Tensor* plain(PyObject* o) {
-  return THPVariable_CheckExact(o) ? &THPVariable_Unpack(o) : nullptr;
+  if (!THPVariable_CheckExact(o)) return nullptr;
+  const at::Tensor& t = THPVariable_Unpack(o);
+  return t.defined() && t.layout() == at::kStrided && !t.is_nested() ? &t : nullptr;
 }
 
 bool fill(const Args& a, PyObject* const* slot, PyObject** dst) {
@@ -183,9 +201,7 @@ bool fill(const Args& a, PyObject* const* slot, PyObject** dst) {
   return true;
 }
 
-// call(mode, q, cache, indices, sm_scale, valid_counts, k_scale, backend, out, lse, check)
-//   -> (out, lse) replayed | bytes (eligible, not recorded) | None (the Python path)
-PyObject* call(PyObject*, PyObject* const* a, Py_ssize_t n) {
+PyObject* call_impl(PyObject* const* a, Py_ssize_t n) {
   if (n != 11 || g_cache_type == nullptr) Py_RETURN_NONE;
   PyObject *mode = a[0], *qo = a[1], *cache = a[2], *io = a[3], *sm = a[4], *vco = a[5], *ks = a[6],
            *backend = a[7], *outo = a[8], *lseo = a[9], *check = a[10];
@@ -234,7 +250,7 @@ PyObject* call(PyObject*, PyObject* const* a, Py_ssize_t n) {
         lse->size(1) != h || lse->device() != dev)
       Py_RETURN_NONE;
   }
-  PyObject* rows_o = PyObject_GetAttrString(cache, "rows");
+  PyObject* rows_o = PyObject_GetAttr(cache, g_str_rows);
   if (rows_o == nullptr) {
     PyErr_Clear();
     Py_RETURN_NONE;
@@ -244,7 +260,7 @@ PyObject* call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   const uint64_t pr = rows_ok ? address(*rows) : 0;
   Py_DECREF(rows_o);  // (the cache keeps the tensor alive)
   if (!rows_ok) Py_RETURN_NONE;
-  PyObject* fmt = PyObject_GetAttrString(cache, "fmt");
+  PyObject* fmt = PyObject_GetAttr(cache, g_str_fmt);
   if (fmt == nullptr) {
     PyErr_Clear();
     Py_RETURN_NONE;
@@ -279,7 +295,8 @@ PyObject* call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (PyErr_Occurred()) return nullptr;
   auto it = g_entries.find(key);
   if (it == g_entries.end()) return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(w), sizeof(key.w));
-  const Entry& e = it->second;
+  const std::shared_ptr<Entry> held = it->second;
+  const Entry& e = *held;
 
   // --- replay: the outputs not given, the slots, the launches ----------------------------------------------------
   at::Tensor out_t, lse_t;
@@ -297,7 +314,7 @@ PyObject* call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   slot[KSCALE] = ks;
   Py_INCREF(ks);
   PyObject* result = nullptr;
-  bool ok = true;
+  bool ok = true;  // (from here on a failure is the launch's: raised, as the Python path would)
   for (int i = 1; i < NUM_SLOTS; ++i) ok = ok && slot[i] != nullptr;
   for (const LaunchRec& l : e.launches) {
     if (!ok) break;
@@ -336,6 +353,18 @@ PyObject* call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   return result;
 }
 
+// call(mode, q, cache, indices, sm_scale, valid_counts, k_scale, backend, out, lse, check)
+//   -> (out, lse) replayed | bytes (eligible, not recorded) | None (the Python path)
+PyObject* call(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  try {
+    return call_impl(a, n);
+  } catch (const std::exception&) {
+    // a tensor property torch refuses, an allocation that failed, ...: the Python path serves (or raises)
+    if (PyErr_Occurred()) PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+}
+
 bool parse_args(PyObject* values, PyObject* kinds, Args* dst) {
   if (!PyTuple_Check(values) || !PyTuple_Check(kinds) || PyTuple_GET_SIZE(values) != PyTuple_GET_SIZE(kinds)) {
     PyErr_SetString(PyExc_TypeError, "record: values and kinds must be tuples of one length");
@@ -369,7 +398,8 @@ PyObject* record(PyObject*, PyObject* const* a, Py_ssize_t n) {
   }
   Key key;
   std::memcpy(key.w, PyBytes_AS_STRING(a[0]), sizeof(key.w));
-  Entry e;
+  std::shared_ptr<Entry> held(new Entry(), Release());
+  Entry& e = *held;
   e.qr_offset = PyLong_AsLongLong(a[1]);
   if (PyErr_Occurred()) return nullptr;
   const Py_ssize_t nl = PyTuple_GET_SIZE(a[3]);
@@ -389,19 +419,13 @@ PyObject* record(PyObject*, PyObject* const* a, Py_ssize_t n) {
     ok = ok && rec.outer.kind.size() + 1 <= static_cast<size_t>(MAX_ARGS);
   }
   if (!ok) {
-    release(e);
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "record: malformed launches");
     return nullptr;
   }
   e.keep = a[2];
   Py_INCREF(e.keep);
   if (g_entries.size() >= MAX_ENTRIES) clear_entries();
-  auto it = g_entries.find(key);
-  if (it != g_entries.end()) {
-    release(it->second);
-    g_entries.erase(it);
-  }
-  g_entries.emplace(key, std::move(e));
+  g_entries[key] = std::move(held);
   Py_RETURN_NONE;
 }
 
@@ -438,6 +462,8 @@ PyObject* configure(PyObject*, PyObject* const* a, Py_ssize_t n) {
     g_str_exit = PyUnicode_InternFromString("launch_exit_hook");
     g_str_calls = PyUnicode_InternFromString("calls");
     g_str_per_call = PyUnicode_InternFromString("per_call");
+    g_str_rows = PyUnicode_InternFromString("rows");
+    g_str_fmt = PyUnicode_InternFromString("fmt");
   }
   Py_RETURN_NONE;
 }

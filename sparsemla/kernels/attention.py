@@ -433,9 +433,12 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
         key = getattr(host_entry._pending, "key", None)
         if key is not None and q_pe is None and split_buffers is None and (not b.n_all or cached):
             host_entry.take()
-            _record(key, b, launch, ctx, addrs, caddrs, pqr - pq, (o_dst, l_dst) if b.n_all else None,
-                    dict(q=pq, q_rope=pqr, rows=pr, indices=pi, valid_counts=pv, out=p_out, lse=p_lse, scale=scale,
-                         k_scale=float(k_scale)))
+            try:
+                _record(key, b, launch, ctx, addrs, caddrs, pqr - pq, (o_dst, l_dst) if b.n_all else None,
+                        dict(q=pq, q_rope=pqr, rows=pr, indices=pi, valid_counts=pv, out=p_out, lse=p_lse,
+                             scale=scale, k_scale=float(k_scale)))
+            except (TypeError, ValueError):  # a launch the entry cannot hold: later calls take this path too
+                pass
 
 
 def _record(key: bytes, b: "_Bound", launch: Launch, ctx, addrs: tuple, caddrs, qr_offset: int, partials,
