@@ -81,11 +81,11 @@ def load():
             return None
         try:
             m = _build()
-        except Exception as exc:  # no compiler, no ninja, headers missing: the Python path serves every call
+            _configure(m, allow_cpu=False)
+        except Exception as exc:  # no compiler, headers missing: the Python path serves every call
             text = str(exc).strip().splitlines()
             _reason = f"could not be built: {type(exc).__name__}: {text[-1][:300] if text else ''}"
             return None
-        _configure(m, allow_cpu=False)
         _module, _reason = m, None
         return m
 
@@ -115,7 +115,7 @@ def _build():
         cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", _SOURCE, "-o", tmp,
                f"-DTORCH_EXTENSION_NAME={name}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
                f"-I{sysconfig.get_paths()['include']}", *(f"-I{p}" for p in cpp_extension.include_paths()),
-               f"-L{lib}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", f"-Wl,-rpath,{lib}"]
+               f"-L{lib}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]  # (loaded by `import torch` first)
         try:
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
