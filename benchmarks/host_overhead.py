@@ -14,7 +14,7 @@ fills, so the GPU's speed does not enter.  Measured (aims in parentheses):
   (the row's variant says); ``-python``: the same call's Python path, measured in turns with it;
 * ``H-prefill`` / ``H-prefill-python``: ``sparse_mla_prefill`` with default arguments, 128 query tokens of one
   request (25 us);
-* ``H-run``: ``SparseMLA.run`` of one layer, b 128 (25 us);
+* ``H-run`` / ``H-run-python``: ``SparseMLA.run`` of one layer, b 128 (25 us), and its Python path;
 * ``H-plan``: ``SparseMLA.plan`` of a 128-request decode step (100 us);
 * ``H-metadata``: ``BatchMetadata.from_tensors`` of 128 requests whose tensors are on the GPU (100 us);
 * ``H-launch``: the attention kernel of the b 128 call alone through the launcher (``attention_fwd`` with its plan
@@ -98,7 +98,6 @@ def main(argv=None) -> int:
     D.common_args(ap, formats="fp8_ds_mla", reps=15)
     ap.add_argument("--calls", type=int, default=50, help="back-to-back calls per timed loop")
     a = ap.parse_args(argv)
-    import sparsemla
     from sparsemla import BatchMetadata, SparseMLA
     from sparsemla.bench import peers as P
     from sparsemla.bench.workload import build_workload
@@ -147,8 +146,7 @@ def main(argv=None) -> int:
             rec.attempt("H-plan", lambda: record(rec, "H-plan", fname, nb, 1, cfg.topk, "sparsemla",
                                                  lambda: attn.plan(md), graph=False))
             attn.plan(md)
-            rec.attempt("H-run", lambda: record(rec, "H-run", fname, nb, 1, cfg.topk, "sparsemla",
-                                                lambda: attn.run(wl.q, wl.cache, wl.topk_local)))
+            rec.attempt("H-run", lambda: run_and_python(rec, fname, nb, cfg.topk, attn, wl))
         del wl
     pcfg = D.scaled(D.config_named("P-h16", s_q=128, name="P-h16-q128"), rec.dry)
     wl = build_workload(pcfg, fmt, device=dev)
@@ -175,6 +173,22 @@ def entry_and_python(rec, name: str, fname: str, batch: int, s_q: int, topk: int
            variant="host entry" if state.startswith("in use") else f"Python path: host entry {state}")
     record(rec, f"{name}-python", fname, batch, s_q, topk, "sparsemla", calls[f"{name}-python"],
            us=measured[f"{name}-python"], graph=False)
+
+
+def run_and_python(rec, fname: str, batch: int, topk: int, attn, wl) -> None:
+    """``H-run``: ``SparseMLA.run`` of one layer (replayed by the compiled host entry where it is in use, as at
+    every layer of a step after its first); ``H-run-python``: its Python path, measured in turns with it."""
+    from sparsemla import host_entry
+    calls = {"H-run": lambda: attn.run(wl.q, wl.cache, wl.topk_local),
+             "H-run-python": lambda: attn._run(wl.q, wl.cache, wl.topk_local, 1.0, None, None, None)}
+    calls["H-run"]()
+    n, reps = (1, 1) if rec.dry else (rec.args.calls, 2 * rec.args.reps + 1)
+    measured = host_us_interleaved(calls, rec.device, n, reps)
+    state = host_entry.status()
+    record(rec, "H-run", fname, batch, 1, topk, "sparsemla", calls["H-run"], us=measured["H-run"],
+           variant="host entry" if state.startswith("in use") else f"Python path: host entry {state}")
+    record(rec, "H-run-python", fname, batch, 1, topk, "sparsemla", calls["H-run-python"],
+           us=measured["H-run-python"], graph=False)
 
 
 def launch_pair(rec, wl, fmt, fname: str, cfg) -> None:

@@ -24,6 +24,7 @@ from . import host_entry
 from ._device import current_cuda_index
 from ._validate import SCALE_MAX, SCALE_MIN, check_current_device, check_k_scale, check_sm_scale, check_tensor
 from .backends import registry
+from .backends.triton_native import launches_only
 from .cache import PagedKVCache
 from .formats import get_format
 
@@ -151,19 +152,15 @@ def _call(mode, q, kv, fmt, rows, source, indices, sm_scale, valid_counts, k_sca
         lse = q.new_empty((t, h), dtype=_F32)
     if t == 0:
         return out, lse
-    if entry_key is not None and _replayable(chosen):
-        host_entry.begin(entry_key)  # the launcher records the call's launches under this key
+    if entry_key is not None and launches_only(chosen):
+        rec = host_entry.begin(entry_key)  # the launcher records the call's launches
         try:
-            return chosen.forward(mode, q, kv, indices, sm_scale, valid_counts, k_scale, out, lse)
+            result = chosen.forward(mode, q, kv, indices, sm_scale, valid_counts, k_scale, out, lse)
+            host_entry.commit(rec)
+            return result
         finally:
             host_entry.end()
     return chosen.forward(mode, q, kv, indices, sm_scale, valid_counts, k_scale, out, lse)
-
-
-def _replayable(backend) -> bool:
-    """Whether a call to ``backend`` is the launcher's launches alone (the library's kernels, no other work)."""
-    from .backends.triton_native import TritonNative
-    return type(backend).forward is TritonNative.forward
 
 
 def _k_scale(k_scale, q) -> float:

@@ -11,6 +11,7 @@ import sparsemla.attention as A
 import sparsemla.host_entry as H
 from sparsemla import PagedKVCache, sparse_mla_decode, sparse_mla_prefill
 from sparsemla.kernels import attention as KA
+from sparsemla.kernels import convert_indices as CI
 from sparsemla.kernels import launch as L
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
@@ -61,8 +62,14 @@ def entry(request, module, monkeypatch):
     def scratch(q, n_o, n_all, ctx=None):  # the cached scratch of a CUDA call
         return (*KA._partials(buf, n_o, n_all), True)
 
+    def launch(self, grid, args, key=None, addrs=None):  # every launch direct, the arguments as addresses
+        addrs = addrs if addrs is not None else [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+        return launch_in(self, (-1, 5), grid[0], 1, 1, key, addrs)
+
     monkeypatch.setattr(L.Launch, "direct", property(lambda self: True))
     monkeypatch.setattr(L.Launch, "launch_in", launch_in)
+    monkeypatch.setattr(L.Launch, "__call__", launch)
+    monkeypatch.setattr(CI, "direct_context", lambda: (-1, 5))
     monkeypatch.setattr(L.Launch, "compiled", lambda self, ctx, key: fake.compiled(self, ctx, key))
     monkeypatch.setattr(KA, "direct_context", lambda: (-1, 5))
     monkeypatch.setattr(KA, "_scratch", scratch)
@@ -72,6 +79,7 @@ def entry(request, module, monkeypatch):
     _cpu(module)
     monkeypatch.setattr(H, "_module", module)
     monkeypatch.setattr(H, "call", module.call)
+    monkeypatch.setattr(H, "run", module.run)
     python_calls = []
     real_call = A._call
     monkeypatch.setattr(A, "_call", lambda *a: python_calls.append(a[0]) or real_call(*a))
@@ -303,7 +311,89 @@ def test_a_process_with_records_exits_cleanly(module, tmp_path):
         "from sparsemla import PagedKVCache\n"
         "m = H._build()\n"
         "H._configure(m, allow_cpu=True, get_device=lambda: -1, get_stream=lambda d: 0, capturing=lambda: False)\n"
-        "m.record(bytes(160), 0, (object(), torch.zeros(3)), ((print, (1, 2), (0, 0), None, None),))\n"
+        "m.record(bytes(192), 0, (object(), torch.zeros(3)), ((print, (1, 2), (0, 0), None, None),), None, None, -1)\n"
         "assert m.size() == 1\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _flat(call: tuple, packed: bool) -> tuple:
+    """A recorded launch's arguments, the packed ones (Triton 3.8's layout) unpacked."""
+    return (*call[:-1], *call[-1]) if packed else call
+
+
+def _runner_step(backend="triton-portable", fmt="fp8_ds_mla", query_lens=(1, 1, 1, 1, 1)):
+    from test_runner import BS, STRIDE, make_cache, random_batch
+    from sparsemla import SparseMLA
+    caches = [make_cache(fmt, 40, seed=s) for s in (0, 1)]  # two layers of one geometry
+    runner = SparseMLA(16, 6, 8, 5, caches[0].fmt.head_dim, 32, fmt, backend=backend, block_size=BS,
+                       block_stride_rows=STRIDE, sm_scale=0.06, device="cpu")
+    md, topk_local, _ = random_batch(list(query_lens), 100, 40, 32, 32, 1, seed=3)
+    runner.plan(md)
+    return runner, caches, md, topk_local
+
+
+@pytest.mark.parametrize("query_lens", [(1, 1, 1, 1, 1), (3, 5)], ids=["decode", "prefill"])
+def test_a_runners_later_layers_are_replayed(entry, monkeypatch, query_lens):
+    module, fake, _ = entry
+    runner, caches, md, topk_local = _runner_step(query_lens=query_lens)
+    python_runs = []
+    real = type(runner)._run
+    monkeypatch.setattr(type(runner), "_run", lambda self, *a: python_runs.append(1) or real(self, *a))
+    q = torch.randn(md.num_tokens, 5, 576).bfloat16()
+    runner.run(q, caches[0], topk_local)  # the first layer: Python, recorded
+    assert len(python_runs) == 1 and module.size() == 1
+    q2, topk2 = torch.randn_like(q.float()).bfloat16(), topk_local.clone()
+    fake.calls.clear()
+    o, lse = runner.run(q2, caches[1], topk2, k_scale=0.5)  # the next layer: replayed
+    assert len(python_runs) == 1
+    names = dict(q=q2, rows=caches[1].rows, topk=topk2, out=o, lse=lse)
+    replayed = _normalized(fake.calls, names)
+    module.clear()
+    fake.calls.clear()
+    o2, lse2 = runner.run(q2, caches[1], topk2, k_scale=0.5)
+    assert len(python_runs) == 2 and o2 is o and lse2 is lse  # the runner's own buffers, both ways
+    direct = _normalized(fake.calls, names)
+    assert replayed == direct and len(direct) >= 2  # the conversion, the attention kernel (and the combine)
+    assert "topk" in _flat(direct[0], fake.packed) and 0.5 in _flat(direct[1], fake.packed)
+    # given outputs are per-call slots
+    out = torch.empty_like(o)
+    lse_out = torch.empty_like(lse)
+    runner.run(q2, caches[1], topk2, out=out, lse=lse_out)
+    fake.calls.clear()
+    r = runner.run(q2, caches[0], topk2, out=out, lse=lse_out)
+    assert len(python_runs) == 3 and r[0] is out and r[1] is lse_out
+    assert any("out" in _flat(c, fake.packed) for c in _normalized(fake.calls, dict(out=out, lse=lse_out)))
+
+
+def test_a_runners_records_go_with_its_step(entry, monkeypatch):
+    import gc
+    module, fake, _ = entry
+    runner, caches, md, topk_local = _runner_step()
+    q = torch.randn(md.num_tokens, 5, 576).bfloat16()
+    runner.run(q, caches[0], topk_local)
+    assert module.size() == 1
+    runner.plan(md)  # the next step: the previous step's records are useless
+    assert module.size() == 0
+    runner.run(q, caches[0], topk_local)
+    assert module.size() == 1
+    del runner
+    gc.collect()
+    assert module.size() == 0
+    runner, caches, md, topk_local = _runner_step()
+    runner.run(q, caches[0], topk_local)
+    small = PagedKVCache("fp8_ds_mla", 2, 16, block_stride_rows=24)  # too few blocks for the step: Python raises
+    with pytest.raises(ValueError):
+        runner.run(q, small, topk_local)
+    with pytest.raises(ValueError):
+        runner.run(q[:, :4].contiguous(), caches[0], topk_local)
+
+
+def test_a_runner_on_another_backend_or_a_mixed_step_is_not_recorded(entry):
+    module, fake, _ = entry
+    for backend, lens in (("reference", (1, 1, 1, 1, 1)), ("triton-portable", (1, 1, 1, 3, 5))):
+        runner, caches, md, topk_local = _runner_step(backend=backend, query_lens=lens)
+        q = torch.randn(md.num_tokens, 5, 576).bfloat16()
+        runner.run(q, caches[0], topk_local)
+        runner.run(q, caches[0], topk_local)
+        assert module.size() == 0, (backend, lens)

@@ -76,6 +76,12 @@ class TritonNative(Backend):
         return SplitBuffers(spec, fp8_qk=self.fp8_qk, portable=self.portable)
 
 
+def launches_only(backend) -> bool:
+    """Whether a call to ``backend`` is the launcher's launches alone, nothing else (what the compiled host entry,
+    :mod:`sparsemla.host_entry`, records and replays)."""
+    return type(backend).forward is TritonNative.forward
+
+
 class TritonPortable(TritonNative):
     name = "triton-portable"
     description = "the portable Triton kernels only (any CUDA GPU with Triton, the CPU interpreter)"

@@ -1,23 +1,33 @@
-"""The compiled host entry of ``sparse_mla_decode`` / ``sparse_mla_prefill`` over a :class:`~sparsemla.PagedKVCache`.
+"""The compiled host entry of ``sparse_mla_decode`` / ``sparse_mla_prefill`` over a :class:`~sparsemla.PagedKVCache`
+and of :meth:`SparseMLA.run <sparsemla.SparseMLA.run>`.
 
 An engine that runs attention eagerly (vLLM's piecewise CUDA graphs: prefill and mixed steps) pays a call's host
 time on every layer.  In Python that time is mostly the interpreter's: checking about 30 tensor properties,
 allocating ``out`` / ``lse`` and building the launches' argument lists.  ``entry.cpp`` does the same for a call
-whose configuration (mode, format, q's shape and strides, the indices' width and row stride, which optional
-tensors are given and their strides, device, stream) the Python path has served before: the first call of a
-configuration goes through Python -- every argument checked, the backend chosen, the plan made, the kernels
-compiled -- and, where it made only direct launches (:mod:`sparsemla.kernels.launch`), records them; later calls
-check what the host knows in C++, allocate, and call Triton's launch functions with the same arguments the Python
-path would pass.  A call the entry does not handle (a wrong argument, ``check=True``, a named backend, a bf16
-workspace, a CUDA-graph capture, a profiler's launch hook, an unaligned tensor, ...) takes the Python path, which
-raises where the arguments are wrong: the behaviour is the Python path's in every case.
+whose configuration the Python path has served before.  The first call of a configuration goes through Python --
+every argument checked, the backend chosen, the plan made, the kernels compiled -- and, where it made only direct
+launches (:mod:`sparsemla.kernels.launch`), the launch sites record them (:class:`Recording`); later calls check
+what the host knows in C++, allocate, and call Triton's launch functions with the same arguments the Python path
+would pass.
 
-The entry is a CPython extension built against the installed torch (``torch.utils.cpp_extension``: a C++ compiler
-and ninja) the first time a call on a CUDA tensor needs it, and cached by torch (its extension directory, per torch
-build; the name carries the source's digest).  Where it cannot be built, every call takes the Python path and
-:func:`status` says why.  ``SPARSEMLA_HOST_ENTRY=0`` in the environment (read when the entry is first loaded), or
-:func:`disable`, keeps every call on the Python path; ``sparsemla info`` shows the state (and on a CUDA machine
-builds the entry first); :func:`build` builds it ahead of time.
+- Functional calls: the configuration is the mode, the format, q's shape and strides, the indices' width and row
+  stride, which of valid_counts / out / lse are given and their strides, the device and the stream.
+- ``SparseMLA.run``: the runner and its planned step, q's shape and strides, topk_local's width and strides, the
+  given out / lse strides, the cache's format and geometry, the device and the stream.  A step whose attention is
+  one call on the whole batch (decode only, or prefill only read natively) is recorded at its first layer and
+  replayed at the others; a mixed step or a workspace upconversion takes the Python path.  :meth:`SparseMLA.plan`
+  drops the previous step's records.
+
+A call the entry does not handle (a wrong argument, ``check=True``, a named backend, a bf16 workspace, a CUDA-graph
+capture, a profiler's launch hook, an unaligned tensor, ...) takes the Python path, which raises where the
+arguments are wrong: the behaviour is the Python path's in every case.
+
+The entry is a CPython extension built against the installed torch with the machine's C++ compiler the first time
+a call on a CUDA tensor needs it (about 15 s), and cached (``~/.cache/sparsemla/host_entry``, per source digest,
+torch version and Python).  Where it cannot be built, every call takes the Python path and :func:`status` says why.
+``SPARSEMLA_HOST_ENTRY=0`` in the environment (read when the entry is first loaded), or :func:`disable`, keeps every
+call on the Python path; ``sparsemla info`` shows the state (and on a CUDA machine builds the entry first);
+:func:`build` builds it ahead of time.
 """
 from __future__ import annotations
 
@@ -27,8 +37,12 @@ import threading
 from typing import Optional
 
 # What a template slot of a recorded launch takes per call (entry.cpp: enum Slot, the same order).
-SLOTS = ("const", "q", "q_rope", "rows", "indices", "valid_counts", "out", "lse", "scale", "k_scale")
+SLOTS = ("const", "q", "q_rope", "rows", "indices", "valid_counts", "out", "lse", "scale", "k_scale", "topk")
 SLOT = {name: i for i, name in enumerate(SLOTS)}
+# The per-call values of each entry: the functional calls', and SparseMLA.run's (its indices, counts and scale are
+# the runner's own, fixed for a planned step; its topk_local is per call).
+CALL_SLOTS = frozenset(("q", "q_rope", "rows", "indices", "valid_counts", "out", "lse", "scale", "k_scale"))
+RUN_SLOTS = frozenset(("q", "q_rope", "rows", "out", "lse", "k_scale", "topk"))
 ENV = "SPARSEMLA_HOST_ENTRY"
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "entry.cpp")
@@ -36,7 +50,7 @@ _lock = threading.Lock()
 _module = None
 _reason: Optional[str] = "not loaded yet (the first call on a CUDA tensor loads it)"
 _disabled = False
-_pending = threading.local()  # the key of a call the Python path serves and may record (see :func:`begin`)
+_pending = threading.local()  # the recording of the call the Python path serves (see :func:`begin`)
 # The launcher's per-thread state (sparsemla.kernels.attention; ``per_call``: split partials per call, the custom
 # ops), here so that the entry reads it without importing the launcher.
 LAUNCHER_STATE = threading.local()
@@ -44,12 +58,23 @@ LAUNCHER_STATE = threading.local()
 
 def _first_call(mode, q, *rest):
     """``call`` until the entry is loaded: a call on a CUDA tensor loads (or builds) it, then uses it."""
-    global call
     if getattr(q, "is_cuda", False) is not True:
         return None  # CPU calls (the interpreter) never need the entry
-    m = load()
-    call = m.call if m is not None else _no_entry
+    _install(load())
     return call(mode, q, *rest)
+
+
+def _first_run(runner, q, *rest):
+    """``run`` until the entry is loaded (as :func:`_first_call`)."""
+    if getattr(q, "is_cuda", False) is not True:
+        return None
+    _install(load())
+    return run(runner, q, *rest)
+
+
+def _install(m) -> None:
+    global call, run
+    call, run = (m.call, m.run) if m is not None else (_no_entry, _no_entry)
 
 
 def _no_entry(*args):
@@ -60,6 +85,8 @@ def _no_entry(*args):
 # was replayed; bytes (the configuration's key) when the Python path must serve it and may record it; None when
 # the Python path serves it.  mode: 0 decode, 1 prefill.
 call = _first_call
+# run(runner, q, cache, topk_local, k_scale, out, lse): the same for SparseMLA.run.
+run = _first_run
 
 
 def _name() -> str:
@@ -160,10 +187,10 @@ def build():
 
 def disable() -> None:
     """Every later call takes the Python path (recorded configurations are dropped)."""
-    global _disabled, call, _reason
+    global _disabled, _reason
     with _lock:
         _disabled = True
-        call = _no_entry
+        _install(None)
         _reason = "disabled (sparsemla.host_entry.disable())"
         if _module is not None:
             _module.clear()
@@ -171,11 +198,13 @@ def disable() -> None:
 
 def enable() -> None:
     """Undo :func:`disable` (the entry loads at the next call on a CUDA tensor)."""
-    global _disabled, call, _reason
+    global _disabled, call, run, _reason
     with _lock:
         _disabled = False
-        call = _module.call if _module is not None else _first_call
-        if _module is None:
+        if _module is not None:
+            _install(_module)
+        else:
+            call, run = _first_call, _first_run
             _reason = "not loaded yet (the first call on a CUDA tensor loads it)"
 
 
@@ -193,30 +222,79 @@ def clear() -> None:
         _module.clear()
 
 
+def forget(owner) -> None:
+    """Forget the recorded runs of a :class:`~sparsemla.SparseMLA` (its next step is planned, or it is gone)."""
+    forget_id(id(owner))
+
+
+def forget_id(owner_id: int) -> None:
+    if _module is not None:
+        _module.forget(owner_id)
+
+
 # --- recording (the Python path's side) --------------------------------------------------------------------------
-def begin(key: bytes) -> None:
-    """The Python path serves a call the entry may record under ``key`` (the launcher records it if the call makes
-    only direct launches, see :func:`take`)."""
-    _pending.key = key
+class Recording:
+    """The launches of one call the Python path serves, for the entry to replay under ``key``: each launch site
+    adds its launch with the positions of its per-call values (:meth:`add`); a launch that cannot be recorded (one
+    through Triton's regular path, a value not where its site says) spoils the recording, and nothing is kept."""
+
+    __slots__ = ("key", "slots", "launches", "keep", "qr_offset", "ok")
+
+    def __init__(self, key: bytes, slots: frozenset):
+        self.key, self.slots = key, slots
+        self.launches: list = []
+        self.keep: list = []
+        self.qr_offset = 0
+        self.ok = True
+
+    def add(self, go, grid, stream, addrs: tuple, positions: dict, values: dict) -> None:
+        """One direct launch (``go`` of :mod:`sparsemla.kernels.launch`, on ``grid`` and ``stream`` with ``addrs``):
+        ``positions`` maps argument positions to slot names, ``values`` the slots to this call's values.  Slots
+        this recording does not take per call are constants."""
+        parts = getattr(go, "parts", None)
+        if parts is None or not self.ok:
+            self.ok = False
+            return
+        kinds = [0] * len(addrs)
+        for i, name in positions.items():
+            if name in self.slots:
+                v = values[name]
+                if not (type(addrs[i]) is type(v) and addrs[i] == v):
+                    self.ok = False
+                    return
+                kinds[i] = SLOT[name]
+        fn, head, tail, packed = parts
+        lead = (*grid, stream, *head)
+        if packed:
+            self.launches.append((fn, lead, (0,) * len(lead), (*addrs, *tail), (*kinds, *(0,) * len(tail))))
+        else:
+            self.launches.append((fn, (*lead, *addrs, *tail), (*(0,) * len(lead), *kinds, *(0,) * len(tail)),
+                                  None, None))
 
 
-def take() -> Optional[bytes]:
-    """The key of the call being served, once (None when it is not to be recorded)."""
-    key = getattr(_pending, "key", None)
-    if key is not None:
-        _pending.key = None
-    return key
+def begin(key: bytes, slots: frozenset = CALL_SLOTS) -> Recording:
+    """The Python path serves a call the entry may record under ``key``; the launch sites add to the recording."""
+    rec = _pending.rec = Recording(key, slots)
+    return rec
+
+
+def active() -> Optional[Recording]:
+    """The recording of the call being served on this thread, if any."""
+    return getattr(_pending, "rec", None)
+
+
+def commit(rec: Recording, out=None, lse=None, max_block: int = -1) -> None:
+    """Keep ``rec`` if every launch of its call was recorded (``out`` / ``lse``: a runner's own outputs, returned by
+    a replayed call that passes none; ``max_block``: a runner's largest planned block id)."""
+    if rec.ok and rec.launches and _module is not None:
+        try:
+            _module.record(rec.key, rec.qr_offset, tuple(rec.keep), tuple(rec.launches), out, lse, max_block)
+        except (TypeError, ValueError):  # a launch the entry cannot hold: later calls take the Python path too
+            pass
 
 
 def end() -> None:
-    _pending.key = None
+    _pending.rec = None
 
 
-def record(key: bytes, qr_offset: int, keep, launches) -> None:
-    """Record a configuration's launches: ``launches`` a tuple of ``(fn, outer_values, outer_kinds, inner_values,
-    inner_kinds)`` (see entry.cpp); ``keep``: objects the constants point into, kept alive with the record."""
-    if _module is not None:
-        _module.record(key, qr_offset, keep, launches)
-
-
-__all__ = ["SLOTS", "build", "call", "clear", "disable", "enable", "load", "status"]
+__all__ = ["SLOTS", "Recording", "build", "call", "clear", "disable", "enable", "load", "run", "status"]

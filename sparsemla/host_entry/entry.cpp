@@ -1,9 +1,11 @@
-// The compiled host entry of sparse_mla_decode / sparse_mla_prefill (over a PagedKVCache): a call whose
-// configuration the Python path has launched before is replayed here, without Python.
+// The compiled host entry of sparse_mla_decode / sparse_mla_prefill (over a PagedKVCache) and SparseMLA.run: a
+// call whose configuration the Python path has launched before is replayed here, without Python.
 //
 // A configuration is what decides everything a call launches apart from its tensors' addresses and its scales:
 // the mode, the format object, q's shape and strides, the indices' width and row stride, whether valid_counts is
-// given, the given out / lse strides, the device and the current stream.  The first call of a configuration
+// given, the given out / lse strides, the device and the current stream; for SparseMLA.run the runner, its planned
+// step, q's shape and strides, topk_local's width and strides, the given out / lse strides, the cache's format and
+// geometry, the device and the stream.  The first call of a configuration
 // takes the Python path (every argument checked, the backend chosen, the plan made, the kernels compiled and
 // launched); where that call made only direct launches (sparsemla.kernels.launch), the launcher records them here
 // as templates: each launch's C function (Triton's) and its arguments, with the per-call values (addresses, the
@@ -29,10 +31,10 @@
 namespace {
 
 // Per-call values a template slot takes (sparsemla/host_entry/__init__.py: SLOTS, the same order).
-enum Slot : int { CONST = 0, Q, QR, ROWS, IDX, VC, OUT, LSE, SCALE, KSCALE, NUM_SLOTS };
+enum Slot : int { CONST = 0, Q, QR, ROWS, IDX, VC, OUT, LSE, SCALE, KSCALE, TOPK, NUM_SLOTS };
 
 constexpr double LOG2E = 1.4426950408889634;
-constexpr int KEY_WORDS = 20;
+constexpr int KEY_WORDS = 24;
 constexpr size_t MAX_ENTRIES = 4096;
 constexpr Py_ssize_t MAX_ARGS = 96;
 
@@ -69,6 +71,9 @@ struct Entry {
   std::vector<LaunchRec> launches;
   int64_t qr_offset = 0;  // bytes from q's address to its RoPE part (0 for NoPE rows)
   PyObject* keep = nullptr;  // what the constants point into (the format, the split-partials buffer): owned
+  PyObject* out = nullptr;   // a runner's own out / lse (the outputs of a call that passes none): owned
+  PyObject* lse = nullptr;
+  int64_t max_block = -1;    // a runner's largest planned block id: a cache must hold more blocks
 };
 
 // (shared: a replay holds its entry while it calls into Triton, whatever clears the map meanwhile.  Never destroyed:
@@ -90,6 +95,10 @@ PyObject* g_str_calls = nullptr;
 PyObject* g_str_per_call = nullptr;
 PyObject* g_str_rows = nullptr;
 PyObject* g_str_fmt = nullptr;
+PyObject* g_str_planned = nullptr;
+PyObject* g_str_block_size = nullptr;
+PyObject* g_str_block_stride = nullptr;
+PyObject* g_str_num_blocks = nullptr;
 double g_scale_min = 0.0, g_scale_max = 0.0;
 bool g_allow_cpu = false;           // tests: CPU tensors (device index -1) with a test context
 
@@ -107,7 +116,9 @@ void release(Entry& e) {
     release(l.inner);
   }
   Py_XDECREF(e.keep);
-  e.keep = nullptr;
+  Py_XDECREF(e.out);
+  Py_XDECREF(e.lse);
+  e.keep = e.out = e.lse = nullptr;
 }
 
 struct Release {  // an entry's references go when its last holder does
@@ -201,6 +212,57 @@ bool fill(const Args& a, PyObject* const* slot, PyObject** dst) {
   return true;
 }
 
+// The launches of `e` with the per-call values: `slot` holds the mode's own (new references, released here); q's,
+// the rows', k_scale and the outputs' are filled here.  Returns (out, lse), or raises what a launch raised.
+PyObject* replay(const Entry& e, PyObject** slot, uint64_t pq, uint64_t pr, PyObject* ks, at::Tensor out_t,
+                 at::Tensor lse_t) {
+  slot[Q] = PyLong_FromUnsignedLongLong(pq);
+  slot[QR] = PyLong_FromUnsignedLongLong(pq + static_cast<uint64_t>(e.qr_offset));
+  slot[ROWS] = PyLong_FromUnsignedLongLong(pr);
+  slot[OUT] = PyLong_FromUnsignedLongLong(address(out_t));
+  slot[LSE] = PyLong_FromUnsignedLongLong(address(lse_t));
+  slot[KSCALE] = ks;
+  Py_INCREF(ks);
+  PyObject* result = nullptr;
+  bool ok = !PyErr_Occurred();  // (from here on a failure is the launch's: raised, as the Python path would)
+  for (const LaunchRec& l : e.launches) {
+    if (!ok) break;
+    PyObject* argv[MAX_ARGS];
+    const size_t n_outer = l.outer.kind.size();
+    if (n_outer + 1 > static_cast<size_t>(MAX_ARGS) || !fill(l.outer, slot, argv)) { ok = false; break; }
+    PyObject* packed = nullptr;
+    if (l.packed) {
+      const size_t n_inner = l.inner.kind.size();
+      packed = PyTuple_New(static_cast<Py_ssize_t>(n_inner));
+      if (packed == nullptr) { ok = false; break; }
+      for (size_t j = 0; ok && j < n_inner; ++j) {
+        const int k = l.inner.kind[j];
+        PyObject* v = k == CONST ? l.inner.value[j] : slot[k];
+        if (v == nullptr) { ok = false; break; }
+        Py_INCREF(v);
+        PyTuple_SET_ITEM(packed, static_cast<Py_ssize_t>(j), v);
+      }
+      if (!ok) { Py_DECREF(packed); break; }
+      argv[n_outer] = packed;
+    }
+    PyObject* rv = PyObject_Vectorcall(l.fn, argv, n_outer + (l.packed ? 1 : 0), nullptr);
+    Py_XDECREF(packed);
+    if (rv == nullptr) { ok = false; break; }
+    Py_DECREF(rv);
+  }
+  for (int i = 1; i < NUM_SLOTS; ++i) Py_XDECREF(slot[i]);
+  if (!ok) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "sparsemla host entry: a replayed launch failed");
+    return nullptr;
+  }
+  PyObject* po = THPVariable_Wrap(std::move(out_t));
+  PyObject* pl = THPVariable_Wrap(std::move(lse_t));
+  if (po && pl) result = PyTuple_Pack(2, po, pl);
+  Py_XDECREF(po);
+  Py_XDECREF(pl);
+  return result;
+}
+
 PyObject* call_impl(PyObject* const* a, Py_ssize_t n) {
   if (n != 11 || g_cache_type == nullptr) Py_RETURN_NONE;
   PyObject *mode = a[0], *qo = a[1], *cache = a[2], *io = a[3], *sm = a[4], *vco = a[5], *ks = a[6],
@@ -291,66 +353,21 @@ PyObject* call_impl(PyObject* const* a, Py_ssize_t n) {
   w[9] = vc != nullptr;
   w[10] = out != nullptr; w[11] = out ? out->stride(0) : 0; w[12] = out ? out->stride(1) : 0;
   w[13] = lse != nullptr; w[14] = lse ? lse->stride(0) : 0; w[15] = lse ? lse->stride(1) : 0;
-  w[16] = qdev; w[17] = stream; w[18] = 0; w[19] = 0;
+  w[16] = qdev; w[17] = stream;
+  for (int i = 18; i < KEY_WORDS; ++i) w[i] = 0;
   if (PyErr_Occurred()) return nullptr;
   auto it = g_entries.find(key);
   if (it == g_entries.end()) return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(w), sizeof(key.w));
   const std::shared_ptr<Entry> held = it->second;
   const Entry& e = *held;
 
-  // --- replay: the outputs not given, the slots, the launches ----------------------------------------------------
-  at::Tensor out_t, lse_t;
-  if (out) out_t = *out; else out_t = at::empty({t, h, 512}, q->options());
-  if (lse) lse_t = *lse; else lse_t = at::empty({t, h}, q->options().dtype(at::kFloat));
+  at::Tensor out_t = out ? *out : at::empty({t, h, 512}, q->options());
+  at::Tensor lse_t = lse ? *lse : at::empty({t, h}, q->options().dtype(at::kFloat));
   PyObject* slot[NUM_SLOTS] = {nullptr};
-  slot[Q] = PyLong_FromUnsignedLongLong(pq);
-  slot[QR] = PyLong_FromUnsignedLongLong(pq + static_cast<uint64_t>(e.qr_offset));
-  slot[ROWS] = PyLong_FromUnsignedLongLong(pr);
   slot[IDX] = PyLong_FromUnsignedLongLong(pi);
   slot[VC] = PyLong_FromUnsignedLongLong(pv);
-  slot[OUT] = PyLong_FromUnsignedLongLong(address(out_t));
-  slot[LSE] = PyLong_FromUnsignedLongLong(address(lse_t));
   slot[SCALE] = PyFloat_FromDouble(sm_scale * LOG2E);  // the Python path's float(sm_scale) * LOG2E
-  slot[KSCALE] = ks;
-  Py_INCREF(ks);
-  PyObject* result = nullptr;
-  bool ok = true;  // (from here on a failure is the launch's: raised, as the Python path would)
-  for (int i = 1; i < NUM_SLOTS; ++i) ok = ok && slot[i] != nullptr;
-  for (const LaunchRec& l : e.launches) {
-    if (!ok) break;
-    PyObject* argv[MAX_ARGS];
-    const size_t n_outer = l.outer.kind.size();
-    if (n_outer > static_cast<size_t>(MAX_ARGS) || !fill(l.outer, slot, argv)) { ok = false; break; }
-    PyObject* packed = nullptr;
-    if (l.packed) {
-      const size_t n_inner = l.inner.kind.size();
-      packed = PyTuple_New(static_cast<Py_ssize_t>(n_inner));
-      if (packed == nullptr) { ok = false; break; }
-      for (size_t j = 0; j < n_inner; ++j) {
-        const int k = l.inner.kind[j];
-        PyObject* v = k == CONST ? l.inner.value[j] : slot[k];
-        Py_INCREF(v);
-        PyTuple_SET_ITEM(packed, static_cast<Py_ssize_t>(j), v);
-      }
-      if (n_outer + 1 > static_cast<size_t>(MAX_ARGS)) { Py_DECREF(packed); ok = false; break; }
-      argv[n_outer] = packed;
-    }
-    PyObject* rv = PyObject_Vectorcall(l.fn, argv, n_outer + (l.packed ? 1 : 0), nullptr);
-    Py_XDECREF(packed);
-    if (rv == nullptr) { ok = false; break; }
-    Py_DECREF(rv);
-  }
-  for (int i = 1; i < NUM_SLOTS; ++i) Py_XDECREF(slot[i]);
-  if (!ok) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "sparsemla host entry: a replayed launch failed");
-    return nullptr;
-  }
-  PyObject* po = THPVariable_Wrap(std::move(out_t));
-  PyObject* pl = THPVariable_Wrap(std::move(lse_t));
-  if (po && pl) result = PyTuple_Pack(2, po, pl);
-  Py_XDECREF(po);
-  Py_XDECREF(pl);
-  return result;
+  return replay(e, slot, pq, pr, ks, std::move(out_t), std::move(lse_t));
 }
 
 // call(mode, q, cache, indices, sm_scale, valid_counts, k_scale, backend, out, lse, check)
@@ -360,6 +377,133 @@ PyObject* call(PyObject*, PyObject* const* a, Py_ssize_t n) {
     return call_impl(a, n);
   } catch (const std::exception&) {
     // a tensor property torch refuses, an allocation that failed, ...: the Python path serves (or raises)
+    if (PyErr_Occurred()) PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+}
+
+// An int attribute of `o` (false where it is missing or not an int).
+bool int_attr(PyObject* o, PyObject* name, int64_t* v) {
+  PyObject* x = PyObject_GetAttr(o, name);
+  if (x == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  const bool ok = PyLong_CheckExact(x);
+  if (ok) *v = PyLong_AsLongLong(x);
+  Py_DECREF(x);
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return ok;
+}
+
+PyObject* run_impl(PyObject* const* a, Py_ssize_t n) {
+  if (n != 7 || g_cache_type == nullptr) Py_RETURN_NONE;
+  PyObject *runner = a[0], *qo = a[1], *cache = a[2], *to = a[3], *ks = a[4], *outo = a[5], *lseo = a[6];
+  double k_scale;
+  if (!exact_float(ks, &k_scale) || !(k_scale >= g_scale_min && k_scale <= g_scale_max)) Py_RETURN_NONE;
+  PyObject* planned = PyObject_GetAttr(runner, g_str_planned);
+  if (planned == nullptr) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  Py_DECREF(planned);  // identity only (a recorded entry owns a reference to its plan)
+  if (planned == Py_None) Py_RETURN_NONE;
+  int r = PyObject_IsInstance(cache, g_cache_type);
+  if (r <= 0) {
+    if (r < 0) PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  const at::Tensor* q = plain(qo);
+  const at::Tensor* topk = plain(to);
+  if (q == nullptr || topk == nullptr) Py_RETURN_NONE;
+  if (q->dim() != 3 || q->scalar_type() != at::kBFloat16 || q->stride(2) != 1) Py_RETURN_NONE;
+  const int64_t t = q->size(0), h = q->size(1), d = q->size(2);
+  if (t < 1) Py_RETURN_NONE;
+  const at::Device dev = q->device();
+  if (!(dev.is_cuda() || (g_allow_cpu && dev.is_cpu()))) Py_RETURN_NONE;
+  if (topk->dim() != 2 || topk->scalar_type() != at::kInt || topk->size(0) != t || topk->device() != dev)
+    Py_RETURN_NONE;
+  const at::Tensor* out = nullptr;
+  if (outo != Py_None) {
+    out = plain(outo);
+    if (out == nullptr || out->dim() != 3 || out->scalar_type() != at::kBFloat16 || out->size(0) != t ||
+        out->size(1) != h || out->size(2) != 512 || out->stride(2) != 1 || out->device() != dev)
+      Py_RETURN_NONE;
+  }
+  const at::Tensor* lse = nullptr;
+  if (lseo != Py_None) {
+    lse = plain(lseo);
+    if (lse == nullptr || lse->dim() != 2 || lse->scalar_type() != at::kFloat || lse->size(0) != t ||
+        lse->size(1) != h || lse->device() != dev)
+      Py_RETURN_NONE;
+  }
+  PyObject* rows_o = PyObject_GetAttr(cache, g_str_rows);
+  if (rows_o == nullptr) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  const at::Tensor* rows = plain(rows_o);
+  const bool rows_ok = rows != nullptr && rows->device() == dev;
+  const uint64_t pr = rows_ok ? address(*rows) : 0;
+  Py_DECREF(rows_o);
+  if (!rows_ok) Py_RETURN_NONE;
+  PyObject* fmt = PyObject_GetAttr(cache, g_str_fmt);
+  if (fmt == nullptr) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  Py_DECREF(fmt);
+  int64_t block_size, block_stride, num_blocks;
+  if (!int_attr(cache, g_str_block_size, &block_size) || !int_attr(cache, g_str_block_stride, &block_stride) ||
+      !int_attr(cache, g_str_num_blocks, &num_blocks))
+    Py_RETURN_NONE;
+
+  long long cdev = 0, stream = 0;
+  const int ready = context(&cdev, &stream);
+  if (ready < 0) return nullptr;
+  if (ready == 0) Py_RETURN_NONE;
+  const long long qdev = dev.is_cuda() ? dev.index() : -1;
+  if (cdev != qdev) Py_RETURN_NONE;
+
+  const uint64_t pq = address(*q), pt = address(*topk);
+  uint64_t align = pq | pr | pt;
+  if (out) align |= address(*out);
+  if (lse) align |= address(*lse);
+  if (align & 15) Py_RETURN_NONE;
+
+  Key key;
+  int64_t* w = key.w;
+  w[0] = 2;  // SparseMLA.run
+  w[1] = reinterpret_cast<int64_t>(runner);
+  w[2] = reinterpret_cast<int64_t>(planned);
+  w[3] = t; w[4] = h; w[5] = d;
+  w[6] = q->stride(0); w[7] = q->stride(1);
+  w[8] = topk->size(1); w[9] = topk->stride(0); w[10] = topk->stride(1);
+  w[11] = out != nullptr; w[12] = out ? out->stride(0) : 0; w[13] = out ? out->stride(1) : 0;
+  w[14] = lse != nullptr; w[15] = lse ? lse->stride(0) : 0; w[16] = lse ? lse->stride(1) : 0;
+  w[17] = reinterpret_cast<int64_t>(fmt); w[18] = block_size; w[19] = block_stride;
+  w[20] = qdev; w[21] = stream; w[22] = 0; w[23] = 0;
+  auto it = g_entries.find(key);
+  if (it == g_entries.end()) return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(w), sizeof(key.w));
+  const std::shared_ptr<Entry> held = it->second;
+  const Entry& e = *held;
+  if (num_blocks <= e.max_block || (out == nullptr && e.out == nullptr) || (lse == nullptr && e.lse == nullptr))
+    Py_RETURN_NONE;  // a cache too small for the planned blocks: the Python path raises
+  at::Tensor out_t = out ? *out : THPVariable_Unpack(e.out);
+  at::Tensor lse_t = lse ? *lse : THPVariable_Unpack(e.lse);
+  PyObject* slot[NUM_SLOTS] = {nullptr};
+  slot[TOPK] = PyLong_FromUnsignedLongLong(pt);
+  return replay(e, slot, pq, pr, ks, std::move(out_t), std::move(lse_t));
+}
+
+// run(runner, q, cache, topk_local, k_scale, out, lse) -> as call(), for SparseMLA.run
+PyObject* run(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  try {
+    return run_impl(a, n);
+  } catch (const std::exception&) {
     if (PyErr_Occurred()) PyErr_Clear();
     Py_RETURN_NONE;
   }
@@ -389,11 +533,13 @@ bool parse_args(PyObject* values, PyObject* kinds, Args* dst) {
 }
 
 // record(key: bytes, qr_offset: int, keep: object, launches: tuple of
-//        (fn, outer_values, outer_kinds, inner_values or None, inner_kinds or None))
+//        (fn, outer_values, outer_kinds, inner_values or None, inner_kinds or None),
+//        out: tensor or None, lse: tensor or None, max_block: int)
 PyObject* record(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (n != 4 || !PyBytes_Check(a[0]) || PyBytes_GET_SIZE(a[0]) != static_cast<Py_ssize_t>(sizeof(Key::w)) ||
-      !PyTuple_Check(a[3])) {
-    PyErr_SetString(PyExc_TypeError, "record(key, qr_offset, keep, launches)");
+  if (n != 7 || !PyBytes_Check(a[0]) || PyBytes_GET_SIZE(a[0]) != static_cast<Py_ssize_t>(sizeof(Key::w)) ||
+      !PyTuple_Check(a[3]) || (a[4] != Py_None && !THPVariable_CheckExact(a[4])) ||
+      (a[5] != Py_None && !THPVariable_CheckExact(a[5]))) {
+    PyErr_SetString(PyExc_TypeError, "record(key, qr_offset, keep, launches, out, lse, max_block)");
     return nullptr;
   }
   Key key;
@@ -401,7 +547,16 @@ PyObject* record(PyObject*, PyObject* const* a, Py_ssize_t n) {
   std::shared_ptr<Entry> held(new Entry(), Release());
   Entry& e = *held;
   e.qr_offset = PyLong_AsLongLong(a[1]);
+  e.max_block = PyLong_AsLongLong(a[6]);
   if (PyErr_Occurred()) return nullptr;
+  if (a[4] != Py_None) {
+    e.out = a[4];
+    Py_INCREF(e.out);
+  }
+  if (a[5] != Py_None) {
+    e.lse = a[5];
+    Py_INCREF(e.lse);
+  }
   const Py_ssize_t nl = PyTuple_GET_SIZE(a[3]);
   bool ok = nl >= 1;
   for (Py_ssize_t i = 0; ok && i < nl; ++i) {
@@ -436,6 +591,22 @@ PyObject* clear(PyObject*, PyObject*) {
 
 PyObject* size(PyObject*, PyObject*) { return PyLong_FromSize_t(g_entries.size()); }
 
+// forget(runner_id): drop the recorded runs of one SparseMLA (keyed by its id).
+PyObject* forget(PyObject*, PyObject* arg) {
+  const long long id = PyLong_AsLongLong(arg);
+  if (PyErr_Occurred()) return nullptr;
+  Map dropped;  // (released after the map is consistent again)
+  for (auto it = g_entries.begin(); it != g_entries.end();) {
+    if (it->first.w[0] == 2 && it->first.w[1] == id) {
+      dropped.emplace(it->first, std::move(it->second));
+      it = g_entries.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  Py_RETURN_NONE;
+}
+
 // configure(cache_type, get_device, get_stream, capturing, runtime, local, scale_min, scale_max, allow_cpu)
 PyObject* configure(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (n != 9 || !PyCallable_Check(a[1]) || !PyCallable_Check(a[2]) || !PyCallable_Check(a[3])) {
@@ -464,6 +635,10 @@ PyObject* configure(PyObject*, PyObject* const* a, Py_ssize_t n) {
     g_str_per_call = PyUnicode_InternFromString("per_call");
     g_str_rows = PyUnicode_InternFromString("rows");
     g_str_fmt = PyUnicode_InternFromString("fmt");
+    g_str_planned = PyUnicode_InternFromString("_planned");
+    g_str_block_size = PyUnicode_InternFromString("block_size");
+    g_str_block_stride = PyUnicode_InternFromString("block_stride_rows");
+    g_str_num_blocks = PyUnicode_InternFromString("num_blocks");
   }
   Py_RETURN_NONE;
 }
@@ -471,12 +646,15 @@ PyObject* configure(PyObject*, PyObject* const* a, Py_ssize_t n) {
 PyMethodDef kMethods[] = {
     {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(call)), METH_FASTCALL,
      "call(mode, q, cache, indices, sm_scale, valid_counts, k_scale, backend, out, lse, check)"},
+    {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(run)), METH_FASTCALL,
+     "run(runner, q, cache, topk_local, k_scale, out, lse)"},
     {"record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(record)), METH_FASTCALL,
-     "record(key, qr_offset, keep, launches)"},
+     "record(key, qr_offset, keep, launches, out, lse, max_block)"},
     {"configure", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(configure)), METH_FASTCALL,
      "configure(cache_type, get_device, get_stream, capturing, runtime, local, scale_min, scale_max, allow_cpu)"},
     {"clear", clear, METH_NOARGS, "forget every recorded configuration"},
     {"size", size, METH_NOARGS, "the number of recorded configurations"},
+    {"forget", forget, METH_O, "forget(runner_id): drop one SparseMLA's recorded runs"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "sparsemla_host_entry", nullptr, -1, kMethods};

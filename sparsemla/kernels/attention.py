@@ -427,59 +427,34 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
             b.combine(b.cgrid, (o_dst, l_dst, out, c[0], c[1], lse, c[2], c[3], c[4], c[5]),
                       c if caligned else None, caddrs)
             direct = False
-    if direct:
+    rec = host_entry.active()
+    if rec is not None:
         # a call the compiled host entry may replay (sparsemla.host_entry): only direct launches, the partials (if
-        # any) in the cached scratch, q in one tensor
-        key = getattr(host_entry._pending, "key", None)
-        if key is not None and q_pe is None and split_buffers is None and (not b.n_all or cached):
-            host_entry.take()
-            try:
-                _record(key, b, launch, ctx, addrs, caddrs, pqr - pq, (o_dst, l_dst) if b.n_all else None,
-                        dict(q=pq, q_rope=pqr, rows=pr, indices=pi, valid_counts=pv, out=p_out, lse=p_lse,
-                             scale=scale, k_scale=float(k_scale)))
-            except (TypeError, ValueError):  # a launch the entry cannot hold: later calls take this path too
-                pass
+        # any) in a buffer that outlives the call (the cached scratch, a runner's), q in one tensor
+        if direct and q_pe is None and (not b.n_all or cached or split_buffers is not None):
+            rec.qr_offset = pqr - pq
+            rec.keep += (b.fmt, o_dst, l_dst)
+            _record(rec, b, launch, ctx, addrs, caddrs,
+                    dict(q=pq, q_rope=pqr, rows=pr, indices=pi, valid_counts=pv, out=p_out, lse=p_lse, scale=scale,
+                         k_scale=float(k_scale)))
+        else:
+            rec.ok = False
 
 
-def _record(key: bytes, b: "_Bound", launch: Launch, ctx, addrs: tuple, caddrs, qr_offset: int, partials,
-            values: dict) -> None:
-    """Record the launches this call made for the compiled host entry: each launch's C function and arguments, the
-    per-call ones marked by slot (:data:`sparsemla.host_entry.SLOTS`).  Recorded only where substituting this
-    call's own values into the templates gives back exactly the arguments it launched with."""
-    slot = host_entry.SLOT
+def _record(rec, b: "_Bound", launch: Launch, ctx, addrs: tuple, caddrs, values: dict) -> None:
+    """Add this call's launches to the host entry's recording ``rec``, with the positions of the per-call values in
+    the kernels' argument list (module docstring) and the combine's."""
+    pos = {0: "q", 3: "q_rope", 6: "rows", 7: "indices", 9: "valid_counts", 18: "scale"}
     n = len(addrs)
-    kinds = [0] * n
-    for i, name in ((0, "q"), (3, "q_rope"), (6, "rows"), (7, "indices"), (9, "valid_counts"), (18, "scale")):
-        kinds[i] = slot[name]
     if not b.n_all:  # the kernel writes out / lse itself
-        kinds[10], kinds[14] = slot["out"], slot["lse"]
+        pos.update({10: "out", 14: "lse"})
     if b.takes_k_scale:
-        kinds[19] = slot["k_scale"]
+        pos[19] = "k_scale"
     if b.final is not None:  # the sm_90 kernels' final out / lse (the last six arguments)
-        kinds[n - 6], kinds[n - 3] = slot["out"], slot["lse"]
-    records = [_template(launch.compiled(ctx, b.key), (b.gx, 1, 1), ctx[1], addrs, kinds, values)]
+        pos.update({n - 6: "out", n - 3: "lse"})
+    rec.add(launch.compiled(ctx, b.key), (b.gx, 1, 1), ctx[1], addrs, pos, values)
     if caddrs is not None:
-        ckinds = [0, 0, slot["out"], 0, 0, slot["lse"], 0, 0, 0, 0]
-        records.append(_template(b.combine.compiled(ctx, b.cints), b.cgrid, ctx[1], caddrs, ckinds, values))
-    if all(r is not None for r in records):
-        host_entry.record(key, qr_offset, (b.fmt, partials), tuple(records))
-
-
-def _template(go, grid, stream, addrs: tuple, kinds: list, values: dict):
-    """One launch's record ``(fn, outer_values, outer_kinds, inner_values, inner_kinds)``, or None when ``go`` has no
-    parts or the slots do not reproduce ``addrs``."""
-    parts = getattr(go, "parts", None)
-    if parts is None:
-        return None
-    names = host_entry.SLOTS
-    for a, k in zip(addrs, kinds):
-        if k and not (type(a) is type(values[names[k]]) and a == values[names[k]]):
-            return None
-    fn, head, tail, packed = parts
-    lead = (*grid, stream, *head)
-    if packed:
-        return (fn, lead, (0,) * len(lead), (*addrs, *tail), (*kinds, *(0,) * len(tail)))
-    return (fn, (*lead, *addrs, *tail), (*(0,) * len(lead), *kinds, *(0,) * len(tail)), None, None)
+        rec.add(b.combine.compiled(ctx, b.cints), b.cgrid, ctx[1], caddrs, {2: "out", 5: "lse"}, values)
 
 
 def _bind(sig, plan, fmt, has_vc, ishape, lse, qs, rs, is0, os_, ls_, device) -> "_Bound":

@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launch
+from .. import host_entry
+from .launch import Launch, direct_context
 
 CONVERT_MAX_BLOCK = 1024
 CONVERT_NUM_WARPS = 4
@@ -159,8 +160,16 @@ def convert_indices_triton(topk_local: torch.Tensor, req_id_per_token: torch.Ten
         key = None if (pt | pr | pb | pw | po | pc) & 15 else (topk_local.dtype, req.dtype, block_table.dtype,
                                                                ws.dtype, ints)
         tail = (k, bshape[0], bshape[1], block_stride_rows)
-        launch((t,), (topk_local, ts[0], ts[1], req, block_table, bs[0], bs[1], ws, out, ints[4], cnt, *tail), key,
-               (pt, ts[0], ts[1], pr, pb, bs[0], bs[1], pw, po, ints[4], pc, *tail))
+        addrs = (pt, ts[0], ts[1], pr, pb, bs[0], bs[1], pw, po, ints[4], pc, *tail)
+        direct = launch((t,), (topk_local, ts[0], ts[1], req, block_table, bs[0], bs[1], ws, out, ints[4], cnt, *tail),
+                        key, addrs)
+        rec = host_entry.active()
+        if rec is not None:  # a runner's call the compiled host entry records: topk_local is its per-call tensor
+            if direct:
+                ctx = direct_context()
+                rec.add(launch.compiled(ctx, key), (t, 1, 1), ctx[1], addrs, {0: "topk"}, {"topk": pt})
+            else:
+                rec.ok = False
     elif counts is not None:
         counts.zero_()
     if return_valid_counts:

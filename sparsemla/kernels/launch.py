@@ -50,14 +50,15 @@ class Launch:
         else:
             self._direct = False
 
-    def __call__(self, grid: Sequence[int], args: Sequence[object], key=None, addrs=None) -> None:
+    def __call__(self, grid: Sequence[int], args: Sequence[object], key=None, addrs=None) -> bool:
         """Launch on ``grid`` with the runtime ``args``; ``key``: optional specialization key (see the module
         docstring), None to derive it from ``args``; ``addrs``: optional ``args`` with every tensor replaced by
-        its address (a caller that read the addresses for its alignment check passes them on)."""
+        its address (a caller that read the addresses for its alignment check passes them on).  True when the
+        launch took the direct path (the compiled kernel kept for ``key``), False when it went through Triton."""
         if not self._direct or _hooks():
             self.fn[grid](*args, **self.meta)
             self.built = True
-            return
+            return False
         if key is None:
             key = _spec_key(args)
         # Tensors go to the launcher as their addresses: given a tensor it calls ``data_ptr()`` through Python
@@ -67,13 +68,14 @@ class Launch:
             addrs = [a.data_ptr() if isinstance(a, _Tensor) else a for a in args]
         n = len(grid)
         if self.launch_known(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, key, addrs):
-            return
+            return True
         k = self.fn[grid](*args, **self.meta)  # the first launch of this specialization: through Triton
         self.built = True
         if len(args) == self._n_runtime and k is not None and hasattr(k, "packed_metadata"):
             if len(self._compiled) >= _MAX_KEYS:
                 self._compiled.clear()  # bounded: a caller whose integers keep changing recompiles nothing
             self._compiled[(_device(), key)] = _direct_launch(k, self._tail)
+        return False
 
     @property
     def direct(self) -> bool:

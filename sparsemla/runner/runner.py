@@ -33,6 +33,7 @@ Engine loop (sketch)::
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import List, Optional, Sequence
 
 import torch
@@ -41,8 +42,10 @@ from .._validate import (SCALE_MAX, SCALE_MIN, check_block_geometry, check_curre
                          check_positive_int, check_sm_scale, check_tensor)
 from ..backends import registry
 from ..backends.registry import AttentionConfig, HostPlan, RunnerSpec
+from ..backends.triton_native import launches_only
 from ..cache import PagedKVCache
 from ..formats import KVFormat, get_format
+from .. import host_entry
 from .._device import current_cuda_index, triton_runs_on
 from ..indices import convert_indices
 from ..kernels.convert_indices import convert_indices_triton
@@ -197,6 +200,7 @@ class SparseMLA:
         self._convert = convert_indices_triton if triton_runs_on(self.device) else _convert_torch
         self._same_backend = (self.decode_backend is self.prefill_backend
                               and getattr(self.decode_backend, "mixed_batches", False))
+        weakref.finalize(self, host_entry.forget_id, id(self))  # recorded runs point into this runner's buffers
 
     # ------------------------------------------------------------------------------------------------
     def plan(self, metadata: BatchMetadata, seq_lens_upper_bound: Optional[Sequence[int]] = None, *,
@@ -263,6 +267,7 @@ class SparseMLA:
                 host_counts = counts.tolist()
             elif md.context_lens_host() is not None:
                 host_counts = self._counts(md.context_lens_host())
+        host_entry.forget(self)  # the previous step's recorded runs
         plan = HostPlan(t, padded, md.num_decode_tokens, host_counts, self._valid_counts)
         self.decode_backend.plan(self._decode_ws, plan)
         if self.prefill_backend is not self.decode_backend:
@@ -411,7 +416,17 @@ class SparseMLA:
                 consume the result, or pass your own per layer).
 
         Returns ``(out, lse)``: bf16 ``[T, H, 512]``, fp32 ``[T, H]``.
+
+        A layer's call whose configuration an earlier layer of the step ran is replayed by the compiled host entry
+        (:mod:`sparsemla.host_entry`): the same checks and launches, without Python.
         """
+        r = host_entry.run(self, q, cache, topk_local, k_scale, out, lse)
+        if r.__class__ is tuple:
+            return r
+        return self._run(q, cache, topk_local, k_scale, out, lse, r)
+
+    def _run(self, q, cache, topk_local, k_scale, out, lse, entry_key):
+        """:meth:`run` in Python (``entry_key``: the host entry's key for this call, when it may be recorded)."""
         plan = self._planned
         if plan is None:
             raise RuntimeError("SparseMLA.run() before plan(): plan the step first")
@@ -453,6 +468,26 @@ class SparseMLA:
             check_tensor("lse", lse, dtype=torch.float32, shape=(t, self.num_heads), device=dev)
 
         use_ws = self._ws_plan is not None
+        # Decode tokens first; padding tokens (past the planned ones) join the last group.
+        nd = plan.num_decode_tokens if plan.num_tokens > plan.num_decode_tokens else t
+        one_call = nd == t or (self._same_backend and not use_ws)
+        # A step whose attention is one call on the whole batch (decode only, or prefill only read natively) may be
+        # recorded for the compiled host entry: the conversion and that call's launches.
+        single = (("decode", self.decode_backend, self._decode_ws) if one_call and not use_ws else
+                  ("prefill", self.prefill_backend, self._prefill_ws) if nd == 0 and not use_ws else None)
+        if entry_key is not None and single is not None and launches_only(single[1]):
+            rec = host_entry.begin(entry_key, host_entry.RUN_SLOTS)
+            try:
+                self._convert(topk_local, req, self._block_table, self.block_size, self.block_stride_rows, False,
+                              False, None, rows)
+                single[1].forward(single[0], q, cache, rows, self.sm_scale, valid, k_scale, out, lse,
+                                  workspace=single[2])
+                rec.keep.append(plan)  # (its identity is in the key)
+                host_entry.commit(rec, own_out if out is own_out else None, own_lse if lse is own_lse else None,
+                                  self._max_block)
+                return out, lse
+            finally:
+                host_entry.end()
         ws_start = None
         if use_ws:
             # Prefill requests' contexts -> bf16 workspace; their tokens' indices -> workspace rows.
@@ -465,9 +500,7 @@ class SparseMLA:
         self._convert(topk_local, req, self._block_table, self.block_size, self.block_stride_rows, False, False,
                       ws_start, rows)
 
-        # Decode tokens first; padding tokens (past the planned ones) join the last group.
-        nd = plan.num_decode_tokens if plan.num_tokens > plan.num_decode_tokens else t
-        if nd == t or (self._same_backend and not use_ws):
+        if one_call:
             self.decode_backend.forward("decode", q, cache, rows, self.sm_scale, valid, k_scale, out, lse,
                                         workspace=self._decode_ws)
             return out, lse

@@ -130,3 +130,36 @@ def test_the_custom_op_never_replays_through_the_cached_scratch(counted, module)
         sparse_mla_decode(c["q"], c["cache"], c["indices"], 0.1)
         sparse_mla_decode(c["q"], c["cache"], c["indices"], 0.1)
     assert counted == ["decode"] * 2 and module.size() == 0
+
+
+def test_a_runners_later_layers_give_the_python_paths_outputs(module):
+    """Two layers of a decode step and of a prefill step: the second replayed, bit for bit the Python path's."""
+    from sparsemla import PagedKVCache, SparseMLA
+    from sparsemla.runner import BatchMetadata
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for lens in ([1] * 6, [40, 90]):
+        caches = []
+        for _ in range(2):
+            c = PagedKVCache("fp8_ds_mla", 64, 64, "cuda")
+            n = c.num_slots
+            c.write(torch.randn(n, 512, generator=gen, device="cuda").to(torch.bfloat16),
+                    torch.randn(n, 64, generator=gen, device="cuda").to(torch.bfloat16),
+                    torch.arange(n, dtype=torch.int32, device="cuda"))
+            caches.append(c)
+        r = len(lens)
+        ctx = [300 + 17 * i for i in range(r)]
+        table = torch.randperm(64, generator=gen, device="cuda")[:r * 8].view(r, 8).to(torch.int32)
+        md = BatchMetadata.from_lists(lens, ctx, table.tolist(), device="cuda")
+        runner = SparseMLA(sum(lens), r, 8, 64, 576, 256, "fp8_ds_mla", sm_scale=0.07, device="cuda")
+        runner.plan(md)
+        t = sum(lens)
+        topk = torch.randint(0, 300, (t, 256), generator=gen, device="cuda", dtype=torch.int32)
+        q = torch.randn(t, 64, 576, generator=gen, device="cuda").to(torch.bfloat16)
+        runner._run(q, caches[0], topk, 1.0, None, None, None)  # compiles
+        module.clear()
+        runner.run(q, caches[0], topk)  # recorded
+        assert module.size() == 1, host_entry.status()
+        out, lse = (x.clone() for x in runner.run(q, caches[1], topk, 0.5))  # replayed
+        ref = runner._run(q, caches[1], topk, 0.5, None, None, None)
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1]), lens
