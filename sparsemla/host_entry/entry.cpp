@@ -5,13 +5,13 @@
 // the mode, the format object, q's shape and strides, the indices' width and row stride, whether valid_counts is
 // given, the given out / lse strides, the device and the current stream; for SparseMLA.run the runner, its planned
 // step, q's shape and strides, topk_local's width and strides, the given out / lse strides, the cache's format and
-// geometry, the device and the stream.  The first call of a configuration
-// takes the Python path (every argument checked, the backend chosen, the plan made, the kernels compiled and
-// launched); where that call made only direct launches (sparsemla.kernels.launch), the launcher records them here
-// as templates: each launch's C function (Triton's) and its arguments, with the per-call values (addresses, the
-// scales) marked by slot.  A later call with the same configuration checks what the host knows (types, dtypes,
-// shapes, strides, devices, 16-byte alignment), allocates the outputs it was not given, fills the slots and calls
-// the same C functions with the same arguments the Python path would pass.
+// geometry, the device and the stream.  The first call of a configuration takes the Python path (every argument
+// checked, the backend chosen, the plan made, the kernels compiled and launched); where that call made only direct
+// launches (sparsemla.kernels.launch), the launch sites record them here as templates: each launch's C function
+// (Triton's) and its arguments, with the per-call values (addresses, the scales) marked by slot.  A later call with
+// the same configuration checks what the host knows (types, dtypes, shapes, strides, devices, 16-byte alignment),
+// allocates the outputs it was not given, fills the slots and calls the same C functions with the same arguments
+// the Python path would pass.
 //
 // Anything this entry does not handle returns None (not eligible: the Python path serves the call, and raises
 // where the arguments are wrong) or a bytes key (eligible, not recorded yet: the Python path serves the call and
@@ -657,7 +657,8 @@ PyMethodDef kMethods[] = {
     {"forget", forget, METH_O, "forget(runner_id): drop one SparseMLA's recorded runs"},
     {nullptr, nullptr, 0, nullptr}};
 
-PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "sparsemla_host_entry", nullptr, -1, kMethods};
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "sparsemla_host_entry", nullptr, -1, kMethods,
+                       nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 
