@@ -212,6 +212,73 @@ bool fill(const Args& a, PyObject* const* slot, PyObject** dst) {
   return true;
 }
 
+// q: a plain bf16 [t >= 1, h, d] tensor with a contiguous last dim, on a CUDA device (or the CPU in tests).
+bool query(PyObject* qo, const at::Tensor** q, int64_t* t, int64_t* h, int64_t* d) {
+  const at::Tensor* x = plain(qo);
+  if (x == nullptr || x->dim() != 3 || x->scalar_type() != at::kBFloat16 || x->stride(2) != 1 || x->size(0) < 1)
+    return false;
+  const at::Device dev = x->device();
+  if (!(dev.is_cuda() || (g_allow_cpu && dev.is_cpu()))) return false;
+  *q = x;
+  *t = x->size(0), *h = x->size(1), *d = x->size(2);
+  return true;
+}
+
+// The optional outputs: absent, or bf16 [t, h, 512] (last dim contiguous) and fp32 [t, h] on `dev`.
+bool outputs(PyObject* outo, PyObject* lseo, int64_t t, int64_t h, const at::Device& dev, const at::Tensor** out,
+             const at::Tensor** lse) {
+  *out = *lse = nullptr;
+  if (outo != Py_None) {
+    const at::Tensor* o = plain(outo);
+    if (o == nullptr || o->dim() != 3 || o->scalar_type() != at::kBFloat16 || o->size(0) != t || o->size(1) != h ||
+        o->size(2) != 512 || o->stride(2) != 1 || o->device() != dev)
+      return false;
+    *out = o;
+  }
+  if (lseo != Py_None) {
+    const at::Tensor* l = plain(lseo);
+    if (l == nullptr || l->dim() != 2 || l->scalar_type() != at::kFloat || l->size(0) != t || l->size(1) != h ||
+        l->device() != dev)
+      return false;
+    *lse = l;
+  }
+  return true;
+}
+
+// A PagedKVCache's rows (their address; a tensor on `dev`) and format (its identity: the cache keeps it alive).
+bool cache_parts(PyObject* cache, const at::Device& dev, uint64_t* pr, PyObject** fmt) {
+  const int r = PyObject_IsInstance(cache, g_cache_type);
+  if (r <= 0) {
+    if (r < 0) PyErr_Clear();
+    return false;
+  }
+  PyObject* rows_o = PyObject_GetAttr(cache, g_str_rows);
+  if (rows_o == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  const at::Tensor* rows = plain(rows_o);
+  const bool ok = rows != nullptr && rows->device() == dev;
+  if (ok) *pr = address(*rows);
+  Py_DECREF(rows_o);
+  PyObject* f = ok ? PyObject_GetAttr(cache, g_str_fmt) : nullptr;
+  if (f == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  Py_DECREF(f);
+  *fmt = f;
+  return true;
+}
+
+// 1: a replay may run on q's device (*stream set); 0: the Python path serves the call; -1: error.
+int ready_on(const at::Device& dev, long long* stream) {
+  long long cdev = 0;
+  const int ready = context(&cdev, stream);
+  if (ready <= 0) return ready;
+  return cdev == (dev.is_cuda() ? dev.index() : -1) ? 1 : 0;  // q not on the current device: Python raises
+}
+
 // The launches of `e` with the per-call values: `slot` holds the mode's own (new references, released here); q's,
 // the rows', k_scale and the outputs' are filled here.  Returns (out, lse), or raises what a launch raised.
 PyObject* replay(const Entry& e, PyObject** slot, uint64_t pq, uint64_t pr, PyObject* ks, at::Tensor out_t,
@@ -275,20 +342,12 @@ PyObject* call_impl(PyObject* const* a, Py_ssize_t n) {
   double sm_scale, k_scale;
   if (!exact_float(sm, &sm_scale) || !(sm_scale >= g_scale_min && sm_scale <= g_scale_max)) Py_RETURN_NONE;
   if (!exact_float(ks, &k_scale) || !(k_scale >= g_scale_min && k_scale <= g_scale_max)) Py_RETURN_NONE;
-  int r = PyObject_IsInstance(cache, g_cache_type);
-  if (r <= 0) {
-    if (r < 0) PyErr_Clear();
-    Py_RETURN_NONE;
-  }
-  const at::Tensor* q = plain(qo);
-  const at::Tensor* idx = plain(io);
-  if (q == nullptr || idx == nullptr) Py_RETURN_NONE;
-  if (q->dim() != 3 || q->scalar_type() != at::kBFloat16 || q->stride(2) != 1) Py_RETURN_NONE;
-  const int64_t t = q->size(0), h = q->size(1), d = q->size(2);
-  if (t < 1) Py_RETURN_NONE;
+  const at::Tensor* q;
+  int64_t t, h, d;
+  if (!query(qo, &q, &t, &h, &d)) Py_RETURN_NONE;
   const at::Device dev = q->device();
-  if (!(dev.is_cuda() || (g_allow_cpu && dev.is_cpu()))) Py_RETURN_NONE;
-  if (idx->dim() != 2 || idx->scalar_type() != at::kInt || idx->size(0) != t || idx->stride(1) != 1 ||
+  const at::Tensor* idx = plain(io);
+  if (idx == nullptr || idx->dim() != 2 || idx->scalar_type() != at::kInt || idx->size(0) != t || idx->stride(1) != 1 ||
       idx->device() != dev)
     Py_RETURN_NONE;
   const at::Tensor* vc = nullptr;
@@ -298,44 +357,16 @@ PyObject* call_impl(PyObject* const* a, Py_ssize_t n) {
         vc->stride(0) != 1 || vc->device() != dev)
       Py_RETURN_NONE;
   }
-  const at::Tensor* out = nullptr;
-  if (outo != Py_None) {
-    out = plain(outo);
-    if (out == nullptr || out->dim() != 3 || out->scalar_type() != at::kBFloat16 || out->size(0) != t ||
-        out->size(1) != h || out->size(2) != 512 || out->stride(2) != 1 || out->device() != dev)
-      Py_RETURN_NONE;
-  }
-  const at::Tensor* lse = nullptr;
-  if (lseo != Py_None) {
-    lse = plain(lseo);
-    if (lse == nullptr || lse->dim() != 2 || lse->scalar_type() != at::kFloat || lse->size(0) != t ||
-        lse->size(1) != h || lse->device() != dev)
-      Py_RETURN_NONE;
-  }
-  PyObject* rows_o = PyObject_GetAttr(cache, g_str_rows);
-  if (rows_o == nullptr) {
-    PyErr_Clear();
-    Py_RETURN_NONE;
-  }
-  const at::Tensor* rows = plain(rows_o);
-  const bool rows_ok = rows != nullptr && rows->device() == dev;
-  const uint64_t pr = rows_ok ? address(*rows) : 0;
-  Py_DECREF(rows_o);  // (the cache keeps the tensor alive)
-  if (!rows_ok) Py_RETURN_NONE;
-  PyObject* fmt = PyObject_GetAttr(cache, g_str_fmt);
-  if (fmt == nullptr) {
-    PyErr_Clear();
-    Py_RETURN_NONE;
-  }
-  Py_DECREF(fmt);  // identity only (a recorded entry owns a reference to its format)
-
+  const at::Tensor *out, *lse;
+  uint64_t pr = 0;
+  PyObject* fmt = nullptr;
+  if (!outputs(outo, lseo, t, h, dev, &out, &lse) || !cache_parts(cache, dev, &pr, &fmt)) Py_RETURN_NONE;
   // Device, stream, and whether the Python path must serve the call (a launch hook, a CUDA-graph capture, ...).
-  long long cdev = 0, stream = 0;
-  const int ready = context(&cdev, &stream);
+  long long stream = 0;
+  const int ready = ready_on(dev, &stream);
   if (ready < 0) return nullptr;
   if (ready == 0) Py_RETURN_NONE;
   const long long qdev = dev.is_cuda() ? dev.index() : -1;
-  if (cdev != qdev) Py_RETURN_NONE;  // q not on the current device: the Python path raises
 
   const uint64_t pq = address(*q), pi = address(*idx), pv = vc ? address(*vc) : pi;
   uint64_t align = pq | pr | pi | pv;
@@ -411,62 +442,26 @@ PyObject* run_impl(PyObject* const* a, Py_ssize_t n) {
   }
   Py_DECREF(planned);  // identity only (a recorded entry owns a reference to its plan)
   if (planned == Py_None) Py_RETURN_NONE;
-  int r = PyObject_IsInstance(cache, g_cache_type);
-  if (r <= 0) {
-    if (r < 0) PyErr_Clear();
-    Py_RETURN_NONE;
-  }
-  const at::Tensor* q = plain(qo);
-  const at::Tensor* topk = plain(to);
-  if (q == nullptr || topk == nullptr) Py_RETURN_NONE;
-  if (q->dim() != 3 || q->scalar_type() != at::kBFloat16 || q->stride(2) != 1) Py_RETURN_NONE;
-  const int64_t t = q->size(0), h = q->size(1), d = q->size(2);
-  if (t < 1) Py_RETURN_NONE;
+  const at::Tensor* q;
+  int64_t t, h, d;
+  if (!query(qo, &q, &t, &h, &d)) Py_RETURN_NONE;
   const at::Device dev = q->device();
-  if (!(dev.is_cuda() || (g_allow_cpu && dev.is_cpu()))) Py_RETURN_NONE;
-  if (topk->dim() != 2 || topk->scalar_type() != at::kInt || topk->size(0) != t || topk->device() != dev)
+  const at::Tensor* topk = plain(to);
+  if (topk == nullptr || topk->dim() != 2 || topk->scalar_type() != at::kInt || topk->size(0) != t || topk->device() != dev)
     Py_RETURN_NONE;
-  const at::Tensor* out = nullptr;
-  if (outo != Py_None) {
-    out = plain(outo);
-    if (out == nullptr || out->dim() != 3 || out->scalar_type() != at::kBFloat16 || out->size(0) != t ||
-        out->size(1) != h || out->size(2) != 512 || out->stride(2) != 1 || out->device() != dev)
-      Py_RETURN_NONE;
-  }
-  const at::Tensor* lse = nullptr;
-  if (lseo != Py_None) {
-    lse = plain(lseo);
-    if (lse == nullptr || lse->dim() != 2 || lse->scalar_type() != at::kFloat || lse->size(0) != t ||
-        lse->size(1) != h || lse->device() != dev)
-      Py_RETURN_NONE;
-  }
-  PyObject* rows_o = PyObject_GetAttr(cache, g_str_rows);
-  if (rows_o == nullptr) {
-    PyErr_Clear();
-    Py_RETURN_NONE;
-  }
-  const at::Tensor* rows = plain(rows_o);
-  const bool rows_ok = rows != nullptr && rows->device() == dev;
-  const uint64_t pr = rows_ok ? address(*rows) : 0;
-  Py_DECREF(rows_o);
-  if (!rows_ok) Py_RETURN_NONE;
-  PyObject* fmt = PyObject_GetAttr(cache, g_str_fmt);
-  if (fmt == nullptr) {
-    PyErr_Clear();
-    Py_RETURN_NONE;
-  }
-  Py_DECREF(fmt);
+  const at::Tensor *out, *lse;
+  uint64_t pr = 0;
+  PyObject* fmt = nullptr;
+  if (!outputs(outo, lseo, t, h, dev, &out, &lse) || !cache_parts(cache, dev, &pr, &fmt)) Py_RETURN_NONE;
   int64_t block_size, block_stride, num_blocks;
   if (!int_attr(cache, g_str_block_size, &block_size) || !int_attr(cache, g_str_block_stride, &block_stride) ||
       !int_attr(cache, g_str_num_blocks, &num_blocks))
     Py_RETURN_NONE;
-
-  long long cdev = 0, stream = 0;
-  const int ready = context(&cdev, &stream);
+  long long stream = 0;
+  const int ready = ready_on(dev, &stream);
   if (ready < 0) return nullptr;
   if (ready == 0) Py_RETURN_NONE;
   const long long qdev = dev.is_cuda() ? dev.index() : -1;
-  if (cdev != qdev) Py_RETURN_NONE;
 
   const uint64_t pq = address(*q), pt = address(*topk);
   uint64_t align = pq | pr | pt;
