@@ -156,6 +156,7 @@ def _call(mode, q, kv, fmt, rows, source, indices, sm_scale, valid_counts, k_sca
         rec = host_entry.begin(entry_key)  # the launcher records the call's launches
         try:
             result = chosen.forward(mode, q, kv, indices, sm_scale, valid_counts, k_scale, out, lse)
+            rec.keep.append(backend)  # (the key holds its identity)
             host_entry.commit(rec)
             return result
         finally:

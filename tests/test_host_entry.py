@@ -193,11 +193,18 @@ def test_calls_the_entry_does_not_handle_take_the_python_path(entry):
     sparse_mla_decode(q, cache, idx, 0.1)
     assert python_calls == ["decode"]
     n = 1
-    for kw in (dict(check=True), dict(backend="triton-portable"), dict(sm_scale=1), dict(k_scale=torch.tensor(1.0))):
+    for kw in (dict(check=True), dict(backend="reference"), dict(sm_scale=1), dict(k_scale=torch.tensor(1.0))):
         sm = kw.pop("sm_scale", 0.1)
-        sparse_mla_decode(q, cache, idx, sm, **kw)
+        for _ in range(2):  # (never recorded: each call takes the Python path)
+            sparse_mla_decode(q, cache, idx, sm, **kw)
+            n += 1
+            assert len(python_calls) == n, kw
+    from sparsemla.backends import get_backend
+    for backend in ("triton-portable", get_backend("triton-portable")):  # the library's kernels, named: recorded
+        sparse_mla_decode(q, cache, idx, 0.1, backend=backend)
+        sparse_mla_decode(q, cache, idx, 0.1, backend=backend)
         n += 1
-        assert len(python_calls) == n, kw
+        assert len(python_calls) == n, backend
     sparse_mla_decode(q, cache, idx[:, :64].contiguous(), 0.1)  # another configuration: Python, then recorded
     sparse_mla_decode(q, cache, idx[:, :64].contiguous(), 0.1)
     assert len(python_calls) == n + 1

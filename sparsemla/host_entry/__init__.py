@@ -10,17 +10,18 @@ launches (:mod:`sparsemla.kernels.launch`), the launch sites record them (:class
 what the host knows in C++, allocate, and call Triton's launch functions with the same arguments the Python path
 would pass.
 
-- Functional calls: the configuration is the mode, the format, q's shape and strides, the indices' width and row
-  stride, which of valid_counts / out / lse are given and their strides, the device and the stream.
+- Functional calls: the configuration is the mode, the format, the backend argument (``"auto"``, a name or a
+  backend object, by identity), q's shape and strides, the indices' width and row stride, which of valid_counts /
+  out / lse are given and their strides, the device and the stream.
 - ``SparseMLA.run``: the runner and its planned step, q's shape and strides, topk_local's width and strides, the
   given out / lse strides, the cache's format and geometry, the device and the stream.  A step whose attention is
   one call on the whole batch (decode only, or prefill only read natively) is recorded at its first layer and
   replayed at the others; a mixed step or a workspace upconversion takes the Python path.  :meth:`SparseMLA.plan`
   drops the previous step's records.
 
-A call the entry does not handle (a wrong argument, ``check=True``, a named backend, a bf16 workspace, a CUDA-graph
-capture, a profiler's launch hook, an unaligned tensor, ...) takes the Python path, which raises where the
-arguments are wrong: the behaviour is the Python path's in every case.
+A call the entry does not handle (a wrong argument, ``check=True``, a backend other than the library's kernels, a
+bf16 workspace, a CUDA-graph capture, a profiler's launch hook, an unaligned tensor, ...) takes the Python path,
+which raises where the arguments are wrong: the behaviour is the Python path's in every case.
 
 The entry is a CPython extension built against the installed torch with the machine's C++ compiler the first time
 a call on a CUDA tensor needs it (about 15 s), and cached (``~/.cache/sparsemla/host_entry``, per source digest,

@@ -2,8 +2,8 @@
 // call whose configuration the Python path has launched before is replayed here, without Python.
 //
 // A configuration is what decides everything a call launches apart from its tensors' addresses and its scales:
-// the mode, the format object, q's shape and strides, the indices' width and row stride, whether valid_counts is
-// given, the given out / lse strides, the device and the current stream; for SparseMLA.run the runner, its planned
+// the mode, the format object, the backend argument, q's shape and strides, the indices' width and row stride,
+// whether valid_counts is given, the given out / lse strides, the device and the current stream; for SparseMLA.run the runner, its planned
 // step, q's shape and strides, topk_local's width and strides, the given out / lse strides, the cache's format and
 // geometry, the device and the stream.  The first call of a configuration takes the Python path (every argument
 // checked, the backend chosen, the plan made, the kernels compiled and launched); where that call made only direct
@@ -88,7 +88,6 @@ PyObject* g_get_stream = nullptr;   // (index) -> the current stream's handle on
 PyObject* g_capturing = nullptr;    // () -> whether the current stream is capturing a CUDA graph
 PyObject* g_runtime = nullptr;      // triton.knobs.runtime (its launch hooks)
 PyObject* g_local = nullptr;        // the launcher's thread-local state (per_call: partials per call, custom ops)
-PyObject* g_auto = nullptr;         // "auto"
 PyObject* g_str_enter = nullptr;    // attribute names, interned
 PyObject* g_str_exit = nullptr;
 PyObject* g_str_calls = nullptr;
@@ -335,10 +334,6 @@ PyObject* call_impl(PyObject* const* a, Py_ssize_t n) {
   PyObject *mode = a[0], *qo = a[1], *cache = a[2], *io = a[3], *sm = a[4], *vco = a[5], *ks = a[6],
            *backend = a[7], *outo = a[8], *lseo = a[9], *check = a[10];
   if (check != Py_False) Py_RETURN_NONE;
-  if (backend != g_auto && !(PyUnicode_CheckExact(backend) && PyUnicode_Compare(backend, g_auto) == 0)) {
-    if (PyErr_Occurred()) PyErr_Clear();
-    Py_RETURN_NONE;
-  }
   double sm_scale, k_scale;
   if (!exact_float(sm, &sm_scale) || !(sm_scale >= g_scale_min && sm_scale <= g_scale_max)) Py_RETURN_NONE;
   if (!exact_float(ks, &k_scale) || !(k_scale >= g_scale_min && k_scale <= g_scale_max)) Py_RETURN_NONE;
@@ -385,7 +380,8 @@ PyObject* call_impl(PyObject* const* a, Py_ssize_t n) {
   w[10] = out != nullptr; w[11] = out ? out->stride(0) : 0; w[12] = out ? out->stride(1) : 0;
   w[13] = lse != nullptr; w[14] = lse ? lse->stride(0) : 0; w[15] = lse ? lse->stride(1) : 0;
   w[16] = qdev; w[17] = stream;
-  for (int i = 18; i < KEY_WORDS; ++i) w[i] = 0;
+  w[18] = reinterpret_cast<int64_t>(backend);  // "auto", a name or a Backend, by identity (the record keeps it)
+  for (int i = 19; i < KEY_WORDS; ++i) w[i] = 0;
   if (PyErr_Occurred()) return nullptr;
   auto it = g_entries.find(key);
   if (it == g_entries.end()) return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(w), sizeof(key.w));
@@ -622,8 +618,7 @@ PyObject* configure(PyObject*, PyObject* const* a, Py_ssize_t n) {
   g_scale_min = lo;
   g_scale_max = hi;
   g_allow_cpu = cpu != 0;
-  if (g_auto == nullptr) {
-    g_auto = PyUnicode_InternFromString("auto");
+  if (g_str_enter == nullptr) {
     g_str_enter = PyUnicode_InternFromString("launch_enter_hook");
     g_str_exit = PyUnicode_InternFromString("launch_exit_hook");
     g_str_calls = PyUnicode_InternFromString("calls");
