@@ -409,3 +409,18 @@ def test_a_runner_on_another_backend_or_a_mixed_step_is_not_recorded(entry):
         runner.run(q, caches[0], topk_local)
         runner.run(q, caches[0], topk_local)
         assert module.size() == 0, (backend, lens)
+
+
+@pytest.mark.parametrize("t,k,launches", [(1, 2048, 2), (300, 32, 1)])  # split (partials, combine), and not
+def test_a_record_does_not_keep_the_calls_outputs(entry, t, k, launches):
+    import gc
+    import weakref
+    module, fake, python_calls = entry
+    cache, q, idx, _ = _tensors(0, t=t, k=k)
+    fake.calls.clear()
+    out, lse = sparse_mla_decode(q, cache, idx, 0.1)
+    assert module.size() == 1 and len(fake.calls) == launches
+    refs = weakref.ref(out), weakref.ref(lse)
+    del out, lse
+    gc.collect()
+    assert refs[0]() is None and refs[1]() is None

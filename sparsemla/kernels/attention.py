@@ -433,7 +433,8 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
         # any) in a buffer that outlives the call (the cached scratch, a runner's), q in one tensor
         if direct and q_pe is None and (not b.n_all or cached or split_buffers is not None):
             rec.qr_offset = pqr - pq
-            rec.keep += (b.fmt, o_dst, l_dst)
+            # (the partials' buffer, which the record's constants point into; never the call's own outputs)
+            rec.keep += (b.fmt, o_dst, l_dst) if b.n_all else (b.fmt,)
             _record(rec, b, launch, ctx, addrs, caddrs,
                     dict(q=pq, q_rope=pqr, rows=pr, indices=pi, valid_counts=pv, out=p_out, lse=p_lse, scale=scale,
                          k_scale=float(k_scale)))

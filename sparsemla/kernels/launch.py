@@ -130,24 +130,19 @@ def _direct_launch(k, tail: tuple):
              and getattr(run, "profile_scratch_size", 1) == 0 and not getattr(run, "gsan_enabled", False))
     params = _call_params(type(run)) if plain else ()
     if plain and params == _PARAMS_36:
-        c, coop, pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl
-        head, packed = (fn, coop, pdl, None, None, meta, None, None, None), False
-
-        def go(gx, gy, gz, stream, addrs):
-            return c(gx, gy, gz, stream, fn, coop, pdl, None, None, meta, None, None, None, *addrs, *tail)
+        c, head, packed = run.launch, (fn, run.launch_cooperative_grid, run.launch_pdl, None, None, meta, None, None,
+                                       None), False
     elif plain and params == _PARAMS_38 and hasattr(run, "arg_annotations") and hasattr(run, "kernel_signature"):
-        c, coop, pdl, ann, sig = (run.launch, run.launch_cooperative_grid, run.launch_pdl, run.arg_annotations,
-                                  run.kernel_signature)
-        head, packed = (fn, coop, pdl, meta, None, None, None, None, None, ann, sig), True
-
-        def go(gx, gy, gz, stream, addrs):
-            return c(gx, gy, gz, stream, fn, coop, pdl, meta, None, None, None, None, None, ann, sig,
-                     (*addrs, *tail))
+        c, head, packed = run.launch, (fn, run.launch_cooperative_grid, run.launch_pdl, meta, None, None, None, None,
+                                       None, run.arg_annotations, run.kernel_signature), True
     else:
         c, head, packed = run, (fn, meta, None, None, None), False
-
+    if packed:
         def go(gx, gy, gz, stream, addrs):
-            return run(gx, gy, gz, stream, fn, meta, None, None, None, *addrs, *tail)
+            return c(gx, gy, gz, stream, *head, (*addrs, *tail))
+    else:
+        def go(gx, gy, gz, stream, addrs):
+            return c(gx, gy, gz, stream, *head, *addrs, *tail)
     go.parts = (c, head, tail, packed)
     return go
 
