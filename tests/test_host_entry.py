@@ -424,3 +424,33 @@ def test_a_record_does_not_keep_the_calls_outputs(entry, t, k, launches):
     del out, lse
     gc.collect()
     assert refs[0]() is None and refs[1]() is None
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4_ds_mla", "fp8_ds_mla-nope", "bf16-nope"])
+@pytest.mark.parametrize("t,h", [(1, 33), (7, 64), (200, 16)])
+def test_every_format_and_strided_q_replays_what_python_launches(entry, fmt, t, h):
+    """q as a view into a wider tensor (token and head strides of its own), every format's argument list."""
+    module, fake, python_calls = entry
+    g = torch.Generator().manual_seed(t * h)
+    cache = PagedKVCache(fmt, num_blocks=4, block_size=64)
+    d = cache.fmt.head_dim
+
+    def args():
+        wide = torch.randn((t, h + 3, d + 64), generator=g).to(torch.bfloat16)
+        q = wide[:, 1:h + 1, 32:32 + d]  # 64-byte offset: still 16-byte aligned
+        idx = torch.randint(0, cache.rows.shape[0], (t, 48), generator=g, dtype=torch.int32)
+        return q, idx
+    q, idx = args()
+    sparse_mla_decode(q, cache, idx, 0.3, k_scale=0.5)  # recorded
+    q2, idx2 = args()
+    fake.calls.clear()
+    out, lse = sparse_mla_decode(q2, cache, idx2, 0.3, k_scale=0.5)
+    assert python_calls == ["decode"]
+    names = dict(q=q2, rows=cache.rows, idx=idx2, out=out, lse=lse)
+    replayed = _normalized(fake.calls, names)
+    module.clear()
+    fake.calls.clear()
+    out3, lse3 = sparse_mla_decode(q2, cache, idx2, 0.3, k_scale=0.5)
+    direct = _normalized(fake.calls, dict(q=q2, rows=cache.rows, idx=idx2, out=out3, lse=lse3))
+    assert replayed == direct and python_calls == ["decode"] * 2
+    assert "q" in _flat(direct[0], fake.packed) and "idx" in _flat(direct[0], fake.packed)
