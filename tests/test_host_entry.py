@@ -334,18 +334,18 @@ def _flat(call: tuple, packed: bool) -> tuple:
     return (*call[:-1], *call[-1]) if packed else call
 
 
-def _runner_step(backend="triton-portable", fmt="fp8_ds_mla", query_lens=(1, 1, 1, 1, 1)):
+def _runner_step(backend="triton-portable", fmt="fp8_ds_mla", query_lens=(1, 1, 1, 1, 1), workspace=0):
     from test_runner import BS, STRIDE, make_cache, random_batch
     from sparsemla import SparseMLA
     caches = [make_cache(fmt, 40, seed=s) for s in (0, 1)]  # two layers of one geometry
     runner = SparseMLA(16, 6, 8, 5, caches[0].fmt.head_dim, 32, fmt, backend=backend, block_size=BS,
-                       block_stride_rows=STRIDE, sm_scale=0.06, device="cpu")
+                       block_stride_rows=STRIDE, sm_scale=0.06, device="cpu", prefill_workspace_tokens=workspace)
     md, topk_local, _ = random_batch(list(query_lens), 100, 40, 32, 32, 1, seed=3)
     runner.plan(md)
     return runner, caches, md, topk_local
 
 
-@pytest.mark.parametrize("query_lens", [(1, 1, 1, 1, 1), (3, 5)], ids=["decode", "prefill"])
+@pytest.mark.parametrize("query_lens", [(1, 1, 1, 1, 1), (3, 5), (1, 1, 1, 1, 3, 5)], ids=["decode", "prefill", "mixed"])
 def test_a_runners_later_layers_are_replayed(entry, monkeypatch, query_lens):
     module, fake, _ = entry
     runner, caches, md, topk_local = _runner_step(query_lens=query_lens)
@@ -366,7 +366,7 @@ def test_a_runners_later_layers_are_replayed(entry, monkeypatch, query_lens):
     o2, lse2 = runner.run(q2, caches[1], topk2, k_scale=0.5)
     assert len(python_runs) == 2 and o2 is o and lse2 is lse  # the runner's own buffers, both ways
     direct = _normalized(fake.calls, names)
-    assert replayed == direct and len(direct) >= 2  # the conversion, the attention kernel (and the combine)
+    assert replayed == direct and len(direct) >= 2  # the conversion, the attention call(s) (and the combine)
     assert "topk" in _flat(direct[0], fake.packed) and 0.5 in _flat(direct[1], fake.packed)
     # given outputs are per-call slots
     out = torch.empty_like(o)
@@ -401,10 +401,14 @@ def test_a_runners_records_go_with_its_step(entry, monkeypatch):
         runner.run(q[:, :4].contiguous(), caches[0], topk_local)
 
 
-def test_a_runner_on_another_backend_or_a_mixed_step_is_not_recorded(entry):
+def test_a_runner_on_another_backend_upconverting_or_unaligned_is_not_recorded(entry):
     module, fake, _ = entry
-    for backend, lens in (("reference", (1, 1, 1, 1, 1)), ("triton-portable", (1, 1, 1, 3, 5))):
-        runner, caches, md, topk_local = _runner_step(backend=backend, query_lens=lens)
+    # the reference; a prefill through the bf16 workspace; a mixed step whose prefill tokens' lse starts 60 bytes in
+    # (3 decode tokens x 5 heads x 4 bytes: the Python path launches it through Triton, unaligned)
+    for backend, lens, ws in (("reference", (1, 1, 1, 1, 1), 0), ("triton", (1, 3, 5), 4096),
+                              ("triton-portable", (1, 1, 1, 3, 5), 0)):
+        runner, caches, md, topk_local = _runner_step(backend=backend, query_lens=lens, workspace=ws)
+        assert (runner._ws_rows is not None) == bool(ws)
         q = torch.randn(md.num_tokens, 5, 576).bfloat16()
         runner.run(q, caches[0], topk_local)
         runner.run(q, caches[0], topk_local)

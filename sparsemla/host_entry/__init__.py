@@ -14,10 +14,11 @@ would pass.
   backend object, by identity), q's shape and strides, the indices' width and row stride, which of valid_counts /
   out / lse are given and their strides, the device and the stream.
 - ``SparseMLA.run``: the runner and its planned step, q's shape and strides, topk_local's width and strides, the
-  given out / lse strides, the cache's format and geometry, the device and the stream.  A step whose attention is
-  one call on the whole batch (decode only, or prefill only read natively) is recorded at its first layer and
-  replayed at the others; a mixed step or a workspace upconversion takes the Python path.  :meth:`SparseMLA.plan`
-  drops the previous step's records.
+  given out / lse strides, the cache's format and geometry, the device and the stream.  A step is recorded at its
+  first layer and replayed at the others (a mixed step's two attention calls too: the prefill tokens' call reads
+  q and the outputs at a fixed offset, recorded where those rows are 16-byte aligned); a step that upconverts
+  into a bf16 workspace takes the Python path.
+  :meth:`SparseMLA.plan` drops the previous step's records.
 
 A call the entry does not handle (a wrong argument, ``check=True``, a backend other than the library's kernels, a
 bf16 workspace, a CUDA-graph capture, a profiler's launch hook, an unaligned tensor, ...) takes the Python path,
@@ -237,9 +238,11 @@ def forget_id(owner_id: int) -> None:
 class Recording:
     """The launches of one call the Python path serves, for the entry to replay under ``key``: each launch site
     adds its launch with the positions of its per-call values (:meth:`add`); a launch that cannot be recorded (one
-    through Triton's regular path, a value not where its site says) spoils the recording, and nothing is kept."""
+    through Triton's regular path, a value not where its site says) spoils the recording, and nothing is kept.
+    ``bases``: the call's own addresses that a launch's values may lie at an offset from (a runner's mixed step
+    launches its prefill tokens' call on q's and the outputs' later rows); a value without a base is the slot's."""
 
-    __slots__ = ("key", "slots", "launches", "keep", "qr_offset", "ok")
+    __slots__ = ("key", "slots", "launches", "keep", "qr_offset", "ok", "bases")
 
     def __init__(self, key: bytes, slots: frozenset):
         self.key, self.slots = key, slots
@@ -247,16 +250,19 @@ class Recording:
         self.keep: list = []
         self.qr_offset = 0
         self.ok = True
+        self.bases: dict = {}
 
     def add(self, go, grid, stream, addrs: tuple, positions: dict, values: dict) -> None:
         """One direct launch (``go`` of :mod:`sparsemla.kernels.launch`, on ``grid`` and ``stream`` with ``addrs``):
         ``positions`` maps argument positions to slot names, ``values`` the slots to this call's values.  Slots
-        this recording does not take per call are constants."""
+        this recording does not take per call are constants.  In the record a slot's position holds its offset
+        from the slot's value (entry.cpp adds it)."""
         parts = getattr(go, "parts", None)
         if parts is None or not self.ok:
             self.ok = False
             return
         kinds = [0] * len(addrs)
+        vals = list(addrs)
         for i, name in positions.items():
             if name in self.slots:
                 v = values[name]
@@ -264,12 +270,13 @@ class Recording:
                     self.ok = False
                     return
                 kinds[i] = SLOT[name]
+                vals[i] = v - self.bases[name] if name in self.bases else 0
         fn, head, tail, packed = parts
         lead = (*grid, stream, *head)
         if packed:
-            self.launches.append((fn, lead, (0,) * len(lead), (*addrs, *tail), (*kinds, *(0,) * len(tail))))
+            self.launches.append((fn, lead, (0,) * len(lead), (*vals, *tail), (*kinds, *(0,) * len(tail))))
         else:
-            self.launches.append((fn, (*lead, *addrs, *tail), (*(0,) * len(lead), *kinds, *(0,) * len(tail)),
+            self.launches.append((fn, (*lead, *vals, *tail), (*(0,) * len(lead), *kinds, *(0,) * len(tail)),
                                   None, None))
 
 

@@ -54,10 +54,12 @@ struct KeyHash {
   }
 };
 
-// One argument list: constants (owned references) and the slots filled per call.
+// One argument list: constants (owned references) and the slots filled per call, a slot's value plus an offset
+// (a runner's prefill tokens read q and the outputs some rows in; 0 elsewhere).
 struct Args {
   std::vector<PyObject*> value;  // nullptr where kind != CONST
   std::vector<int> kind;
+  std::vector<int64_t> offset;
 };
 
 struct LaunchRec {
@@ -105,6 +107,7 @@ void release(Args& a) {
   for (PyObject* o : a.value) Py_XDECREF(o);
   a.value.clear();
   a.kind.clear();
+  a.offset.clear();
 }
 
 void release(Entry& e) {
@@ -200,13 +203,34 @@ inline const at::Tensor* plain(PyObject* o) {
   return t.defined() && t.layout() == at::kStrided && !t.is_nested() ? &t : nullptr;
 }
 
-bool fill(const Args& a, PyObject* const* slot, PyObject** dst) {
+// The per-call values of one call: each pointer slot's address, the slots as Python objects, and the objects made
+// for values at an offset (released with the rest).
+struct Values {
+  uint64_t raw[NUM_SLOTS] = {0};
+  PyObject* slot[NUM_SLOTS] = {nullptr};
+  std::vector<PyObject*> made;
+  ~Values() {
+    for (PyObject* o : slot) Py_XDECREF(o);
+    for (PyObject* o : made) Py_XDECREF(o);
+  }
+};
+
+// Argument i of `a` (a borrowed reference, nullptr on failure).
+PyObject* value(const Args& a, size_t i, Values& v) {
+  const int k = a.kind[i];
+  if (k == CONST) return a.value[i];
+  if (a.offset[i] == 0) return v.slot[k];
+  PyObject* o = PyLong_FromUnsignedLongLong(v.raw[k] + static_cast<uint64_t>(a.offset[i]));
+  if (o != nullptr) v.made.push_back(o);
+  return o;
+}
+
+bool fill(const Args& a, Values& v, PyObject** dst) {
   const size_t n = a.kind.size();
   for (size_t i = 0; i < n; ++i) {
-    const int k = a.kind[i];
-    PyObject* v = k == CONST ? a.value[i] : slot[k];
-    if (v == nullptr) return false;
-    dst[i] = v;
+    PyObject* x = value(a, i, v);
+    if (x == nullptr) return false;
+    dst[i] = x;
   }
   return true;
 }
@@ -278,35 +302,34 @@ int ready_on(const at::Device& dev, long long* stream) {
   return cdev == (dev.is_cuda() ? dev.index() : -1) ? 1 : 0;  // q not on the current device: Python raises
 }
 
-// The launches of `e` with the per-call values: `slot` holds the mode's own (new references, released here); q's,
-// the rows', k_scale and the outputs' are filled here.  Returns (out, lse), or raises what a launch raised.
-PyObject* replay(const Entry& e, PyObject** slot, uint64_t pq, uint64_t pr, PyObject* ks, at::Tensor out_t,
+// The launches of `e` with the per-call values `v` (its pointer slots' addresses set by the caller, q's, the rows',
+// the outputs' and k_scale's here).  Returns (out, lse), or raises what a launch raised.
+PyObject* replay(const Entry& e, Values& v, uint64_t pq, uint64_t pr, PyObject* ks, at::Tensor out_t,
                  at::Tensor lse_t) {
-  slot[Q] = PyLong_FromUnsignedLongLong(pq);
-  slot[QR] = PyLong_FromUnsignedLongLong(pq + static_cast<uint64_t>(e.qr_offset));
-  slot[ROWS] = PyLong_FromUnsignedLongLong(pr);
-  slot[OUT] = PyLong_FromUnsignedLongLong(address(out_t));
-  slot[LSE] = PyLong_FromUnsignedLongLong(address(lse_t));
-  slot[KSCALE] = ks;
+  v.raw[Q] = pq;
+  v.raw[QR] = pq + static_cast<uint64_t>(e.qr_offset);
+  v.raw[ROWS] = pr;
+  v.raw[OUT] = address(out_t);
+  v.raw[LSE] = address(lse_t);
+  for (int k : {Q, QR, ROWS, IDX, VC, OUT, LSE, TOPK}) v.slot[k] = PyLong_FromUnsignedLongLong(v.raw[k]);
+  v.slot[KSCALE] = ks;
   Py_INCREF(ks);
-  PyObject* result = nullptr;
   bool ok = !PyErr_Occurred();  // (from here on a failure is the launch's: raised, as the Python path would)
   for (const LaunchRec& l : e.launches) {
     if (!ok) break;
     PyObject* argv[MAX_ARGS];
     const size_t n_outer = l.outer.kind.size();
-    if (n_outer + 1 > static_cast<size_t>(MAX_ARGS) || !fill(l.outer, slot, argv)) { ok = false; break; }
+    if (n_outer + 1 > static_cast<size_t>(MAX_ARGS) || !fill(l.outer, v, argv)) { ok = false; break; }
     PyObject* packed = nullptr;
     if (l.packed) {
       const size_t n_inner = l.inner.kind.size();
       packed = PyTuple_New(static_cast<Py_ssize_t>(n_inner));
       if (packed == nullptr) { ok = false; break; }
       for (size_t j = 0; ok && j < n_inner; ++j) {
-        const int k = l.inner.kind[j];
-        PyObject* v = k == CONST ? l.inner.value[j] : slot[k];
-        if (v == nullptr) { ok = false; break; }
-        Py_INCREF(v);
-        PyTuple_SET_ITEM(packed, static_cast<Py_ssize_t>(j), v);
+        PyObject* x = value(l.inner, j, v);
+        if (x == nullptr) { ok = false; break; }
+        Py_INCREF(x);
+        PyTuple_SET_ITEM(packed, static_cast<Py_ssize_t>(j), x);
       }
       if (!ok) { Py_DECREF(packed); break; }
       argv[n_outer] = packed;
@@ -316,14 +339,13 @@ PyObject* replay(const Entry& e, PyObject** slot, uint64_t pq, uint64_t pr, PyOb
     if (rv == nullptr) { ok = false; break; }
     Py_DECREF(rv);
   }
-  for (int i = 1; i < NUM_SLOTS; ++i) Py_XDECREF(slot[i]);
   if (!ok) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "sparsemla host entry: a replayed launch failed");
     return nullptr;
   }
   PyObject* po = THPVariable_Wrap(std::move(out_t));
   PyObject* pl = THPVariable_Wrap(std::move(lse_t));
-  if (po && pl) result = PyTuple_Pack(2, po, pl);
+  PyObject* result = po && pl ? PyTuple_Pack(2, po, pl) : nullptr;
   Py_XDECREF(po);
   Py_XDECREF(pl);
   return result;
@@ -390,11 +412,11 @@ PyObject* call_impl(PyObject* const* a, Py_ssize_t n) {
 
   at::Tensor out_t = out ? *out : at::empty({t, h, 512}, q->options());
   at::Tensor lse_t = lse ? *lse : at::empty({t, h}, q->options().dtype(at::kFloat));
-  PyObject* slot[NUM_SLOTS] = {nullptr};
-  slot[IDX] = PyLong_FromUnsignedLongLong(pi);
-  slot[VC] = PyLong_FromUnsignedLongLong(pv);
-  slot[SCALE] = PyFloat_FromDouble(sm_scale * LOG2E);  // the Python path's float(sm_scale) * LOG2E
-  return replay(e, slot, pq, pr, ks, std::move(out_t), std::move(lse_t));
+  Values v;
+  v.raw[IDX] = pi;
+  v.raw[VC] = pv;
+  v.slot[SCALE] = PyFloat_FromDouble(sm_scale * LOG2E);  // the Python path's float(sm_scale) * LOG2E
+  return replay(e, v, pq, pr, ks, std::move(out_t), std::move(lse_t));
 }
 
 // call(mode, q, cache, indices, sm_scale, valid_counts, k_scale, backend, out, lse, check)
@@ -485,9 +507,9 @@ PyObject* run_impl(PyObject* const* a, Py_ssize_t n) {
     Py_RETURN_NONE;  // a cache too small for the planned blocks: the Python path raises
   at::Tensor out_t = out ? *out : THPVariable_Unpack(e.out);
   at::Tensor lse_t = lse ? *lse : THPVariable_Unpack(e.lse);
-  PyObject* slot[NUM_SLOTS] = {nullptr};
-  slot[TOPK] = PyLong_FromUnsignedLongLong(pt);
-  return replay(e, slot, pq, pr, ks, std::move(out_t), std::move(lse_t));
+  Values v;
+  v.raw[TOPK] = pt;
+  return replay(e, v, pq, pr, ks, std::move(out_t), std::move(lse_t));
 }
 
 // run(runner, q, cache, topk_local, k_scale, out, lse) -> as call(), for SparseMLA.run
@@ -512,13 +534,22 @@ bool parse_args(PyObject* values, PyObject* kinds, Args* dst) {
       if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "record: a kind out of range");
       return false;
     }
-    PyObject* v = nullptr;
+    PyObject* v = PyTuple_GET_ITEM(values, i);
+    int64_t off = 0;
     if (k == CONST) {
-      v = PyTuple_GET_ITEM(values, i);
       Py_INCREF(v);
+    } else {  // a slot: its value is the offset (an int; 0 for the scales)
+      off = PyLong_AsLongLong(v);
+      if (PyErr_Occurred()) return false;
+      if (off != 0 && (k == SCALE || k == KSCALE)) {
+        PyErr_SetString(PyExc_ValueError, "record: a scale slot with an offset");
+        return false;
+      }
+      v = nullptr;
     }
     dst->value.push_back(v);
     dst->kind.push_back(static_cast<int>(k));
+    dst->offset.push_back(off);
   }
   return true;
 }

@@ -471,23 +471,31 @@ class SparseMLA:
         # Decode tokens first; padding tokens (past the planned ones) join the last group.
         nd = plan.num_decode_tokens if plan.num_tokens > plan.num_decode_tokens else t
         one_call = nd == t or (self._same_backend and not use_ws)
-        # A step whose attention is one call on the whole batch (decode only, or prefill only read natively) may be
-        # recorded for the compiled host entry: the conversion and that call's launches.
-        single = (("decode", self.decode_backend, self._decode_ws) if one_call and not use_ws else
-                  ("prefill", self.prefill_backend, self._prefill_ws) if nd == 0 and not use_ws else None)
-        if entry_key is not None and single is not None and launches_only(single[1]):
+        rec = None
+        if (entry_key is not None and not use_ws and launches_only(self.decode_backend)
+                and launches_only(self.prefill_backend)):
+            # the compiled host entry records this layer's launches (the conversion, the attention call or calls) and
+            # replays them at the step's other layers; the prefill tokens' call reads q and the outputs nd rows in
             rec = host_entry.begin(entry_key, host_entry.RUN_SLOTS)
-            try:
-                self._convert(topk_local, req, self._block_table, self.block_size, self.block_stride_rows, False,
-                              False, None, rows)
-                single[1].forward(single[0], q, cache, rows, self.sm_scale, valid, k_scale, out, lse,
-                                  workspace=single[2])
+            self._record_bases(rec, q, out, lse)
+        try:
+            self._attend(q, cache, topk_local, k_scale, out, lse, use_ws, nd, one_call, rows, req, valid)
+            if rec is not None:
                 rec.keep.append(plan)  # (its identity is in the key)
                 host_entry.commit(rec, own_out if out is own_out else None, own_lse if lse is own_lse else None,
                                   self._max_block)
-                return out, lse
-            finally:
+        finally:
+            if rec is not None:
                 host_entry.end()
+        return out, lse
+
+    def _record_bases(self, rec, q, out, lse) -> None:
+        """The addresses a recording's per-call values are offsets from (q's RoPE part 1024 bytes into its rows)."""
+        pq = q.data_ptr()
+        rec.bases = dict(q=pq, q_rope=pq + (2 * V_DIM if self.fmt.rope_dim else 0), out=out.data_ptr(),
+                         lse=lse.data_ptr())
+
+    def _attend(self, q, cache, topk_local, k_scale, out, lse, use_ws, nd, one_call, rows, req, valid) -> None:
         ws_start = None
         if use_ws:
             # Prefill requests' contexts -> bf16 workspace; their tokens' indices -> workspace rows.
@@ -503,14 +511,13 @@ class SparseMLA:
         if one_call:
             self.decode_backend.forward("decode", q, cache, rows, self.sm_scale, valid, k_scale, out, lse,
                                         workspace=self._decode_ws)
-            return out, lse
+            return
         if nd:
             self.decode_backend.forward("decode", q[:nd], cache, rows[:nd], self.sm_scale, valid[:nd], k_scale,
                                         out[:nd], lse[:nd], workspace=self._decode_ws)
         kv, ks = (self._ws_rows, 1.0) if use_ws else (cache, k_scale)  # the workspace holds dequantized values
         self.prefill_backend.forward("prefill", q[nd:], kv, rows[nd:], self.sm_scale, valid[nd:], ks, out[nd:],
                                      lse[nd:], workspace=self._prefill_ws)
-        return out, lse
 
     def _explain_q(self, q) -> None:
         check_tensor("q", q, dtype=_BF16, ndim=3, device=self.device)

@@ -135,11 +135,11 @@ def test_the_custom_op_never_replays_through_the_cached_scratch(counted, module)
 
 
 def test_a_runners_later_layers_give_the_python_paths_outputs(module):
-    """Two layers of a decode step and of a prefill step: the second replayed, bit for bit the Python path's."""
+    """Two layers of a decode, a prefill and a mixed step: the second replayed, bit for bit the Python path's."""
     from sparsemla import PagedKVCache, SparseMLA
     from sparsemla.runner import BatchMetadata
     gen = torch.Generator(device="cuda").manual_seed(5)
-    for lens in ([1] * 6, [40, 90]):
+    for lens in ([1] * 6, [40, 90], [1, 1, 1, 1, 40, 90]):
         caches = []
         for _ in range(2):
             c = PagedKVCache("fp8_ds_mla", 64, 64, "cuda")
