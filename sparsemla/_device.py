@@ -27,6 +27,8 @@ def triton_runs_on(device) -> bool:
 
 # torch.cuda.current_device() without its Python wrapper (on every call's path)
 current_cuda_index = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+# torch.cuda.is_current_stream_capturing() without its Python wrapper (on every call's path)
+stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 
 
 _PROPS: dict = {}

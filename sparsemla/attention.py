@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import host_entry
-from ._device import current_cuda_index
+from ._device import current_cuda_index, stream_capturing as _capturing
 from ._validate import SCALE_MAX, SCALE_MIN, check_current_device, check_k_scale, check_sm_scale, check_tensor
 from .backends import registry
 from .backends.triton_native import launches_only
@@ -30,8 +30,6 @@ from .formats import get_format
 
 V_DIM = 512
 MAX_HEADS = registry.MAX_HEADS
-# torch.cuda.is_current_stream_capturing() without its Python wrapper (this is on every call's path)
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 _BF16, _I32, _F32 = torch.bfloat16, torch.int32, torch.float32
 
 

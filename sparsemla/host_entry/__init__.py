@@ -166,12 +166,12 @@ def _configure(m, *, allow_cpu: bool = False, **probes) -> None:
     import torch
     from triton import knobs
 
+    from .._device import current_cuda_index, stream_capturing
     from .._validate import SCALE_MAX, SCALE_MIN
     from ..cache import PagedKVCache
-    p = dict(get_device=getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device),
+    p = dict(get_device=current_cuda_index,
              get_stream=getattr(torch._C, "_cuda_getCurrentRawStream", None) or _raw_stream,
-             capturing=getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing),
-             runtime=knobs.runtime, local=LAUNCHER_STATE)
+             capturing=stream_capturing, runtime=knobs.runtime, local=LAUNCHER_STATE)
     p.update(probes)
     m.configure(PagedKVCache, p["get_device"], p["get_stream"], p["capturing"], p["runtime"], p["local"],
                 float(SCALE_MIN), float(SCALE_MAX), allow_cpu)

@@ -419,18 +419,6 @@ PyObject* call_impl(PyObject* const* a, Py_ssize_t n) {
   return replay(e, v, pq, pr, ks, std::move(out_t), std::move(lse_t));
 }
 
-// call(mode, q, cache, indices, sm_scale, valid_counts, k_scale, backend, out, lse, check)
-//   -> (out, lse) replayed | bytes (eligible, not recorded) | None (the Python path)
-PyObject* call(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  try {
-    return call_impl(a, n);
-  } catch (const std::exception&) {
-    // a tensor property torch refuses, an allocation that failed, ...: the Python path serves (or raises)
-    if (PyErr_Occurred()) PyErr_Clear();
-    Py_RETURN_NONE;
-  }
-}
-
 // An int attribute of `o` (false where it is missing or not an int).
 bool int_attr(PyObject* o, PyObject* name, int64_t* v) {
   PyObject* x = PyObject_GetAttr(o, name);
@@ -512,10 +500,15 @@ PyObject* run_impl(PyObject* const* a, Py_ssize_t n) {
   return replay(e, v, pq, pr, ks, std::move(out_t), std::move(lse_t));
 }
 
-// run(runner, q, cache, topk_local, k_scale, out, lse) -> as call(), for SparseMLA.run
-PyObject* run(PyObject*, PyObject* const* a, Py_ssize_t n) {
+// An entry point: `impl`, with a C++ exception (a tensor property torch refuses, an allocation that failed, ...)
+// sending the call to the Python path, which serves it or raises.
+//   call(mode, q, cache, indices, sm_scale, valid_counts, k_scale, backend, out, lse, check)
+//   run(runner, q, cache, topk_local, k_scale, out, lse)          (SparseMLA.run)
+//   -> (out, lse) replayed | bytes (eligible, not recorded) | None (the Python path)
+template <PyObject* (*impl)(PyObject* const*, Py_ssize_t)>
+PyObject* guarded(PyObject*, PyObject* const* a, Py_ssize_t n) {
   try {
-    return run_impl(a, n);
+    return impl(a, n);
   } catch (const std::exception&) {
     if (PyErr_Occurred()) PyErr_Clear();
     Py_RETURN_NONE;
@@ -665,9 +658,9 @@ PyObject* configure(PyObject*, PyObject* const* a, Py_ssize_t n) {
 }
 
 PyMethodDef kMethods[] = {
-    {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(call)), METH_FASTCALL,
+    {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(guarded<call_impl>)), METH_FASTCALL,
      "call(mode, q, cache, indices, sm_scale, valid_counts, k_scale, backend, out, lse, check)"},
-    {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(run)), METH_FASTCALL,
+    {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(guarded<run_impl>)), METH_FASTCALL,
      "run(runner, q, cache, topk_local, k_scale, out, lse)"},
     {"record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(record)), METH_FASTCALL,
      "record(key, qr_offset, keep, launches, out, lse, max_block)"},

@@ -37,7 +37,7 @@ import torch
 
 from .. import host_entry
 from .. import plan as _plan
-from .._device import capability, interpreting, num_sms
+from .._device import capability, interpreting, num_sms, stream_capturing as _capturing
 from ..formats import get_format
 from .combine import combine_kernel
 from .launch import Launch, direct_context
@@ -55,8 +55,6 @@ _TAKES_K_SCALE = ("portable-fp8", "portable-wide", "sm90-few", "sm90-wide", "sm9
 HEADER = 4
 
 _LAUNCHES: dict = {}
-# torch.cuda.is_current_stream_capturing() without its Python wrapper (on the path of every split call)
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 
 
 def _sm90_launch(plan, fmt, has_vc: bool, fused: bool) -> Launch:
