@@ -85,6 +85,7 @@ def entry(request, module, monkeypatch):
     monkeypatch.setattr(H, "_module", module)
     monkeypatch.setattr(H, "call", module.call)
     monkeypatch.setattr(H, "run", module.run)
+    monkeypatch.setattr(H, "layer", module.layer)
     python_calls = []
     real_call = A._call
     monkeypatch.setattr(A, "_call", lambda *a: python_calls.append(a[0]) or real_call(*a))
@@ -323,7 +324,7 @@ def test_a_process_with_records_exits_cleanly(module, tmp_path):
         "from sparsemla import PagedKVCache\n"
         "m = H._build()\n"
         "H._configure(m, allow_cpu=True, get_device=lambda: -1, get_stream=lambda d: 0, capturing=lambda: False)\n"
-        "m.record(bytes(192), 0, (object(), torch.zeros(3)), ((print, (1, 2), (0, 0), None, None),), None, None, -1)\n"
+        "m.record(bytes(256), 0, (object(), torch.zeros(3)), ((print, (1, 2), (0, 0), None, None),), None, None, -1)\n"
         "assert m.size() == 1\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -458,3 +459,101 @@ def test_every_format_and_strided_q_replays_what_python_launches(entry, fmt, t, 
     direct = _normalized(fake.calls, dict(q=q2, rows=cache.rows, idx=idx2, out=out3, lse=lse3))
     assert replayed == direct and python_calls == ["decode"] * 2
     assert "q" in _flat(direct[0], fake.packed) and "idx" in _flat(direct[0], fake.packed)
+
+
+@pytest.mark.parametrize("fmt_name,head,pair", [("fp8_ds_mla", 576, True), ("fp8_ds_mla", 576, False),
+                                                 ("fp8", 576, True), ("bfloat16", 512, False)])
+@pytest.mark.parametrize("counts", [[37, 0, 130], [2048]], ids=["t3", "t1-split"])
+def test_a_vllm_layers_later_calls_are_replayed(entry, monkeypatch, fmt_name, head, pair, counts):
+    """LayerAttention.forward (native backend): the first layer's call of a token count is recorded, the next layer's
+    (same settings, another cache view of the same tensor, new q, indices, counts and k_scale) is replayed with
+    exactly the Python path's launches, into the workspace's views."""
+    from sparsemla.integrations.vllm import contract
+    from sparsemla.integrations.vllm.contract import LayerAttention, Workspace, resolve_format
+    from sparsemla.integrations.vllm.testing import LayeredCache, query_pair, topk_rows
+    module, fake, _ = entry
+    fmt = resolve_format(fmt_name, head)
+    first = LayeredCache(fmt, fmt_name, 40, 64, layer=0, seed=0)
+    second = LayeredCache(fmt, fmt_name, 40, 64, layer=1, seed=1, storage=first.storage)
+    ws = Workspace(fmt, 8, 16, 2048, "cpu")
+    layers = [LayerAttention(ws, fmt_name, head, 0.07), LayerAttention(ws, fmt_name, head, 0.09)]
+    python = []
+    real = contract._launch
+    monkeypatch.setattr(contract, "_launch", lambda *a: python.append(1) or real(*a))
+    t = len(counts)
+
+    def query(seed):
+        if pair:
+            return query_pair(t, 16, fmt.rope_dim, seed=seed)
+        return torch.randn((t, 16, head), generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    idx, vc = topk_rows(first, counts, 2048, seed=3)
+    out, lse = layers[0].forward(query(4), first.view, idx, vc, 1.0)  # Python, recorded
+    assert python == [1] and module.size() == 1
+    q2 = query(5)
+    idx2, vc2 = topk_rows(second, counts, 2048, seed=6)
+    fake.calls.clear()
+    r = layers[1].forward(q2, second.view, idx2, vc2, 0.5)
+    assert python == [1], "not replayed"
+    assert r[0] is out and r[1] is lse  # the workspace's views, as the Python path returns them
+    qs = dict(q=q2[0], q_pe=q2[1]) if pair else dict(q=q2)
+    names = dict(**qs, rows=second.view, indices=idx2, vc=vc2, out=out, lse=lse)
+    replayed = _normalized(fake.calls, names)
+    module.clear()
+    fake.calls.clear()
+    r2 = layers[1].forward(q2, second.view, idx2, vc2, 0.5)
+    assert python == [1, 1] and r2[0] is out and r2[1] is lse
+    direct = _normalized(fake.calls, names)
+    assert replayed == direct and len(direct) >= 1  # (the kernel, and the combine where it splits)
+    flat = _flat(direct[0], fake.packed)
+    assert {"q", "rows", "indices", "vc"} <= set(flat) and 0.09 * 1.4426950408889634 in flat
+    assert ("q_pe" in flat) == pair and (0.5 in flat or fmt_name != "fp8")
+
+
+def test_a_vllm_layer_call_the_entry_must_not_replay(entry, monkeypatch):
+    """Another backend, another workspace, a NoPE pair, unaligned q, a cache of another geometry, an int k_scale:
+    the Python path (which raises where an argument is wrong)."""
+    import gc
+
+    from sparsemla.integrations.vllm import contract
+    from sparsemla.integrations.vllm.contract import LayerAttention, Workspace, resolve_format
+    from sparsemla.integrations.vllm.testing import LayeredCache, query_pair, topk_rows
+    module, fake, _ = entry
+    fmt = resolve_format("fp8_ds_mla", 576)
+    cache = LayeredCache(fmt, "fp8_ds_mla", 40, 64, seed=0)
+    ws = Workspace(fmt, 8, 16, 2048, "cpu")
+    layer = LayerAttention(ws, "fp8_ds_mla", 576, 0.07)
+    idx, vc = topk_rows(cache, [40, 3], 2048, seed=3)
+    q = query_pair(2, 16, 64)
+    python = []
+    real = contract._launch
+    monkeypatch.setattr(contract, "_launch", lambda *a: python.append(1) or real(*a))
+    layer.forward(q, cache.view, idx, vc)
+    layer.forward(q, cache.view, idx, vc)
+    assert python == [1] and module.size() == 1
+    # a workspace of its own: its own record
+    ws2 = Workspace(fmt, 8, 16, 2048, "cpu")
+    layer.forward(q, cache.view, idx, vc, workspace=ws2)
+    assert python == [1, 1] and module.size() == 2
+    # unaligned q_pe (the Python path serves it, nothing recorded)
+    pe = torch.empty(2, 16, 72, dtype=torch.bfloat16)[..., 1:65]
+    pe.copy_(q[1])
+    layer.forward((q[0], pe), cache.view, idx, vc)
+    layer.forward((q[0], pe), cache.view, idx, vc)
+    assert python == [1, 1, 1, 1] and module.size() == 2
+    # an int k_scale, a cache view of another geometry: the Python path
+    layer.forward(q, cache.view, idx, vc, 1)
+    small = LayeredCache(fmt, "fp8_ds_mla", 20, 64, seed=0)
+    layer.forward(q, small.view, torch.where(idx < 20 * 64, idx, -1), vc)
+    assert python == [1, 1, 1, 1, 1, 1]
+    # a wrong argument still raises (the Python path serves it)
+    with pytest.raises(ValueError):
+        layer.forward(q, cache.view, idx[:, :1000].clone(), vc[:1])
+    # other settings: a layer on the reference backend is never recorded
+    ref = LayerAttention(ws, "fp8_ds_mla", 576, 0.07, backend="reference")
+    n = module.size()
+    ref.forward(q, cache.view, idx, vc)
+    assert module.size() == n
+    # a workspace that goes takes its records with it
+    del ws2
+    gc.collect()
+    assert module.size() == n - 1

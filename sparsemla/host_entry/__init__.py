@@ -45,6 +45,8 @@ SLOT = {name: i for i, name in enumerate(SLOTS)}
 # the runner's own, fixed for a planned step; its topk_local is per call).
 CALL_SLOTS = frozenset(("q", "q_rope", "rows", "indices", "valid_counts", "out", "lse", "scale", "k_scale"))
 RUN_SLOTS = frozenset(("q", "q_rope", "rows", "out", "lse", "k_scale", "topk"))
+# A vLLM layer's call takes the functional call's values (its outputs are the workspace's views for its token count).
+LAYER_SLOTS = CALL_SLOTS
 ENV = "SPARSEMLA_HOST_ENTRY"
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "entry.cpp")
@@ -74,9 +76,18 @@ def _first_run(runner, q, *rest):
     return run(runner, q, *rest)
 
 
+def _first_layer(ws, config, q, *rest):
+    """``layer`` until the entry is loaded (as :func:`_first_call`; q may be a pair)."""
+    q0 = q[0] if type(q) is tuple and q else q
+    if getattr(q0, "is_cuda", False) is not True:
+        return None
+    _install(load())
+    return layer(ws, config, q, *rest)
+
+
 def _install(m) -> None:
-    global call, run
-    call, run = (m.call, m.run) if m is not None else (_no_entry, _no_entry)
+    global call, run, layer
+    call, run, layer = (m.call, m.run, m.layer) if m is not None else (_no_entry, _no_entry, _no_entry)
 
 
 def _no_entry(*args):
@@ -89,6 +100,9 @@ def _no_entry(*args):
 call = _first_call
 # run(runner, q, cache, topk_local, k_scale, out, lse): the same for SparseMLA.run.
 run = _first_run
+# layer(workspace, config, q, kv_cache, indices, valid_counts, sm_scale, k_scale): the same for one vLLM layer's call
+# (sparsemla.integrations.vllm.LayerAttention, native backend); q: a tensor or the (ql_nope, q_pe) pair.
+layer = _first_layer
 
 
 def _name() -> str:
@@ -200,13 +214,13 @@ def disable() -> None:
 
 def enable() -> None:
     """Undo :func:`disable` (the entry loads at the next call on a CUDA tensor)."""
-    global _disabled, call, run, _reason
+    global _disabled, call, run, layer, _reason
     with _lock:
         _disabled = False
         if _module is not None:
             _install(_module)
         else:
-            call, run = _first_call, _first_run
+            call, run, layer = _first_call, _first_run, _first_layer
             _reason = "not loaded yet (the first call on a CUDA tensor loads it)"
 
 
@@ -225,7 +239,8 @@ def clear() -> None:
 
 
 def forget(owner) -> None:
-    """Forget the recorded runs of a :class:`~sparsemla.SparseMLA` (its next step is planned, or it is gone)."""
+    """Forget the records of a :class:`~sparsemla.SparseMLA` (its next step is planned, or it is gone) or of a vLLM
+    workspace (it is gone)."""
     forget_id(id(owner))
 
 
@@ -240,17 +255,20 @@ class Recording:
     adds its launch with the positions of its per-call values (:meth:`add`); a launch that cannot be recorded (one
     through Triton's regular path, a value not where its site says) spoils the recording, and nothing is kept.
     ``bases``: the call's own addresses that a launch's values may lie at an offset from (a runner's mixed step
-    launches its prefill tokens' call on q's and the outputs' later rows); a value without a base is the slot's."""
+    launches its prefill tokens' call on q's and the outputs' later rows); a value without a base is the slot's.
+    ``qr_own``: q's RoPE part is a tensor of its own (a vLLM layer's (ql_nope, q_pe) pair), whose address the entry
+    takes per call; otherwise it lies ``qr_offset`` bytes after q's."""
 
-    __slots__ = ("key", "slots", "launches", "keep", "qr_offset", "ok", "bases")
+    __slots__ = ("key", "slots", "launches", "keep", "qr_offset", "ok", "bases", "qr_own")
 
-    def __init__(self, key: bytes, slots: frozenset):
+    def __init__(self, key: bytes, slots: frozenset, qr_own: bool = False):
         self.key, self.slots = key, slots
         self.launches: list = []
         self.keep: list = []
         self.qr_offset = 0
         self.ok = True
         self.bases: dict = {}
+        self.qr_own = qr_own
 
     def add(self, go, grid, stream, addrs: tuple, positions: dict, values: dict) -> None:
         """One direct launch (``go`` of :mod:`sparsemla.kernels.launch`, on ``grid`` and ``stream`` with ``addrs``):
@@ -280,9 +298,9 @@ class Recording:
                                   None, None))
 
 
-def begin(key: bytes, slots: frozenset = CALL_SLOTS) -> Recording:
+def begin(key: bytes, slots: frozenset = CALL_SLOTS, qr_own: bool = False) -> Recording:
     """The Python path serves a call the entry may record under ``key``; the launch sites add to the recording."""
-    rec = _pending.rec = Recording(key, slots)
+    rec = _pending.rec = Recording(key, slots, qr_own)
     return rec
 
 
@@ -292,8 +310,9 @@ def active() -> Optional[Recording]:
 
 
 def commit(rec: Recording, out=None, lse=None, max_block: int = -1) -> None:
-    """Keep ``rec`` if every launch of its call was recorded (``out`` / ``lse``: a runner's own outputs, returned by
-    a replayed call that passes none; ``max_block``: a runner's largest planned block id)."""
+    """Keep ``rec`` if every launch of its call was recorded (``out`` / ``lse``: a runner's own outputs or a vLLM
+    workspace's views, returned by a replayed call that passes none; ``max_block``: a runner's largest planned
+    block id)."""
     if rec.ok and rec.launches and _module is not None:
         try:
             _module.record(rec.key, rec.qr_offset, tuple(rec.keep), tuple(rec.launches), out, lse, max_block)
@@ -305,4 +324,4 @@ def end() -> None:
     _pending.rec = None
 
 
-__all__ = ["SLOTS", "Recording", "build", "call", "clear", "disable", "enable", "load", "run", "status"]
+__all__ = ["SLOTS", "Recording", "build", "call", "clear", "disable", "enable", "layer", "load", "run", "status"]

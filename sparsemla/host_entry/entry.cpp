@@ -34,12 +34,12 @@ namespace {
 enum Slot : int { CONST = 0, Q, QR, ROWS, IDX, VC, OUT, LSE, SCALE, KSCALE, TOPK, NUM_SLOTS };
 
 constexpr double LOG2E = 1.4426950408889634;
-constexpr int KEY_WORDS = 24;
+constexpr int KEY_WORDS = 32;
 constexpr size_t MAX_ENTRIES = 4096;
 constexpr Py_ssize_t MAX_ARGS = 96;
 
 struct Key {
-  int64_t w[KEY_WORDS];
+  int64_t w[KEY_WORDS] = {0};  // (words a key does not use stay 0)
   bool operator==(const Key& o) const { return std::memcmp(w, o.w, sizeof(w)) == 0; }
 };
 
@@ -302,12 +302,12 @@ int ready_on(const at::Device& dev, long long* stream) {
   return cdev == (dev.is_cuda() ? dev.index() : -1) ? 1 : 0;  // q not on the current device: Python raises
 }
 
-// The launches of `e` with the per-call values `v` (its pointer slots' addresses set by the caller, q's, the rows',
-// the outputs' and k_scale's here).  Returns (out, lse), or raises what a launch raised.
-PyObject* replay(const Entry& e, Values& v, uint64_t pq, uint64_t pr, PyObject* ks, at::Tensor out_t,
+// The launches of `e` with the per-call values `v` (its pointer slots' addresses set by the caller, q's, its RoPE
+// part's, the rows', the outputs' and k_scale's here).  Returns (out, lse), or raises what a launch raised.
+PyObject* replay(const Entry& e, Values& v, uint64_t pq, uint64_t pqr, uint64_t pr, PyObject* ks, at::Tensor out_t,
                  at::Tensor lse_t) {
   v.raw[Q] = pq;
-  v.raw[QR] = pq + static_cast<uint64_t>(e.qr_offset);
+  v.raw[QR] = pqr;
   v.raw[ROWS] = pr;
   v.raw[OUT] = address(out_t);
   v.raw[LSE] = address(lse_t);
@@ -403,7 +403,6 @@ PyObject* call_impl(PyObject* const* a, Py_ssize_t n) {
   w[13] = lse != nullptr; w[14] = lse ? lse->stride(0) : 0; w[15] = lse ? lse->stride(1) : 0;
   w[16] = qdev; w[17] = stream;
   w[18] = reinterpret_cast<int64_t>(backend);  // "auto", a name or a Backend, by identity (the record keeps it)
-  for (int i = 19; i < KEY_WORDS; ++i) w[i] = 0;
   if (PyErr_Occurred()) return nullptr;
   auto it = g_entries.find(key);
   if (it == g_entries.end()) return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(w), sizeof(key.w));
@@ -416,7 +415,7 @@ PyObject* call_impl(PyObject* const* a, Py_ssize_t n) {
   v.raw[IDX] = pi;
   v.raw[VC] = pv;
   v.slot[SCALE] = PyFloat_FromDouble(sm_scale * LOG2E);  // the Python path's float(sm_scale) * LOG2E
-  return replay(e, v, pq, pr, ks, std::move(out_t), std::move(lse_t));
+  return replay(e, v, pq, pq + static_cast<uint64_t>(e.qr_offset), pr, ks, std::move(out_t), std::move(lse_t));
 }
 
 // An int attribute of `o` (false where it is missing or not an int).
@@ -486,7 +485,7 @@ PyObject* run_impl(PyObject* const* a, Py_ssize_t n) {
   w[11] = out != nullptr; w[12] = out ? out->stride(0) : 0; w[13] = out ? out->stride(1) : 0;
   w[14] = lse != nullptr; w[15] = lse ? lse->stride(0) : 0; w[16] = lse ? lse->stride(1) : 0;
   w[17] = reinterpret_cast<int64_t>(fmt); w[18] = block_size; w[19] = block_stride;
-  w[20] = qdev; w[21] = stream; w[22] = 0; w[23] = 0;
+  w[20] = qdev; w[21] = stream;
   auto it = g_entries.find(key);
   if (it == g_entries.end()) return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(w), sizeof(key.w));
   const std::shared_ptr<Entry> held = it->second;
@@ -497,13 +496,86 @@ PyObject* run_impl(PyObject* const* a, Py_ssize_t n) {
   at::Tensor lse_t = lse ? *lse : THPVariable_Unpack(e.lse);
   Values v;
   v.raw[TOPK] = pt;
-  return replay(e, v, pq, pr, ks, std::move(out_t), std::move(lse_t));
+  return replay(e, v, pq, pq + static_cast<uint64_t>(e.qr_offset), pr, ks, std::move(out_t), std::move(lse_t));
+}
+
+// One vLLM layer's call (sparsemla.integrations.vllm.LayerAttention.forward, the native backend): the outputs are
+// the workspace's views for t tokens, kept by the record; q is one tensor or a (ql_nope, q_pe) pair.
+PyObject* layer_impl(PyObject* const* a, Py_ssize_t n) {
+  if (n != 8 || g_cache_type == nullptr) Py_RETURN_NONE;
+  PyObject *ws = a[0], *config = a[1], *qo = a[2], *kvo = a[3], *io = a[4], *vco = a[5], *sm = a[6], *ks = a[7];
+  double sm_scale, k_scale;
+  if (!exact_float(sm, &sm_scale) || !(sm_scale >= g_scale_min && sm_scale <= g_scale_max)) Py_RETURN_NONE;
+  if (!exact_float(ks, &k_scale) || !(k_scale >= g_scale_min && k_scale <= g_scale_max)) Py_RETURN_NONE;
+  const at::Tensor *q, *qpe = nullptr;
+  int64_t t, h, d, dpe = 0;
+  if (PyTuple_CheckExact(qo)) {  // vLLM's (ql_nope, q_pe): both read in place
+    if (PyTuple_GET_SIZE(qo) != 2 || !query(PyTuple_GET_ITEM(qo, 0), &q, &t, &h, &d)) Py_RETURN_NONE;
+    int64_t t2, h2;
+    if (!query(PyTuple_GET_ITEM(qo, 1), &qpe, &t2, &h2, &dpe) || t2 != t || h2 != h || dpe < 1 ||
+        qpe->device() != q->device())
+      Py_RETURN_NONE;  // (a NoPE pair, whose q_pe is not read, takes the Python path)
+  } else if (!query(qo, &q, &t, &h, &d)) {
+    Py_RETURN_NONE;
+  }
+  const at::Device dev = q->device();
+  const at::Tensor* kv = plain(kvo);
+  if (kv == nullptr || (kv->dim() != 3 && kv->dim() != 4) || kv->device() != dev) Py_RETURN_NONE;
+  const at::Tensor* idx = plain(io);
+  if (idx == nullptr || idx->dim() != 2 || idx->scalar_type() != at::kInt || idx->size(0) != t || idx->stride(1) != 1 ||
+      idx->device() != dev)
+    Py_RETURN_NONE;
+  const at::Tensor* vc = nullptr;
+  if (vco != Py_None) {
+    vc = plain(vco);
+    if (vc == nullptr || vc->dim() != 1 || vc->scalar_type() != at::kInt || vc->size(0) != t ||
+        vc->stride(0) != 1 || vc->device() != dev)
+      Py_RETURN_NONE;
+  }
+  long long stream = 0;
+  const int ready = ready_on(dev, &stream);
+  if (ready < 0) return nullptr;
+  if (ready == 0) Py_RETURN_NONE;
+  const long long qdev = dev.is_cuda() ? dev.index() : -1;
+
+  const uint64_t pq = address(*q), pqr = qpe ? address(*qpe) : 0, pr = address(*kv), pi = address(*idx),
+                 pv = vc ? address(*vc) : pi;
+  if ((pq | pqr | pr | pi | pv) & 15) Py_RETURN_NONE;
+
+  Key key;
+  int64_t* w = key.w;
+  w[0] = 3;  // a vLLM layer
+  w[1] = reinterpret_cast<int64_t>(ws);      // the workspace (its outputs, plans and partials)
+  w[2] = reinterpret_cast<int64_t>(config);  // the layers' shared settings (cache dtype, head size, model dtype)
+  w[3] = t; w[4] = h; w[5] = d;
+  w[6] = q->stride(0); w[7] = q->stride(1);
+  w[8] = dpe; w[9] = qpe ? qpe->stride(0) : 0; w[10] = qpe ? qpe->stride(1) : 0;
+  w[11] = idx->size(1); w[12] = idx->stride(0);
+  w[13] = vc != nullptr;
+  w[14] = static_cast<int64_t>(kv->scalar_type()); w[15] = kv->dim();
+  for (int64_t i = 0; i < kv->dim(); ++i) {  // (the format was checked against this geometry when recorded)
+    w[16 + i] = kv->size(i);
+    w[20 + i] = kv->stride(i);
+  }
+  w[24] = qdev; w[25] = stream;
+  auto it = g_entries.find(key);
+  if (it == g_entries.end()) return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(w), sizeof(key.w));
+  const std::shared_ptr<Entry> held = it->second;
+  const Entry& e = *held;
+  if (e.out == nullptr || e.lse == nullptr) Py_RETURN_NONE;
+  Values v;
+  v.raw[IDX] = pi;
+  v.raw[VC] = pv;
+  v.slot[SCALE] = PyFloat_FromDouble(sm_scale * LOG2E);
+  return replay(e, v, pq, qpe ? pqr : pq + static_cast<uint64_t>(e.qr_offset), pr, ks, THPVariable_Unpack(e.out),
+                THPVariable_Unpack(e.lse));
 }
 
 // An entry point: `impl`, with a C++ exception (a tensor property torch refuses, an allocation that failed, ...)
 // sending the call to the Python path, which serves it or raises.
 //   call(mode, q, cache, indices, sm_scale, valid_counts, k_scale, backend, out, lse, check)
 //   run(runner, q, cache, topk_local, k_scale, out, lse)          (SparseMLA.run)
+//   layer(workspace, config, q, kv_cache, indices, valid_counts, sm_scale, k_scale)   (vLLM's LayerAttention)
 //   -> (out, lse) replayed | bytes (eligible, not recorded) | None (the Python path)
 template <PyObject* (*impl)(PyObject* const*, Py_ssize_t)>
 PyObject* guarded(PyObject*, PyObject* const* a, Py_ssize_t n) {
@@ -606,13 +678,13 @@ PyObject* clear(PyObject*, PyObject*) {
 
 PyObject* size(PyObject*, PyObject*) { return PyLong_FromSize_t(g_entries.size()); }
 
-// forget(runner_id): drop the recorded runs of one SparseMLA (keyed by its id).
+// forget(owner_id): drop the records of one SparseMLA or one vLLM workspace (keyed by its id).
 PyObject* forget(PyObject*, PyObject* arg) {
   const long long id = PyLong_AsLongLong(arg);
   if (PyErr_Occurred()) return nullptr;
   Map dropped;  // (released after the map is consistent again)
   for (auto it = g_entries.begin(); it != g_entries.end();) {
-    if (it->first.w[0] == 2 && it->first.w[1] == id) {
+    if ((it->first.w[0] == 2 || it->first.w[0] == 3) && it->first.w[1] == id) {
       dropped.emplace(it->first, std::move(it->second));
       it = g_entries.erase(it);
     } else {
@@ -662,13 +734,15 @@ PyMethodDef kMethods[] = {
      "call(mode, q, cache, indices, sm_scale, valid_counts, k_scale, backend, out, lse, check)"},
     {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(guarded<run_impl>)), METH_FASTCALL,
      "run(runner, q, cache, topk_local, k_scale, out, lse)"},
+    {"layer", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(guarded<layer_impl>)), METH_FASTCALL,
+     "layer(workspace, config, q, kv_cache, indices, valid_counts, sm_scale, k_scale)"},
     {"record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(record)), METH_FASTCALL,
      "record(key, qr_offset, keep, launches, out, lse, max_block)"},
     {"configure", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(configure)), METH_FASTCALL,
      "configure(cache_type, get_device, get_stream, capturing, runtime, local, scale_min, scale_max, allow_cpu)"},
     {"clear", clear, METH_NOARGS, "forget every recorded configuration"},
     {"size", size, METH_NOARGS, "the number of recorded configurations"},
-    {"forget", forget, METH_O, "forget(runner_id): drop one SparseMLA's recorded runs"},
+    {"forget", forget, METH_O, "forget(owner_id): drop the records of one SparseMLA or vLLM workspace"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "sparsemla_host_entry", nullptr, -1, kMethods,

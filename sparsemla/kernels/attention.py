@@ -141,7 +141,7 @@ def plan_for(q: torch.Tensor, rows: torch.Tensor, fmt, topk: int, *, fp8_qk: boo
     for tests and benchmarks; ``q_pe``: the query's RoPE part in its own tensor, as :func:`attention_fwd` takes
     it)."""
     facts = _device_facts(q.device)
-    qs, shape = q.stride(), q.shape
+    shape = q.shape
     q_aligned = _rows_aligned(q) and (q_pe is None or _rows_aligned(q_pe))
     return _plan._plan("staged" if staged else fmt.name, shape[0], shape[1], topk, facts[0], facts[1], fp8_qk,
                        portable, interpreting(), q_aligned, not (rows.data_ptr() & 15), kernel, None,
@@ -428,9 +428,11 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
     rec = host_entry.active()
     if rec is not None:
         # a call the compiled host entry may replay (sparsemla.host_entry): only direct launches, the partials (if
-        # any) in a buffer that outlives the call (the cached scratch, a runner's), q in one tensor
-        if direct and q_pe is None and (not b.n_all or cached or split_buffers is not None):
-            rec.qr_offset = pqr - pq
+        # any) in a buffer that outlives the call (the cached scratch, a runner's), q in one tensor (or a pair where
+        # the recording takes q_pe's address per call)
+        if direct and (q_pe is not None) == rec.qr_own and (not b.n_all or cached or split_buffers is not None):
+            if q_pe is None:
+                rec.qr_offset = pqr - pq
             # (the partials' buffer, which the record's constants point into; never the call's own outputs)
             rec.keep += (b.fmt, o_dst, l_dst) if b.n_all else (b.fmt,)
             _record(rec, b, launch, ctx, addrs, caddrs,

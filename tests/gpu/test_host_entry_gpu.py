@@ -165,3 +165,42 @@ def test_a_runners_later_layers_give_the_python_paths_outputs(module):
         ref = runner._run(q, caches[1], topk, 0.5, None, None, None)
         torch.cuda.synchronize()
         assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1]), lens
+
+
+@pytest.mark.parametrize("fmt_name,head,heads,counts", [("fp8_ds_mla", 576, 16, [37, 0, 130]),
+                                                        ("fp8_ds_mla", 576, 64, [2048]),
+                                                        ("nvfp4_ds_mla", 576, 128, [300, 2]),
+                                                        ("fp8", 576, 33, [90, 5]),
+                                                        ("bfloat16", 512, 64, [64, 7])])
+def test_a_vllm_layers_replayed_call_gives_the_python_paths_outputs(module, fmt_name, head, heads, counts):
+    """Two layers of one cache tensor (vLLM's layout), the second replayed, bit for bit the Python path's."""
+    from sparsemla.integrations.vllm import contract
+    from sparsemla.integrations.vllm.contract import LayerAttention, Workspace, resolve_format
+    from sparsemla.integrations.vllm.testing import LayeredCache, query_pair, topk_rows
+    fmt = resolve_format(fmt_name, head)
+    first = LayeredCache(fmt, fmt_name, 40, 64, layer=0, seed=0, device="cuda")
+    second = LayeredCache(fmt, fmt_name, 40, 64, layer=1, seed=1, storage=first.storage, device="cuda")
+    ws = Workspace(fmt, 8, heads, 2048, "cuda")
+    layers = [LayerAttention(ws, fmt_name, head, 0.07), LayerAttention(ws, fmt_name, head, 0.09)]
+    t = len(counts)
+    pair = tuple(x.cuda() for x in query_pair(t, heads, fmt.rope_dim, seed=4)) if fmt.rope_dim else None
+    q = pair if pair is not None else torch.randn(t, heads, head, device="cuda").to(torch.bfloat16)
+    idx, vc = (x.cuda() for x in topk_rows(first, counts, 2048, seed=3))
+    layers[0].forward(q, first.view, idx, vc, 1.0)  # compiles
+    module.clear()
+    layers[0].forward(q, first.view, idx, vc, 1.0)  # recorded
+    assert module.size() == 1, host_entry.status()
+    seen = []
+    real = contract._launch
+    contract._launch = lambda *a: seen.append(1) or real(*a)
+    try:
+        out, lse = (x.clone() for x in layers[1].forward(q, second.view, idx, vc, 0.5))  # replayed
+        assert not seen, "not replayed"
+        module.clear()
+        ref = [x.clone() for x in layers[1].forward(q, second.view, idx, vc, 0.5)]
+        assert seen
+    finally:
+        contract._launch = real
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref[0]) and torch.equal(lse.nan_to_num(), ref[1].nan_to_num())
+    assert torch.isfinite(out).all()

@@ -32,10 +32,12 @@ layer: its softmax scale, its cache view (checked once per cache tensor), and th
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Tuple, Union
 
 import torch
 
+from ... import host_entry
 from ...formats import KVFormat, from_vllm
 from ...plan import plan_attention, unavailable_set
 
@@ -195,6 +197,7 @@ class Workspace:
         self._qviews: dict = {}
         self._plans: dict = {}
         self._plans_under = unavailable_set()
+        weakref.finalize(self, host_entry.forget_id, id(self))  # (the host entry's records of its calls)
 
     @property
     def nbytes(self) -> int:
@@ -248,6 +251,7 @@ class Workspace:
 # one layer
 # ------------------------------------------------------------------------------------------------------------
 _BF16, _I32, _Tensor = torch.bfloat16, torch.int32, torch.Tensor
+_CONFIGS: dict = {}  # a layer's settings -> the object the host entry's key holds for them
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -285,6 +289,9 @@ class LayerAttention:
         self.kv_cache_dtype, self.head_size, self.model_dtype = kv_cache_dtype, head_size, model_dtype
         self.sm_scale = sm_scale
         self.backend = backend
+        self._native = backend == "native"
+        # layers of equal settings share one object: the host entry's records hold for all of them
+        self._config = _CONFIGS.setdefault((kv_cache_dtype, head_size, str(model_dtype), backend), object())
         self._view_key = None
         self._cache = None
         self._kv_aligned = False
@@ -335,6 +342,12 @@ class LayerAttention:
             ``(out, lse)``: views of the workspace's buffers, bf16 ``[T, H, 512]`` and fp32 ``[T, H]``.
         """
         ws = self.workspace if workspace is None else workspace
+        if self._native:  # a configuration served before: replayed by the compiled host entry (sparsemla.host_entry)
+            r = host_entry.layer(ws, self._config, q, kv_cache, indices, valid_counts, self.sm_scale, k_scale)
+            if r.__class__ is tuple:
+                return r
+        else:
+            r = None
         ishape = indices.shape
         t = ishape[0]
         if t > ws.max_tokens:
@@ -356,8 +369,18 @@ class LayerAttention:
             if t == 0:
                 return out, lse
             plan = ws.plan(t, aligned, self._kv_aligned)
-            _launch(plan, qq, qpe, cache.rows, self.fmt, indices, self.sm_scale, valid_counts, float(k_scale), out,
-                    lse, ws.split)
+            # (the entry reads q and the rows where the caller's tensors start)
+            if r is None or cache.rows.data_ptr() != kv_cache.data_ptr() or qq is not (q[0] if qpe is not None else q):
+                _launch(plan, qq, qpe, cache.rows, self.fmt, indices, self.sm_scale, valid_counts, float(k_scale),
+                        out, lse, ws.split)
+            else:  # the launches recorded for later calls of this configuration
+                rec = host_entry.begin(r, host_entry.LAYER_SLOTS, qr_own=qpe is not None)
+                try:
+                    _launch(plan, qq, qpe, cache.rows, self.fmt, indices, self.sm_scale, valid_counts,
+                            float(k_scale), out, lse, ws.split)
+                    host_entry.commit(rec, out, lse)
+                finally:
+                    host_entry.end()
         else:
             qq = assemble_query(q, self.fmt, ws, t)
             if t == 0:
