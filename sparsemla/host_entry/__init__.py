@@ -19,6 +19,10 @@ would pass.
   q and the outputs at a fixed offset, recorded where those rows are 16-byte aligned); a step that upconverts
   into a bf16 workspace takes the Python path.
   :meth:`SparseMLA.plan` drops the previous step's records.
+- The vLLM plugin's ``LayerAttention.forward`` (native backend): the workspace, the layers' shared settings, the
+  token count, q's form (one tensor or the ``(ql_nope, q_pe)`` pair) and strides, the indices' width and row stride,
+  the cache tensor's geometry, the device and the stream; the first layer of a step records, the others replay,
+  and the workspace's output views are returned.
 
 A call the entry does not handle (a wrong argument, ``check=True``, a backend other than the library's kernels, a
 bf16 workspace, a CUDA-graph capture, a profiler's launch hook, an unaligned tensor, ...) takes the Python path,

@@ -1,11 +1,14 @@
-// The compiled host entry of sparse_mla_decode / sparse_mla_prefill (over a PagedKVCache) and SparseMLA.run: a
-// call whose configuration the Python path has launched before is replayed here, without Python.
+// The compiled host entry of sparse_mla_decode / sparse_mla_prefill (over a PagedKVCache), SparseMLA.run and the
+// vLLM plugin's LayerAttention.forward: a call whose configuration the Python path has launched before is replayed
+// here, without Python.
 //
 // A configuration is what decides everything a call launches apart from its tensors' addresses and its scales:
 // the mode, the format object, the backend argument, q's shape and strides, the indices' width and row stride,
 // whether valid_counts is given, the given out / lse strides, the device and the current stream; for SparseMLA.run the runner, its planned
 // step, q's shape and strides, topk_local's width and strides, the given out / lse strides, the cache's format and
-// geometry, the device and the stream.  The first call of a configuration takes the Python path (every argument
+// geometry, the device and the stream; for a vLLM layer the workspace, the layers' shared settings, q's (or the
+// pair's) shape and strides, the indices' width and row stride, the cache tensor's geometry, the device and the
+// stream.  The first call of a configuration takes the Python path (every argument
 // checked, the backend chosen, the plan made, the kernels compiled and launched); where that call made only direct
 // launches (sparsemla.kernels.launch), the launch sites record them here as templates: each launch's C function
 // (Triton's) and its arguments, with the per-call values (addresses, the scales) marked by slot.  A later call with
