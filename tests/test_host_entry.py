@@ -278,6 +278,13 @@ def test_another_stream_or_device_is_another_configuration(entry):
     sparse_mla_decode(q, cache, idx, 0.1)
     assert len(python_calls) == 3
 
+    def no_such_device(d):  # (torch raises for a stream of a device that does not exist)
+        raise RuntimeError(f"Device index value {d} is out of index range")
+    H._configure(module, allow_cpu=True, get_device=lambda: 1, get_stream=no_such_device, capturing=lambda: False,
+                 runtime=_Runtime())
+    sparse_mla_decode(q, cache, idx, 0.1)  # the current device is not q's: the Python path, no stream asked for
+    assert len(python_calls) == 4
+
 
 def test_cpu_tensors_are_not_replayed_outside_tests(module):
     H._configure(module, allow_cpu=False, get_device=lambda: -1, get_stream=lambda d: 5, capturing=lambda: False,

@@ -158,9 +158,10 @@ int hooked(PyObject* name) {
   return r;
 }
 
-// 1: a replay may run now (*dev, *stream set); 0: the Python path must serve the call (a CUDA graph being captured,
-// partials per call, a profiler's launch hook: every launch then goes through Triton); -1: error.
-int context(long long* dev, long long* stream) {
+// 1: a replay may run now on device `want` (*stream set); 0: the Python path must serve the call (a CUDA graph being
+// captured, partials per call, a profiler's launch hook: every launch then goes through Triton; q not on the
+// current device: the Python path raises); -1: error.
+int context(long long want, long long* stream) {
   PyObject* cap = PyObject_CallNoArgs(g_capturing);
   if (cap == nullptr) return -1;
   int busy = PyObject_IsTrue(cap);
@@ -181,7 +182,11 @@ int context(long long* dev, long long* stream) {
   }
   PyObject* d = PyObject_CallNoArgs(g_get_device);
   if (d == nullptr) return -1;
-  *dev = PyLong_AsLongLong(d);
+  const long long cdev = PyLong_AsLongLong(d);
+  if (cdev != want) {  // (before the stream: nothing is asked of a device the call will not run on)
+    Py_DECREF(d);
+    return PyErr_Occurred() ? -1 : 0;
+  }
   PyObject* s = PyObject_CallOneArg(g_get_stream, d);
   Py_DECREF(d);
   if (s == nullptr) return -1;
@@ -299,10 +304,7 @@ bool cache_parts(PyObject* cache, const at::Device& dev, uint64_t* pr, PyObject*
 
 // 1: a replay may run on q's device (*stream set); 0: the Python path serves the call; -1: error.
 int ready_on(const at::Device& dev, long long* stream) {
-  long long cdev = 0;
-  const int ready = context(&cdev, stream);
-  if (ready <= 0) return ready;
-  return cdev == (dev.is_cuda() ? dev.index() : -1) ? 1 : 0;  // q not on the current device: Python raises
+  return context(dev.is_cuda() ? dev.index() : -1, stream);
 }
 
 // The launches of `e` with the per-call values `v` (its pointer slots' addresses set by the caller, q's, its RoPE

@@ -393,6 +393,7 @@ def test_a_call_on_another_device_than_the_current_one_raises(monkeypatch):
     sparse_mla_decode(q, cache, idx, 0.07)
     sparse_mla_decode(q, cache, idx, 0.07)  # (recorded by the compiled host entry where it is in use)
     other = lambda: q.get_device() + 1  # noqa: E731
+    real = device_mod.current_cuda_index
     for mod in (api, runner_mod, device_mod):
         monkeypatch.setattr(mod, "current_cuda_index", other)
     from sparsemla import host_entry
@@ -403,7 +404,7 @@ def test_a_call_on_another_device_than_the_current_one_raises(monkeypatch):
         with pytest.raises(ValueError, match=r"q: on cuda:\d+, but the current CUDA device is cuda:\d+"):
             sparse_mla_decode(q, cache, idx, 0.07)
     finally:
-        if entry is not None:
-            host_entry._configure(entry)
+        if entry is not None:  # (the real query: the module's attribute is still the stand-in here)
+            host_entry._configure(entry, get_device=real)
     with pytest.raises(ValueError, match=r"q: on cuda:\d+, but the current CUDA device is cuda:\d+"):
         runner.run(q, cache, batch.topk_local)
