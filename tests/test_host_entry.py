@@ -564,3 +564,46 @@ def test_a_vllm_layer_call_the_entry_must_not_replay(entry, monkeypatch):
     del ws2
     gc.collect()
     assert module.size() == n - 1
+
+
+def test_a_first_call_builds_in_the_background(monkeypatch, module):
+    """Where the entry must be compiled, the first CUDA call starts the build in a thread and takes the Python path;
+    calls meanwhile too; the builder installs the entry points when done (or the Python path for good where the
+    build failed)."""
+    import threading
+    import time
+    import types
+    gate = threading.Event()
+    calls = []
+
+    def slow_build():
+        calls.append(1)
+        gate.wait(30)
+        return module
+
+    for name, value in (("_module", None), ("_disabled", False), ("_builder", None), ("call", H._first_call),
+                        ("run", H._first_run), ("layer", H._first_layer), ("_path", lambda: "/nonexistent/x.so"),
+                        ("_build", slow_build), ("_configure", lambda m, **k: None)):
+        monkeypatch.setattr(H, name, value)
+    monkeypatch.setenv(H.ENV, "1")
+    q = types.SimpleNamespace(is_cuda=True)
+    assert H.call(0, q) is None and H.run(None, q) is None and H.layer(None, None, (q,)) is None
+    assert "being built" in H.status() and H.call is H._first_call
+    builder = H._builder
+    gate.set()
+    builder.join(30)
+    assert calls == [1] and H.call is module.call and H.run is module.run and H.layer is module.layer
+    assert H._builder is None and H.status().startswith("in use")
+    # a build that fails: every later call takes the Python path, and status() says why
+    monkeypatch.setattr(H, "_module", None)
+    monkeypatch.setattr(H, "call", H._first_call)
+
+    def failing_build():
+        raise RuntimeError("c++ exited with 1: no compiler")
+    monkeypatch.setattr(H, "_build", failing_build)
+    assert H.call(0, q) is None
+    for _ in range(3000):  # (the builder may be done already)
+        if H._builder is None:
+            break
+        time.sleep(0.01)
+    assert H.call is H._no_entry and "could not be built" in H.status()

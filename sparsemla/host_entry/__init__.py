@@ -28,9 +28,10 @@ A call the entry does not handle (a wrong argument, ``check=True``, a backend ot
 bf16 workspace, a CUDA-graph capture, a profiler's launch hook, an unaligned tensor, ...) takes the Python path,
 which raises where the arguments are wrong: the behaviour is the Python path's in every case.
 
-The entry is a CPython extension built against the installed torch with the machine's C++ compiler the first time
-a call on a CUDA tensor needs it (about 15 s), and cached (``~/.cache/sparsemla/host_entry``, per source digest,
-torch version and Python).  Where it cannot be built, every call takes the Python path and :func:`status` says why.
+The entry is a CPython extension built against the installed torch with the machine's C++ compiler and cached
+(``~/.cache/sparsemla/host_entry``, per source digest, torch version and Python).  The first call on a CUDA tensor
+loads a cached build, or starts the build (about 15 s) in a background thread: no call waits for the compiler, and
+the calls made meanwhile take the Python path.  Where it cannot be built, every call takes the Python path and :func:`status` says why.
 ``SPARSEMLA_HOST_ENTRY=0`` in the environment (read when the entry is first loaded), or :func:`disable`, keeps every
 call on the Python path; ``sparsemla info`` shows the state (and on a CUDA machine builds the entry first);
 :func:`build` builds it ahead of time.
@@ -56,8 +57,10 @@ ENV = "SPARSEMLA_HOST_ENTRY"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "entry.cpp")
 _lock = threading.Lock()
 _module = None
-_reason: Optional[str] = "not loaded yet (the first call on a CUDA tensor loads it)"
+_reason: Optional[str] = "not loaded yet (the first call on a CUDA tensor loads it, or starts its build)"
 _disabled = False
+_start_lock = threading.Lock()
+_builder: Optional[threading.Thread] = None  # the background build started by a first call (see _ready)
 _pending = threading.local()  # the recording of the call the Python path serves (see :func:`begin`)
 # The launcher's per-thread state (sparsemla.kernels.attention; ``per_call``: split partials per call, the custom
 # ops), here so that the entry reads it without importing the launcher.
@@ -65,28 +68,56 @@ LAUNCHER_STATE = threading.local()
 
 
 def _first_call(mode, q, *rest):
-    """``call`` until the entry is loaded: a call on a CUDA tensor loads (or builds) it, then uses it."""
-    if getattr(q, "is_cuda", False) is not True:
+    """``call`` until the entry is loaded: a call on a CUDA tensor loads it and uses it, or, where it must be
+    compiled first, starts that in the background and takes the Python path meanwhile."""
+    if getattr(q, "is_cuda", False) is not True or not _ready():
         return None  # CPU calls (the interpreter) never need the entry
-    _install(load())
     return call(mode, q, *rest)
 
 
 def _first_run(runner, q, *rest):
     """``run`` until the entry is loaded (as :func:`_first_call`)."""
-    if getattr(q, "is_cuda", False) is not True:
+    if getattr(q, "is_cuda", False) is not True or not _ready():
         return None
-    _install(load())
     return run(runner, q, *rest)
 
 
 def _first_layer(ws, config, q, *rest):
     """``layer`` until the entry is loaded (as :func:`_first_call`; q may be a pair)."""
     q0 = q[0] if type(q) is tuple and q else q
-    if getattr(q0, "is_cuda", False) is not True:
+    if getattr(q0, "is_cuda", False) is not True or not _ready():
         return None
-    _install(load())
     return layer(ws, config, q, *rest)
+
+
+def _ready() -> bool:
+    """Whether the entry points are installed now.  A built entry (cached) loads here, in milliseconds; one that must
+    be compiled first (about 15 s) is built by a background thread, which installs it when done: no call waits for
+    the compiler, the calls meanwhile take the Python path."""
+    global _builder
+    if _builder is not None or _disabled:  # being built (the builder installs it)
+        return False
+    if _module is not None or _env_off() or os.path.exists(_path()):
+        _install(load())
+        return _module is not None
+    with _start_lock:  # (not _lock: the build holds that one while it compiles)
+        if _builder is None:
+            _builder = threading.Thread(target=_build_in_background, name="sparsemla-host-entry", daemon=True)
+            _builder.start()
+    return False
+
+
+def _build_in_background() -> None:
+    global _builder
+    m = load()
+    with _lock:
+        if not _disabled:
+            _install(m)  # (None: it could not be built; every call takes the Python path, status() says why)
+        _builder = None
+
+
+def _env_off() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() in ("0", "false", "off", "no")
 
 
 def _install(m) -> None:
@@ -123,7 +154,7 @@ def load():
     with _lock:
         if _module is not None or _disabled:
             return _module
-        if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        if _env_off():
             _reason = f"disabled ({ENV}={os.environ[ENV]})"
             return None
         try:
@@ -135,6 +166,14 @@ def load():
             return None
         _module, _reason = m, None
         return m
+
+
+def _path() -> str:
+    """Where the extension of this source and torch build is cached."""
+    import sysconfig
+    folder = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                          "sparsemla", "host_entry")
+    return os.path.join(folder, _name() + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
 
 
 def _build():
@@ -150,9 +189,8 @@ def _build():
     from torch.utils import cpp_extension
 
     name = _name()
-    folder = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                          "sparsemla", "host_entry")
-    path = os.path.join(folder, name + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    path = _path()
+    folder = os.path.dirname(path)
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
         lib = os.path.join(os.path.dirname(torch.__file__), "lib")
@@ -225,13 +263,15 @@ def enable() -> None:
             _install(_module)
         else:
             call, run, layer = _first_call, _first_run, _first_layer
-            _reason = "not loaded yet (the first call on a CUDA tensor loads it)"
+            _reason = "not loaded yet (the first call on a CUDA tensor loads it, or starts its build)"
 
 
 def status() -> str:
     """One line: whether calls use the entry, or why not."""
     if _module is not None and not _disabled:
         return f"in use ({_module.size()} recorded configurations)"
+    if _builder is not None:
+        return "being built in the background (calls take the Python path meanwhile)"
     return _reason or "not loaded"
 
 
