@@ -255,6 +255,33 @@ bool query(PyObject* qo, const at::Tensor** q, int64_t* t, int64_t* h, int64_t* 
   return true;
 }
 
+// A scale: an exact Python float within the range the Python path accepts (its value in *v where v is given).
+bool scale(PyObject* o, double* v) {
+  double x;
+  if (!exact_float(o, &x) || !(x >= g_scale_min && x <= g_scale_max)) return false;
+  if (v != nullptr) *v = x;
+  return true;
+}
+
+// The indices, int32 [t, K] with contiguous rows, and the optional valid counts, contiguous int32 [t], on `dev`.
+bool index_parts(PyObject* io, PyObject* vco, int64_t t, const at::Device& dev, const at::Tensor** idx,
+                 const at::Tensor** vc) {
+  const at::Tensor* i = plain(io);
+  if (i == nullptr || i->dim() != 2 || i->scalar_type() != at::kInt || i->size(0) != t || i->stride(1) != 1 ||
+      i->device() != dev)
+    return false;
+  *idx = i;
+  *vc = nullptr;
+  if (vco != Py_None) {
+    const at::Tensor* c = plain(vco);
+    if (c == nullptr || c->dim() != 1 || c->scalar_type() != at::kInt || c->size(0) != t || c->stride(0) != 1 ||
+        c->device() != dev)
+      return false;
+    *vc = c;
+  }
+  return true;
+}
+
 // The optional outputs: absent, or bf16 [t, h, 512] (last dim contiguous) and fp32 [t, h] on `dev`.
 bool outputs(PyObject* outo, PyObject* lseo, int64_t t, int64_t h, const at::Device& dev, const at::Tensor** out,
              const at::Tensor** lse) {
@@ -361,24 +388,14 @@ PyObject* call_impl(PyObject* const* a, Py_ssize_t n) {
   PyObject *mode = a[0], *qo = a[1], *cache = a[2], *io = a[3], *sm = a[4], *vco = a[5], *ks = a[6],
            *backend = a[7], *outo = a[8], *lseo = a[9], *check = a[10];
   if (check != Py_False) Py_RETURN_NONE;
-  double sm_scale, k_scale;
-  if (!exact_float(sm, &sm_scale) || !(sm_scale >= g_scale_min && sm_scale <= g_scale_max)) Py_RETURN_NONE;
-  if (!exact_float(ks, &k_scale) || !(k_scale >= g_scale_min && k_scale <= g_scale_max)) Py_RETURN_NONE;
+  double sm_scale;
+  if (!scale(sm, &sm_scale) || !scale(ks, nullptr)) Py_RETURN_NONE;
   const at::Tensor* q;
   int64_t t, h, d;
   if (!query(qo, &q, &t, &h, &d)) Py_RETURN_NONE;
   const at::Device dev = q->device();
-  const at::Tensor* idx = plain(io);
-  if (idx == nullptr || idx->dim() != 2 || idx->scalar_type() != at::kInt || idx->size(0) != t || idx->stride(1) != 1 ||
-      idx->device() != dev)
-    Py_RETURN_NONE;
-  const at::Tensor* vc = nullptr;
-  if (vco != Py_None) {
-    vc = plain(vco);
-    if (vc == nullptr || vc->dim() != 1 || vc->scalar_type() != at::kInt || vc->size(0) != t ||
-        vc->stride(0) != 1 || vc->device() != dev)
-      Py_RETURN_NONE;
-  }
+  const at::Tensor *idx, *vc;
+  if (!index_parts(io, vco, t, dev, &idx, &vc)) Py_RETURN_NONE;
   const at::Tensor *out, *lse;
   uint64_t pr = 0;
   PyObject* fmt = nullptr;
@@ -443,8 +460,7 @@ bool int_attr(PyObject* o, PyObject* name, int64_t* v) {
 PyObject* run_impl(PyObject* const* a, Py_ssize_t n) {
   if (n != 7 || g_cache_type == nullptr) Py_RETURN_NONE;
   PyObject *runner = a[0], *qo = a[1], *cache = a[2], *to = a[3], *ks = a[4], *outo = a[5], *lseo = a[6];
-  double k_scale;
-  if (!exact_float(ks, &k_scale) || !(k_scale >= g_scale_min && k_scale <= g_scale_max)) Py_RETURN_NONE;
+  if (!scale(ks, nullptr)) Py_RETURN_NONE;
   PyObject* planned = PyObject_GetAttr(runner, g_str_planned);
   if (planned == nullptr) {
     PyErr_Clear();
@@ -509,9 +525,8 @@ PyObject* run_impl(PyObject* const* a, Py_ssize_t n) {
 PyObject* layer_impl(PyObject* const* a, Py_ssize_t n) {
   if (n != 8 || g_cache_type == nullptr) Py_RETURN_NONE;
   PyObject *ws = a[0], *config = a[1], *qo = a[2], *kvo = a[3], *io = a[4], *vco = a[5], *sm = a[6], *ks = a[7];
-  double sm_scale, k_scale;
-  if (!exact_float(sm, &sm_scale) || !(sm_scale >= g_scale_min && sm_scale <= g_scale_max)) Py_RETURN_NONE;
-  if (!exact_float(ks, &k_scale) || !(k_scale >= g_scale_min && k_scale <= g_scale_max)) Py_RETURN_NONE;
+  double sm_scale;
+  if (!scale(sm, &sm_scale) || !scale(ks, nullptr)) Py_RETURN_NONE;
   const at::Tensor *q, *qpe = nullptr;
   int64_t t, h, d, dpe = 0;
   if (PyTuple_CheckExact(qo)) {  // vLLM's (ql_nope, q_pe): both read in place
@@ -526,17 +541,8 @@ PyObject* layer_impl(PyObject* const* a, Py_ssize_t n) {
   const at::Device dev = q->device();
   const at::Tensor* kv = plain(kvo);
   if (kv == nullptr || (kv->dim() != 3 && kv->dim() != 4) || kv->device() != dev) Py_RETURN_NONE;
-  const at::Tensor* idx = plain(io);
-  if (idx == nullptr || idx->dim() != 2 || idx->scalar_type() != at::kInt || idx->size(0) != t || idx->stride(1) != 1 ||
-      idx->device() != dev)
-    Py_RETURN_NONE;
-  const at::Tensor* vc = nullptr;
-  if (vco != Py_None) {
-    vc = plain(vco);
-    if (vc == nullptr || vc->dim() != 1 || vc->scalar_type() != at::kInt || vc->size(0) != t ||
-        vc->stride(0) != 1 || vc->device() != dev)
-      Py_RETURN_NONE;
-  }
+  const at::Tensor *idx, *vc;
+  if (!index_parts(io, vco, t, dev, &idx, &vc)) Py_RETURN_NONE;
   long long stream = 0;
   const int ready = ready_on(dev, &stream);
   if (ready < 0) return nullptr;
