@@ -607,3 +607,21 @@ def test_a_first_call_builds_in_the_background(monkeypatch, module):
             break
         time.sleep(0.01)
     assert H.call is H._no_entry and "could not be built" in H.status()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork here")
+def test_a_process_forked_during_the_build_starts_afresh(monkeypatch):
+    """The child of a fork made while the build runs has no builder thread and fresh locks."""
+    import os
+    import threading
+    monkeypatch.setattr(H, "_builder", threading.Thread(target=lambda: None))
+    H._lock.acquire()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 where the state was reset
+            ok = H._builder is None and H._lock.acquire(timeout=5)
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        H._lock.release()
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -61,6 +61,17 @@ _reason: Optional[str] = "not loaded yet (the first call on a CUDA tensor loads 
 _disabled = False
 _start_lock = threading.Lock()
 _builder: Optional[threading.Thread] = None  # the background build started by a first call (see _ready)
+
+
+def _after_fork_in_child() -> None:
+    """A process forked while the build ran has no builder thread, and its locks may be held by it: start afresh
+    (the next call starts the build again, or loads what the parent built meanwhile)."""
+    global _lock, _start_lock, _builder
+    _lock, _start_lock, _builder = threading.Lock(), threading.Lock(), None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 _pending = threading.local()  # the recording of the call the Python path serves (see :func:`begin`)
 # The launcher's per-thread state (sparsemla.kernels.attention; ``per_call``: split partials per call, the custom
 # ops), here so that the entry reads it without importing the launcher.
