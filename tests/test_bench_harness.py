@@ -542,3 +542,33 @@ def test_host_table_takes_the_newest_run_with_the_peers():
     rows.append(host("c" * 40, 20.0, impl="flashinfer"))
     rows.append(host("c" * 40, 25.0))
     assert render.section_commit(rows, "host") == "c" * 40
+
+
+def test_ncu_profile_summary_reads_the_details_and_raw_pages():
+    prof = _load_script("benchmarks/ncu_profile.py")
+    details = ('"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+               '"0","conv_kernel","GPU Speed Of Light Throughput","Duration","us","214.5"\n'
+               '"0","conv_kernel","GPU Speed Of Light Throughput","Compute (SM) Throughput","%","61.2"\n'
+               '"0","conv_kernel","Launch Statistics","Registers Per Thread","register/thread","168"\n'
+               '"0","conv_kernel","Launch Statistics","Something Else","","1"\n'
+               '"1","combine","GPU Speed Of Light Throughput","Duration","us","3.1"\n')
+    stall = prof.STALL_PREFIX + "{}" + prof.STALL_SUFFIX
+    raw = ('"ID","Kernel Name","{}","{}","{}","sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"\n'
+           .format(stall.format("barrier"), stall.format("long_scoreboard"), stall.format("wait")) +
+           '"","","ratio","ratio","ratio","%"\n'
+           '"0","conv_kernel","3.5","12.25","0.5","22.1"\n'
+           '"1","combine","0.1","4","1","0"\n')
+    k = prof.summarize(details, raw, top_stalls=2)
+    assert [x["kernel"] for x in k] == ["conv_kernel", "combine"]
+    assert k[0]["metrics"] == {"Duration": "214.5 us", "Compute (SM) Throughput": "61.2 %",
+                               "Registers Per Thread": "168 register/thread"}
+    assert k[0]["stalls"] == [("long_scoreboard", 12.25), ("barrier", 3.5)]
+    assert list(k[0]["tensor"].values()) == [22.1]
+    text = prof.format_summary(k)
+    assert "long_scoreboard 12.25" in text and "Duration" in text and "[1] combine" in text
+
+
+def test_ncu_profile_dry_run_makes_the_call(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "ncu_profile.py"), "--dry-run", "--format",
+                        "fp8_ds_mla", "--config", "D-h16"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0 and "profiled: D-h16 fp8_ds_mla" in r.stdout, r.stdout + r.stderr
