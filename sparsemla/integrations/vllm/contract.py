@@ -342,12 +342,11 @@ class LayerAttention:
             ``(out, lse)``: views of the workspace's buffers, bf16 ``[T, H, 512]`` and fp32 ``[T, H]``.
         """
         ws = self.workspace if workspace is None else workspace
-        if self._native:  # a configuration served before: replayed by the compiled host entry (sparsemla.host_entry)
-            r = host_entry.layer(ws, self._config, q, kv_cache, indices, valid_counts, self.sm_scale, k_scale)
-            if r.__class__ is tuple:
-                return r
-        else:
-            r = None
+        # a configuration served before: replayed by the compiled host entry (sparsemla.host_entry)
+        r = host_entry.layer(ws, self._config, q, kv_cache, indices, valid_counts, self.sm_scale, k_scale) \
+            if self._native else None
+        if r.__class__ is tuple:
+            return r
         ishape = indices.shape
         t = ishape[0]
         if t > ws.max_tokens:
@@ -364,22 +363,24 @@ class LayerAttention:
             raise ValueError(f"indices: expected them on {ws.device}, got {indices.device}")
         cache = self.cache_view(kv_cache)
         out, lse = ws.views(t)
-        if self.backend == "native":
+        if self._native:
             qq, qpe, aligned = _query_in_place(q, self.fmt, ws, t)
             if t == 0:
                 return out, lse
             plan = ws.plan(t, aligned, self._kv_aligned)
-            # (the entry reads q and the rows where the caller's tensors start)
-            if r is None or cache.rows.data_ptr() != kv_cache.data_ptr() or qq is not (q[0] if qpe is not None else q):
+            # the launches recorded for later calls of this configuration, where the entry would read q and the rows
+            # where the caller's tensors start
+            rec = None
+            if (r is not None and cache.rows.data_ptr() == kv_cache.data_ptr()
+                    and qq is (q[0] if qpe is not None else q)):
+                rec = host_entry.begin(r, host_entry.LAYER_SLOTS, qr_own=qpe is not None)
+            try:
                 _launch(plan, qq, qpe, cache.rows, self.fmt, indices, self.sm_scale, valid_counts, float(k_scale),
                         out, lse, ws.split)
-            else:  # the launches recorded for later calls of this configuration
-                rec = host_entry.begin(r, host_entry.LAYER_SLOTS, qr_own=qpe is not None)
-                try:
-                    _launch(plan, qq, qpe, cache.rows, self.fmt, indices, self.sm_scale, valid_counts,
-                            float(k_scale), out, lse, ws.split)
+                if rec is not None:
                     host_entry.commit(rec, out, lse)
-                finally:
+            finally:
+                if rec is not None:
                     host_entry.end()
         else:
             qq = assemble_query(q, self.fmt, ws, t)
