@@ -10,11 +10,14 @@
 #
 # Carry (see scripts/peers_env.sh): .whl (FlashMLA), .peers (FlashInfer); for another Triton release set
 # TRITON_BUNDLE=.carry/triton-3.8.0.tar.xz.  Time: the benchmarks run within BUDGET seconds from the start
-# (default 570); each test group gets GROUP_TIMEOUT (default 420) and memcheck MEMCHECK_TIMEOUT (default the
-# same).  BUDGET given by the caller bounds those too (a machine with a per-command limit: set BUDGET below it
-# and the archive is still written): a step then gets its own limit or what is left of BUDGET less RESERVE
-# (default 20 s) for the archive, whichever is less, and a step with less than 30 s left is skipped (the summary
-# says so).  PYTEST_N spreads each group over pytest-xdist workers (PYTEST_N_<group> for one group; default: a
+# (default 570); each test group gets GROUP_TIMEOUT and memcheck MEMCHECK_TIMEOUT (default GROUP_TIMEOUT; both
+# 420 without a BUDGET).  BUDGET given by the caller bounds those too (a machine with a per-command limit: set
+# BUDGET below it and the archive is still written): a step then gets its own limit, if one was given, or what is
+# left of BUDGET less RESERVE (default 20 s) for the archive, whichever is less, and a step with less than 30 s
+# left is skipped (the summary says so).  The reliability group's random-case test runs 10,000 cases by default,
+# more than one 600 s command holds (test_property_gpu.py): in such a call set RELIAB_GPU_CASES (e.g. 3000 with
+# RELIAB_GPU_PROCS=6, about 250 s) and merge the summaries of several calls.  The archive holds the logs, the
+# rows, the reliability summaries ($OUT/reliability) and the sanitizer's logs.  PYTEST_N spreads each group over pytest-xdist workers (PYTEST_N_<group> for one group; default: a
 # share of the cores per group, see default_workers; 0: one process); TEST_GROUPS picks groups, ";" between
 # phases that run one after the other (default: sm90 and movement, then attention, system and other, then
 # reliability alone); MEMCHECK=0 leaves memcheck out.  BENCH picks drivers (default
@@ -31,7 +34,7 @@ for arg in "$@"; do
         *) echo "usage: $0 [tests|bench|all] [--dry-run]"; exit 2 ;;
     esac
 done
-OUT=${OUT:-./gpu-out}; mkdir -p "$OUT/logs"
+export OUT=${OUT:-./gpu-out}; mkdir -p "$OUT/logs"  # exported: the GPU tests write their summaries under $OUT/reliability
 START=$(date +%s)
 BUDGET_GIVEN=${BUDGET:+1}
 BUDGET=${BUDGET:-570}
@@ -43,6 +46,11 @@ step_limit() {
     l=$(( $(left) - ${RESERVE:-20} ))
     { [ "$DRY" = 1 ] || [ -z "$BUDGET_GIVEN" ]; } && l=$own
     if [ "$l" -lt 30 ]; then echo skip; elif [ "$l" -lt "$own" ]; then echo "$l"; else echo "$own"; fi
+}
+# a step's own limit when the caller gives none: 420 s, or with a BUDGET given the whole budget (step_limit then
+# bounds it by what is left: a reliability group alone in one call was cut at 420 s of a 555 s budget)
+own_default() {
+    if [ -n "$BUDGET_GIVEN" ]; then echo "$BUDGET"; else echo 420; fi
 }
 if [ "$DRY" = 1 ]; then
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -105,7 +113,7 @@ run_group() {  # one group's pytest run, in the background; its pid appended to 
     if [ $g = other ]; then files=$OTHER; else files=$(group_files $g); fi
     [ -n "$files" ] || return 0
     local lim
-    lim=$(step_limit "${GROUP_TIMEOUT:-420}")
+    lim=$(step_limit "${GROUP_TIMEOUT:-$(own_default)}")
     if [ "$lim" = skip ]; then
         skipped "t_$g" "no time left in BUDGET"; return 0
     fi
@@ -150,7 +158,7 @@ run_tests() {
     # run with memcheck beside the groups: 50 of the attention group's tests failed to allocate; none without)
     if [ "${MEMCHECK:-1}" = 1 ]; then
         local t0=$(date +%s) log="$OUT/logs/memcheck.log" rc lim
-        lim=$(step_limit "${MEMCHECK_TIMEOUT:-${GROUP_TIMEOUT:-420}}")
+        lim=$(step_limit "${MEMCHECK_TIMEOUT:-${GROUP_TIMEOUT:-$(own_default)}}")
         if [ "$DRY" = 1 ]; then
             echo "dry run: memcheck left out (needs a GPU and compute-sanitizer)" > "$log"; rc=0
         elif [ "$lim" = skip ]; then
@@ -200,7 +208,10 @@ run_bench() {
 
 python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0], 'cuda', torch.version.cuda, 'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')" > "$OUT/logs/versions.txt" 2>&1
 { [ -n "${SPARSEMLA_COMMIT:-}" ] && echo "$SPARSEMLA_COMMIT"; } > "$OUT/logs/commit.txt" || git rev-parse HEAD > "$OUT/logs/commit.txt" 2>/dev/null || true
-tar czf "$OUT/gpu-suite.tgz" -C "$OUT" logs $( [ -f "$RESULTS" ] && echo results.jsonl )
+# the reliability tests' JSON summaries and the sanitizer's logs too: a call brings back at most 8 files, and a
+# property run alone writes one summary per process
+tar czf "$OUT/gpu-suite.tgz" -C "$OUT" logs $( [ -f "$RESULTS" ] && echo results.jsonl ) \
+    $(cd "$OUT" && for d in reliability sanitize; do [ -d "$d" ] && echo "$d"; done)
 echo
 echo "== $(cat "$OUT/logs/versions.txt"); $(( $(date +%s) - START )) s"
 printf "%-16s %-8s %6s  %s\n" step rc seconds summary
