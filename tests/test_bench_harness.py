@@ -572,3 +572,47 @@ def test_ncu_profile_dry_run_makes_the_call(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "ncu_profile.py"), "--dry-run", "--format",
                         "fp8_ds_mla", "--config", "D-h16"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0 and "profiled: D-h16 fp8_ds_mla" in r.stdout, r.stdout + r.stderr
+
+
+def test_conv_trace_analysis_recovers_the_intervals_of_a_synthetic_trace():
+    ct = _load_script("benchmarks/conv_trace.py")
+    steps = dict(fill=3600, wait_free=2150, wait_ready=2900, qk=1270, softmax=1200, pv=1200)
+    tr = ct.synthetic_trace(3, 12, steps)
+    res = ct.analyze(tr, 12)
+    assert res["period"] == 5750
+    assert (res["producer fill"], res["producer wait_free"], res["producer fence"]) == (3600, 2150, 100)
+    assert (res["wg0 wait_ready"], res["wg0 qk"], res["wg0 softmax"], res["wg1 pv"]) == (2900, 1270, 1200, 1200)
+    assert res["q_staged"] == 500
+    # a program with fewer blocks than the others: its unwritten (zero) entries are left out, not read as times
+    short = ct.synthetic_trace(1, 4, steps)
+    assert ct.analyze(tr + short, 12)["period"] == 5750
+    assert "period" in ct.format_analysis(res, 12)
+
+
+def test_conv_trace_meta_options_and_dry_run(tmp_path):
+    ct = _load_script("benchmarks/conv_trace.py")
+    assert ct._parse_meta(["idx_ahead=1", "named=false", "early=True"]) == dict(idx_ahead=True, named=False,
+                                                                               early=True)
+    with pytest.raises(SystemExit):
+        ct._parse_meta(["idx_ahead"])
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "conv_trace.py"), "--dry-run", "--out",
+                        str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0 and "producer fill" in r.stdout, r.stdout + r.stderr
+    assert (tmp_path / "trace-synthetic.json").exists()
+
+
+def test_sm90_launch_takes_extra_options_for_the_conv_kernel_only():
+    """The launcher builds a variant of sm90-conv the plan does not choose (conv_trace.py's trace build), and
+    refuses options for any other kernel."""
+    from sparsemla.formats import get_format
+    from sparsemla.kernels import attention as A
+    from sparsemla.plan import plan_attention
+    fmt = get_format("fp8_ds_mla")
+    conv_plan = plan_attention(fmt, 128, 64, 2048, kernel="sm90-conv")
+    launch = A._sm90_launch(conv_plan, fmt, True, False, meta=dict(trace=True, idx_ahead=True))
+    assert launch.meta["TRACE"] and launch.meta["IDX2"]
+    assert not A._sm90_launch(conv_plan, fmt, True, False).meta["TRACE"]
+    few_plan = plan_attention(fmt, 128, 16, 2048)
+    assert few_plan.kernel != "sm90-conv"
+    with pytest.raises(ValueError, match="meta"):
+        A._sm90_launch(few_plan, fmt, True, False, meta=dict(trace=True))

@@ -28,21 +28,25 @@ HOPPER_SMEM = 232448  # bytes of shared memory one block may use on sm_90 (227 K
 # first MMA warpgroup builds a wgmma op's shared-memory descriptors in registers up front (docs/design/kernels.md),
 # measured.  The pair kernel (bf16): 64 / 64 / 80-104 since its vector hand-offs arrive per thread (publish()).
 STACK = {
-    "3.6": {"bf16": 64, "few": 0, "wide": 88, "wide-fp8qk": 128, "conv": 32, "conv-early": 0, "conv-idx2": 16},
-    "3.8": {"bf16": 64, "few": 16, "wide": 96, "wide-fp8qk": 144, "conv": 24, "conv-early": 32, "conv-idx2": 8},
-    "3.9": {"bf16": 104, "few": 0, "wide": 160, "wide-fp8qk": 216, "conv": 144, "conv-early": 152, "conv-idx2": 136},
+    "3.6": {"bf16": 64, "few": 0, "wide": 88, "wide-fp8qk": 128, "conv": 32, "conv-early": 0, "conv-idx2": 16,
+            "conv-trace": 48},
+    "3.8": {"bf16": 64, "few": 16, "wide": 96, "wide-fp8qk": 144, "conv": 24, "conv-early": 32, "conv-idx2": 8,
+            "conv-trace": 0},
+    "3.9": {"bf16": 104, "few": 0, "wide": 160, "wide-fp8qk": 216, "conv": 144, "conv-early": 152, "conv-idx2": 136,
+            "conv-trace": 184},
 }
 # conv: each kind with its conv.TUNED producer options (fp8_ds_mla's NoPE rows with early + late_next spill 24
 # bytes on 3.8) and with them all off (-plain) or the hint alone (-hint).  conv-early: the producer with a fourth
 # piece's words in flight across its free wait, the next block's loaded after its fence, the consumers' in-loop
 # fences left to the writers (meta(early=True, late_next=True, lean_fences=True)) where a kind does not take them by
 # default.  conv-idx2: the producer holding the next block's indices as well (meta(idx_ahead=True)) where a kind
-# does not take it by default: fp8_ds_mla spills 16 / 8 / 120 bytes on 3.6 / 3.8 / 3.9, nvfp4 136 on 3.9.
+# does not take it by default: fp8_ds_mla spills 16 / 8 / 120 bytes on 3.6 / 3.8 / 3.9, nvfp4 136 on 3.9.  conv-trace: the diagnostic
+# trace build (meta(trace=True), benchmarks/conv_trace.py), fp8_ds_mla: 48 / 0 / 184 bytes.
 
 
 def _stack_limit(name):
     family = name.split("-")[0] + ("-fp8qk" if name.startswith("wide") and name.endswith("-fp8qk") else "")
-    for suffix in ("-early", "-idx2"):
+    for suffix in ("-early", "-idx2", "-trace"):
         family += suffix if name.endswith(suffix) else ""
     release = ".".join(triton.__version__.split(".")[:2])
     if release in STACK and family in STACK[release]:

@@ -57,9 +57,12 @@ HEADER = 4
 _LAUNCHES: dict = {}
 
 
-def _sm90_launch(plan, fmt, has_vc: bool, fused: bool) -> Launch:
+def _sm90_launch(plan, fmt, has_vc: bool, fused: bool, meta: Optional[dict] = None) -> Launch:
     # Imported on first use: the Gluon modules need triton.experimental.gluon, and a Triton without it must still
-    # serve every call with the portable kernels.
+    # serve every call with the portable kernels.  ``meta``: further options of ``conv.meta`` (a variant the plan
+    # does not choose, for diagnostics such as benchmarks/conv_trace.py; sm90-conv only)
+    if meta and plan.kernel != "sm90-conv":
+        raise ValueError(f"meta: options for sm90-conv only, the plan's kernel is {plan.kernel}")
     lay = fmt.layout
     common = dict(bytes_per_row=fmt.bytes_per_token, rope_dim=fmt.rope_dim, rope_offset=max(lay.rope_offset, 0),
                   num_groups=plan.num_groups, has_valid_counts=has_vc)
@@ -76,7 +79,8 @@ def _sm90_launch(plan, fmt, has_vc: bool, fused: bool) -> Launch:
     if plan.kernel in ("sm90-conv", "sm90-cluster"):
         from .sm90 import conv
         return Launch(conv.conv_kernel, conv.meta(kind=plan.kind, scale_offset=max(lay.scale_offset, 0),
-                                                  cluster=plan.kernel == "sm90-cluster", **common), {})
+                                                  cluster=plan.kernel == "sm90-cluster", **common,
+                                                  **(meta or {})), {})
     from .sm90 import bf16
     return Launch(bf16.bf16_kernel, bf16.meta(**common), {})
 

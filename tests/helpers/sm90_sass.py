@@ -84,6 +84,10 @@ def _variants():
             v[f"conv-{fid}{suffix}"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                 num_groups=2, has_valid_counts=True, **dict(producer, **on)))
+        if fid == "fp8_ds_mla":  # the diagnostic trace build (benchmarks/conv_trace.py)
+            v[f"conv-{fid}-trace"] = ("conv", "conv_kernel", SIG_K, conv.meta(
+                kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
+                num_groups=2, has_valid_counts=True, trace=True))
         if fid in ("nvfp4_ds_mla-nope", "bf16"):  # idx_ahead for the NoPE rows' and bf16's producer
             v[f"conv-{fid}-idx2"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,

@@ -948,7 +948,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     ``early`` (every value piece's loads before the producer's free wait), ``late_next`` (the next block's first
     pieces after its fence), ``lean_fences`` (the consumers' in-loop proxy fences left to the writers),
     ``idx_ahead`` (the producer looks the rows up two blocks ahead, not one).  ``trace``: the diagnostic
-    build that writes the SM clock at every hand-off into the buffer passed as ``fo_ptr``.  (Variants that
+    build that writes the SM clock at every hand-off into the buffer passed as ``fo_ptr``
+    (``benchmarks/conv_trace.py`` launches it and reads the timeline).  (Variants that
     measured slower -- the next QK before the softmax, P in registers for warpgroup 0's PV, a tile freed in
     halves, the validity as a score bias -- are on the branch ``try/conv-variants``; CHANGELOG.)"""
     if kind not in KINDS:
