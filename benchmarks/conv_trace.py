@@ -33,6 +33,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # decode.py: the options' parser, the output check
 
 # the events of conv.py's trace build (TRACE_EVENTS): name -> index
 EVENTS = dict(free_done=0, ready_arrive=1, prod_start=2, q_staged=3, qk_done=4, p_handed=5, wait_ready=6,
@@ -116,20 +117,20 @@ def synthetic_trace(programs: int, n_blocks: int, steps: dict, blocks: int = 64)
 
 
 def _parse_meta(items) -> dict:
-    """``key=value`` strings -> conv.meta keyword arguments (1 / 0 / true / false as booleans)."""
+    """``key=value`` strings (each may hold several, comma-separated) -> conv.meta keyword arguments (1 / 0 /
+    true / false as booleans), as ``decode.py --conv-variant`` reads them."""
+    import decode
     out = {}
     for item in items or ():
-        if "=" not in item:
-            raise SystemExit(f"--meta: expected key=value, got {item!r}")
-        k, v = item.split("=", 1)
-        low = v.strip().lower()
-        out[k.strip()] = {"1": True, "true": True, "0": False, "false": False}.get(low, v)
+        out.update(decode.parse_options(item))
     return out
 
 
 def traced_call(wl, meta: dict):
     """Launch the trace build of ``sm90-conv`` (one split, ``meta`` as extra ``conv.meta`` options) on workload
     ``wl``; returns (trace [programs, events, blocks] int64, out, blocks per program)."""
+    from dataclasses import replace
+
     import torch
 
     from sparsemla.kernels import attention as A
@@ -139,7 +140,8 @@ def traced_call(wl, meta: dict):
     t, h, _ = q.shape
     k = idx.shape[1]
     plan = A.plan_for(q, rows, wl.fmt, k, kernel="sm90-conv", num_splits=1)
-    launch = A._sm90_launch(plan, wl.fmt, True, False, meta=dict(meta, trace=True))
+    plan = replace(plan, variant=tuple(sorted(meta.items())))
+    launch = A._sm90_launch(plan, wl.fmt, True, False, meta=dict(trace=True))
     out = torch.full((t, h, A.V_DIM), float("nan"), dtype=torch.bfloat16, device=q.device)  # poisoned
     lse = torch.full((t, h), float("nan"), dtype=torch.float32, device=q.device)
     programs = t * plan.grid
@@ -175,7 +177,6 @@ def main(argv=None) -> int:
         from sparsemla.bench import drivers as D
         from sparsemla.bench.workload import build_workload
         from sparsemla.formats import get_format
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import decode
 
         D.prepare_environment()

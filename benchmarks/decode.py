@@ -5,6 +5,8 @@
     python3 benchmarks/decode.py --dry-run --results /tmp/r.jsonl                      # CPU check
     python3 benchmarks/decode.py --conv --heads 64,128 --formats bf16,fp8_ds_mla               # + sm90-conv forced
     python3 benchmarks/decode.py --cluster --heads 128 --formats fp8_ds_mla                    # + sm90-cluster forced
+    python3 benchmarks/decode.py --heads 64,128 --formats fp8_ds_mla --conv --conv-variant idx_ahead=1 \
+        --conv-variant named=1 --results lab/ab.jsonl                      # + sm90-conv variants, A/B in one process
     python3 benchmarks/small_batch.py --fused                                                  # + splits merged in-kernel
 
 Per format, one cache of b requests x 32,768 tokens (shuffled 64-token blocks, heavy-tailed values written
@@ -13,7 +15,8 @@ through the library's cache write), then per head count the same queries and ind
 * ``sparsemla``: ``sparse_mla_decode`` with its default backend; ``sparsemla-fp8qk``: backend
   ``triton-fp8qk`` (the FP8-QK mode; fp8 and fp8_ds_mla rows, sm_90); with ``--conv``, ``sparsemla-conv``:
   the launcher on a plan forced to ``sm90-conv`` (sm_90), beside the plan's choice where that is another kernel
-  (bf16 rows above 64 heads, small batches); with ``--cluster``, ``sparsemla-cluster``: forced to
+  (bf16 rows above 64 heads, small batches); with ``--conv-variant K=V[,K=V]``, the same kernel built with those
+  ``conv.meta`` options (``KernelPlan.variant``; the row's variant names them); with ``--cluster``, ``sparsemla-cluster``: forced to
   ``sm90-cluster`` (its rows and heads, Triton >= 3.8); with ``--fused``, ``sparsemla-fused``: the plan's kernel
   merging its splits itself (``fused_combine``) where a call splits (small batches);
 * the peer that reads the same bytes: FlashMLA for fp8_ds_mla (q padded to 64 / 128 heads), FlashInfer for
@@ -63,15 +66,20 @@ def ours_call(wl, backend="auto"):
     return call, out
 
 
-def forced_call(wl, kernel=None, fused_combine=None):
+def forced_call(wl, kernel=None, fused_combine=None, variant=None):
     """The attention launcher on a plan forced to ``kernel`` (an opt-in kernel the public API does not pick) or to
-    merge its splits in the kernel (``fused_combine``), the same rows, indices and outputs as ``ours_call``; the
-    split partials in a buffer of their own, as a runner's (a call captured in a CUDA graph otherwise allocates
-    them, and merges them by the combine kernel)."""
+    merge its splits in the kernel (``fused_combine``), and built as ``variant`` (a dict of options of that kernel's
+    build, ``KernelPlan.variant``), the same rows, indices and outputs as ``ours_call``; the split partials in a
+    buffer of their own, as a runner's (a call captured in a CUDA graph otherwise allocates them, and merges them by
+    the combine kernel)."""
+    from dataclasses import replace
+
     from sparsemla.kernels.attention import attention_fwd, plan_for, split_elements
     t, h, _ = wl.q.shape
     rows = wl.cache.rows
     plan = plan_for(wl.q, rows, wl.fmt, wl.indices.shape[1], kernel=kernel, fused_combine=fused_combine)
+    if variant:
+        plan = replace(plan, variant=tuple(sorted(variant.items())))
     out = torch.empty(t, h, 512, dtype=torch.bfloat16, device=wl.q.device)
     lse = torch.empty(t, h, dtype=torch.float32, device=wl.q.device)
     n = split_elements(plan, t, h)
@@ -81,6 +89,19 @@ def forced_call(wl, kernel=None, fused_combine=None):
         return attention_fwd(wl.q, rows, wl.fmt, wl.indices, wl.sm_scale, plan=plan, valid_counts=wl.valid_counts,
                              k_scale=wl.k_scale, out=out, lse=lse, split_buffers=split)
     return call, out
+
+
+def parse_options(text: str) -> dict:
+    """``"idx_ahead=1,named=0"`` -> ``{"idx_ahead": True, "named": False}`` (1 / 0 / true / false as booleans,
+    integers as ints, anything else as text)."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        if "=" not in item:
+            raise SystemExit(f"--conv-variant: expected key=value, got {item!r}")
+        k, v = (x.strip() for x in item.split("=", 1))
+        low = v.lower()
+        out[k] = {"1": True, "true": True, "0": False, "false": False}.get(low, int(v) if v.isdigit() else v)
+    return out
 
 
 def fused_applies(wl) -> bool:
@@ -117,10 +138,12 @@ def measure(rec, cfg_name: str, wl, impl: str, make, *, variant=None, check=True
     D.print_row(row)
 
 
-def run_decode(rec, config_names, formats, *, fp8qk=True, peers=True, conv=False, cluster=False, fused=False):
+def run_decode(rec, config_names, formats, *, fp8qk=True, peers=True, conv=False, cluster=False, fused=False,
+               conv_variants=()):
     """Every (format, configuration): sparsemla, its FP8-QK mode, (``conv``) the forced sm90-conv kernel,
-    (``cluster``) the forced sm90-cluster kernel, (``fused``) the plan's kernel merging its splits itself where it
-    can, and the same-format peer."""
+    (``conv_variants``: dicts of ``conv.meta`` options) that kernel built as each variant, (``cluster``) the forced
+    sm90-cluster kernel, (``fused``) the plan's kernel merging its splits itself where it can, and the same-format
+    peer."""
     from sparsemla.bench import peers as P
     from sparsemla.bench.workload import build_queries, build_workload
     from sparsemla.formats import get_format
@@ -147,6 +170,14 @@ def run_decode(rec, config_names, formats, *, fp8qk=True, peers=True, conv=False
                     rec.attempt(f"{name} {fname} {CONV_KERNEL}",
                                 lambda: measure(rec, name, wl, "sparsemla-conv",
                                                 lambda: forced_call(wl, CONV_KERNEL)))
+                for v in conv_variants:
+                    if fmt.name not in CONV_KINDS or rec.dry:
+                        continue
+                    label = ",".join(f"{k}={val}" for k, val in sorted(v.items()))
+                    rec.attempt(f"{name} {fname} {CONV_KERNEL} {label}",
+                                lambda: measure(rec, name, wl, "sparsemla-conv", lambda: forced_call(wl, CONV_KERNEL,
+                                                                                                     variant=v),
+                                                variant=label))
                 if (cluster and fmt.name in CLUSTER_KINDS and CLUSTER_HEADS[0] <= cfg.num_heads <= CLUSTER_HEADS[1]
                         and not rec.dry):
                     rec.attempt(f"{name} {fname} {CLUSTER_KERNEL}",
@@ -183,11 +214,15 @@ def main(argv=None) -> int:
                     ">= 3.8), as impl sparsemla-cluster")
     ap.add_argument("--fused", action="store_true", help="add the plan's kernel merging its splits in the kernel "
                     "(fused_combine, sm_90) where a call splits, as impl sparsemla-fused")
+    ap.add_argument("--conv-variant", action="append", default=[], metavar="K=V[,K=V]",
+                    help="add the sm90-conv kernel, forced, built with these conv.meta options (e.g. idx_ahead=1,"
+                    "named=1), as impl sparsemla-conv with the options as its variant; repeatable.  For A/B runs: "
+                    "write the rows to a file of your own (an ignored folder), not the results file")
     a = ap.parse_args(argv)
     names = a.configs.split(",") if a.configs else [f"D-h{h}" for h in D.int_list(a.heads)]
     rec = D.Recorder(a)
     run_decode(rec, names, D.fmt_list(a.formats), fp8qk=not a.no_fp8qk, peers=not a.no_peers, conv=a.conv,
-               cluster=a.cluster, fused=a.fused)
+               cluster=a.cluster, fused=a.fused, conv_variants=[parse_options(v) for v in a.conv_variant])
     return rec.finish()
 
 

@@ -131,6 +131,9 @@ class KernelPlan:
     fp8_qk: the FP8-QK mode (QK on e4m3 tensor cores; ``sm90-few`` / ``sm90-wide`` over e4m3 rows).
     why: one sentence saying why this kernel takes the call.
     fused_combine: the splits are merged by the kernel's own programs (one launch), not the combine kernel.
+    variant: options of the kernel's build that the plan never chooses, as sorted ``(name, value)`` pairs of
+        ``conv.meta`` keywords (``sm90-conv`` only; ``dataclasses.replace`` a plan to time a variant beside the
+        default, e.g. ``benchmarks/decode.py --conv-variant idx_ahead=1``); empty for every plan the library makes.
     """
 
     kernel: str
@@ -145,6 +148,7 @@ class KernelPlan:
     fp8_qk: bool
     why: str
     fused_combine: bool = False
+    variant: tuple = ()
 
     @property
     def grid(self) -> int:

@@ -601,18 +601,30 @@ def test_conv_trace_meta_options_and_dry_run(tmp_path):
     assert (tmp_path / "trace-synthetic.json").exists()
 
 
-def test_sm90_launch_takes_extra_options_for_the_conv_kernel_only():
-    """The launcher builds a variant of sm90-conv the plan does not choose (conv_trace.py's trace build), and
-    refuses options for any other kernel."""
+def test_plan_variant_builds_the_conv_kernel_with_its_options_only():
+    """A plan's ``variant`` (``decode.py --conv-variant``) builds sm90-conv with those conv.meta options, keyed apart
+    from the default build; the launcher refuses options for any other kernel, and the trace build outside
+    conv_trace.py (it writes into the final-out argument)."""
+    from dataclasses import replace
+
     from sparsemla.formats import get_format
     from sparsemla.kernels import attention as A
     from sparsemla.plan import plan_attention
     fmt = get_format("fp8_ds_mla")
     conv_plan = plan_attention(fmt, 128, 64, 2048, kernel="sm90-conv")
-    launch = A._sm90_launch(conv_plan, fmt, True, False, meta=dict(trace=True, idx_ahead=True))
-    assert launch.meta["TRACE"] and launch.meta["IDX2"]
-    assert not A._sm90_launch(conv_plan, fmt, True, False).meta["TRACE"]
+    assert conv_plan.variant == ()
+    idx2 = replace(conv_plan, variant=(("idx_ahead", True),))
+    launch = A._launch_for(idx2, fmt, True)
+    assert launch.meta["IDX2"] and not launch.meta["TRACE"]
+    assert A._launch_for(conv_plan, fmt, True) is not launch
+    traced = A._sm90_launch(idx2, fmt, True, False, meta=dict(trace=True))
+    assert traced.meta["TRACE"] and traced.meta["IDX2"]
+    with pytest.raises(ValueError, match="conv_trace"):
+        A._launch_for(replace(conv_plan, variant=(("trace", True),)), fmt, True)
     few_plan = plan_attention(fmt, 128, 16, 2048)
     assert few_plan.kernel != "sm90-conv"
-    with pytest.raises(ValueError, match="meta"):
-        A._sm90_launch(few_plan, fmt, True, False, meta=dict(trace=True))
+    with pytest.raises(ValueError, match="variant"):
+        A._sm90_launch(replace(few_plan, variant=(("named", True),)), fmt, True, False)
+    decode = _load_script("benchmarks/decode.py")
+    assert decode.parse_options("idx_ahead=1, named=false,early=True") == dict(idx_ahead=True, named=False,
+                                                                                early=True)

@@ -59,10 +59,11 @@ _LAUNCHES: dict = {}
 
 def _sm90_launch(plan, fmt, has_vc: bool, fused: bool, meta: Optional[dict] = None) -> Launch:
     # Imported on first use: the Gluon modules need triton.experimental.gluon, and a Triton without it must still
-    # serve every call with the portable kernels.  ``meta``: further options of ``conv.meta`` (a variant the plan
-    # does not choose, for diagnostics such as benchmarks/conv_trace.py; sm90-conv only)
+    # serve every call with the portable kernels.  The plan's ``variant`` and ``meta`` (benchmarks/conv_trace.py's
+    # trace build): further options of ``conv.meta``, a build the plan never chooses (sm90-conv only)
+    meta = dict(plan.variant, **(meta or {}))
     if meta and plan.kernel != "sm90-conv":
-        raise ValueError(f"meta: options for sm90-conv only, the plan's kernel is {plan.kernel}")
+        raise ValueError(f"plan.variant: options for sm90-conv only, the plan's kernel is {plan.kernel}")
     lay = fmt.layout
     common = dict(bytes_per_row=fmt.bytes_per_token, rope_dim=fmt.rope_dim, rope_offset=max(lay.rope_offset, 0),
                   num_groups=plan.num_groups, has_valid_counts=has_vc)
@@ -109,7 +110,10 @@ def _launch_for(plan, fmt, has_vc: bool, fused: bool = False) -> Launch:
     if hit is not None and hit[0] is plan:
         return hit[1]
     key = (plan.kernel, plan.kind, plan.heads_per_program, plan.num_groups, plan.block_n, plan.num_warps,
-           plan.num_stages, plan.fp8_qk, fmt.id, has_vc, fused)
+           plan.num_stages, plan.fp8_qk, fmt.id, has_vc, fused, plan.variant)
+    if any(name == "trace" for name, _ in plan.variant):
+        raise ValueError("plan.variant: the trace build writes into the final-out argument; "
+                         "benchmarks/conv_trace.py launches it")
     launch = _LAUNCHES.get(key)
     if launch is None:
         if plan.kernel in _plan.SM90_KERNELS:
