@@ -16,9 +16,10 @@ through the library's cache write), then per head count the same queries and ind
   ``triton-fp8qk`` (the FP8-QK mode; fp8 and fp8_ds_mla rows, sm_90); with ``--conv``, ``sparsemla-conv``:
   the launcher on a plan forced to ``sm90-conv`` (sm_90), beside the plan's choice where that is another kernel
   (bf16 rows above 64 heads, small batches); with ``--conv-variant K=V[,K=V]``, the same kernel built with those
-  ``conv.meta`` options (``KernelPlan.variant``; the row's variant names them); with ``--cluster``, ``sparsemla-cluster``: forced to
-  ``sm90-cluster`` (its rows and heads, Triton >= 3.8); with ``--fused``, ``sparsemla-fused``: the plan's kernel
-  merging its splits itself (``fused_combine``) where a call splits (small batches);
+  ``conv.meta`` options (``KernelPlan.variant``; the row's variant names them); with ``--cluster``,
+  ``sparsemla-cluster``: forced to ``sm90-cluster`` (its rows and heads, Triton >= 3.8); with ``--fused``,
+  ``sparsemla-fused``: the plan's kernel merging its splits itself (``fused_combine``) where a call splits (small
+  batches);
 * the peer that reads the same bytes: FlashMLA for fp8_ds_mla (q padded to 64 / 128 heads), FlashInfer for
   bf16 and fp8 (page size 1), prepared once outside the timed call (``sparsemla.bench.peers``).
 

@@ -17,8 +17,9 @@
 # left is skipped (the summary says so).  The reliability group's random-case test runs 10,000 cases by default,
 # more than one 600 s command holds (test_property_gpu.py): in such a call set RELIAB_GPU_CASES (e.g. 3000 with
 # RELIAB_GPU_PROCS=6, about 250 s) and merge the summaries of several calls.  The archive holds the logs, the
-# rows, the reliability summaries ($OUT/reliability) and the sanitizer's logs.  PYTEST_N spreads each group over pytest-xdist workers (PYTEST_N_<group> for one group; default: a
-# share of the cores per group, see default_workers; 0: one process); TEST_GROUPS picks groups, ";" between
+# rows, the reliability summaries ($OUT/reliability) and the sanitizer's logs.  PYTEST_N spreads each group over
+# pytest-xdist workers (PYTEST_N_<group> for one group; default: a share of the cores per group, see
+# default_workers; 0: one process); TEST_GROUPS picks groups, ";" between
 # phases that run one after the other (default: sm90 and movement, then attention, system and other, then
 # reliability alone); MEMCHECK=0 leaves memcheck out.  BENCH picks drivers (default
 # "decode small_batch prefill movement host_overhead"); BENCH_FORMATS narrows their formats; BENCH_ARGS (every
@@ -34,7 +35,8 @@ for arg in "$@"; do
         *) echo "usage: $0 [tests|bench|all] [--dry-run]"; exit 2 ;;
     esac
 done
-export OUT=${OUT:-./gpu-out}; mkdir -p "$OUT/logs"  # exported: the GPU tests write their summaries under $OUT/reliability
+# exported: the GPU tests write their summaries under $OUT/reliability
+export OUT=${OUT:-./gpu-out}; mkdir -p "$OUT/logs"
 START=$(date +%s)
 BUDGET_GIVEN=${BUDGET:+1}
 BUDGET=${BUDGET:-570}

@@ -80,8 +80,7 @@ def _sm90_launch(plan, fmt, has_vc: bool, fused: bool, meta: Optional[dict] = No
     if plan.kernel in ("sm90-conv", "sm90-cluster"):
         from .sm90 import conv
         return Launch(conv.conv_kernel, conv.meta(kind=plan.kind, scale_offset=max(lay.scale_offset, 0),
-                                                  cluster=plan.kernel == "sm90-cluster", **common,
-                                                  **(meta or {})), {})
+                                                  cluster=plan.kernel == "sm90-cluster", **common, **meta), {})
     from .sm90 import bf16
     return Launch(bf16.bf16_kernel, bf16.meta(**common), {})
 
