@@ -617,7 +617,7 @@ def test_plan_variant_builds_the_conv_kernel_with_its_options_only():
     launch = A._launch_for(idx2, fmt, True)
     assert launch.meta["IDX2"] and not launch.meta["TRACE"]
     assert A._launch_for(conv_plan, fmt, True) is not launch
-    traced = A._sm90_launch(idx2, fmt, True, False, meta=dict(trace=True))
+    traced = A._sm90_launch(replace(conv_plan, variant=(("idx_ahead", True), ("trace", True))), fmt, True, False)
     assert traced.meta["TRACE"] and traced.meta["IDX2"]
     with pytest.raises(ValueError, match="conv_trace"):
         A._launch_for(replace(conv_plan, variant=(("trace", True),)), fmt, True)

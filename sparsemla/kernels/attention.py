@@ -57,11 +57,11 @@ HEADER = 4
 _LAUNCHES: dict = {}
 
 
-def _sm90_launch(plan, fmt, has_vc: bool, fused: bool, meta: Optional[dict] = None) -> Launch:
+def _sm90_launch(plan, fmt, has_vc: bool, fused: bool) -> Launch:
     # Imported on first use: the Gluon modules need triton.experimental.gluon, and a Triton without it must still
-    # serve every call with the portable kernels.  The plan's ``variant`` and ``meta`` (benchmarks/conv_trace.py's
-    # trace build): further options of ``conv.meta``, a build the plan never chooses (sm90-conv only)
-    meta = dict(plan.variant, **(meta or {}))
+    # serve every call with the portable kernels.  The plan's ``variant``: further options of ``conv.meta``, a build
+    # the plan never chooses (sm90-conv only; its trace build is launched by benchmarks/conv_trace.py alone)
+    meta = dict(plan.variant)
     if meta and plan.kernel != "sm90-conv":
         raise ValueError(f"plan.variant: options for sm90-conv only, the plan's kernel is {plan.kernel}")
     lay = fmt.layout
