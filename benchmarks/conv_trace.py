@@ -18,7 +18,9 @@ and last block of each program left out) of the intervals that make up a block's
 
 - ``period``: warpgroup 0's ready wait returning for block i + 1 minus for block i;
 - producer: ``fill`` (its free wait returned -> its ready arrival: the block's loads, conversion, stores and
-  fence), ``fence`` (the proxy fence alone), ``wait_free`` (its ready arrival -> the next free wait returned);
+  fence), ``fence`` (the proxy fence alone), ``wait_free`` (its ready arrival -> the next free wait returned) and
+  its three parts: ``next_rows`` (-> the next block's rows looked up: the index load's latency), ``loads`` (-> its
+  free wait begun: the loads issued before it), ``wait`` (the free wait itself);
 - warpgroup 0: ``wait_ready``, ``qk`` (ready -> QK done), ``softmax`` (QK done -> P and alpha handed over),
   ``pv_next`` (P handed over -> this block's PV done, with the next block's ready wait and QK issue inside);
 - warpgroup 1: ``wait_p`` (its ready wait returned -> P received), ``pv`` (P received -> its PV done);
@@ -38,13 +40,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # decode.py: the
 # the events of conv.py's trace build (TRACE_EVENTS): name -> index
 EVENTS = dict(free_done=0, ready_arrive=1, prod_start=2, q_staged=3, qk_done=4, p_handed=5, wait_ready=6,
               ready_done=7, pv_done=8, wg0_start=9, wg0_end=10, p_received=11, wg1_pv_done=12, wg1_ready_done=13,
-              fence_start=14, fence_end=15)
+              fence_start=14, fence_end=15, ptrs_done=16, wait_start=17)
 # per-block intervals: name -> (event at the start, its block offset, event at the end, its block offset)
 BLOCK_INTERVALS = {
     "period": ("ready_done", 0, "ready_done", 1),
     "producer fill": ("free_done", 0, "ready_arrive", 0),
     "producer fence": ("fence_start", 0, "fence_end", 0),
     "producer wait_free": ("ready_arrive", 0, "free_done", 1),
+    "producer next_rows": ("ready_arrive", 0, "ptrs_done", 1),
+    "producer loads": ("ptrs_done", 0, "wait_start", 0),
+    "producer wait": ("wait_start", 0, "free_done", 0),
     "wg0 wait_ready": ("wait_ready", 0, "ready_done", 0),
     "wg0 qk": ("ready_done", 0, "qk_done", 0),
     "wg0 softmax": ("qk_done", 0, "p_handed", 0),
@@ -94,13 +99,14 @@ def synthetic_trace(programs: int, n_blocks: int, steps: dict, blocks: int = 64)
     period = p_fill + p_wait
     tr = []
     for p in range(programs):
-        ev = [[0] * blocks for _ in range(16)]
+        ev = [[0] * blocks for _ in range(len(EVENTS))]
         t0 = 1000 * p
         ev[EVENTS["prod_start"]][0], ev[EVENTS["q_staged"]][0] = t0, t0 + 500
         ev[EVENTS["wg0_start"]][0] = t0
         for i in range(n_blocks):
             f = t0 + 600 + i * period
             ev[EVENTS["free_done"]][i] = f
+            ev[EVENTS["ptrs_done"]][i], ev[EVENTS["wait_start"]][i] = f - p_wait + 700, f - 300
             ev[EVENTS["fence_start"]][i], ev[EVENTS["fence_end"]][i] = f + p_fill - 150, f + p_fill - 50
             ev[EVENTS["ready_arrive"]][i] = f + p_fill
             r = f + p_fill + 40

@@ -172,13 +172,13 @@ def test_meta_takes_offsets_from_the_layout_and_rejects_what_a_kernel_cannot_rea
 
 
 def test_conv_meta_takes_each_kinds_tuned_producer_options():
-    """conv.meta's producer options: None takes the kind's conv.TUNED entry, an explicit value wins, the 2-CTA
-    kernel takes none of them (its producer has its own loop)."""
+    """conv.meta's producer and consumer options: None takes the kind's conv.TUNED entry, an explicit value wins,
+    the 2-CTA kernel takes none of them (its producer has its own loop, its consumers their own signals)."""
     common = dict(rope_dim=64, num_groups=1, has_valid_counts=False)
     rows = {"bf16": (1152, 1024, -1), "fp8": (576, 512, -1), "fp8_ds_mla": (656, 512, 528),
             "nvfp4_ds_mla": (352, 256, 320)}
     flags = dict(l2_hint="HINT", rows128="W128", early="EARLY", late_next="LATE", lean_fences="LEAN",
-                 idx_ahead="IDX2")
+                 idx_ahead="IDX2", free_first="FF", smem_out="SO", early_idx="EI")
     for kind, (bpr, rope_off, scale_off) in rows.items():
         args = dict(kind=kind, bytes_per_row=bpr, rope_offset=rope_off, scale_offset=scale_off, **common)
         m = conv.meta(**args)
@@ -189,8 +189,10 @@ def test_conv_meta_takes_each_kinds_tuned_producer_options():
             cl = conv.meta(**args, cluster=True)
             assert not any(cl[c] for c in flags.values()), kind
     ell = {"early": True, "late_next": True, "lean_fences": True}
-    assert conv.TUNED == {"bf16": {"rows128": True}, "nvfp4_ds_mla": {"l2_hint": True},
-                          "fp8": dict(ell, idx_ahead=True), "fp8_ds_mla": ell}
+    so = {"smem_out": True}
+    assert conv.TUNED == {"bf16": dict(so, rows128=True, free_first=True),
+                          "nvfp4_ds_mla": dict(so, l2_hint=True, early_idx=True),
+                          "fp8": dict(ell, **so, idx_ahead=True), "fp8_ds_mla": dict(ell, **so)}
     on = conv.meta(kind="nvfp4_ds_mla", bytes_per_row=352, rope_offset=256, scale_offset=320, l2_hint=True, **common)
     assert on["HINT"] and not on["W128"]
 

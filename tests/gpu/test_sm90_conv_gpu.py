@@ -185,11 +185,22 @@ def test_conv_l2_hint_matches_reference(fmt, heads, topk, splits):
     (64, 2048, 32, dict(early=True, late_next=True, lean_fences=True)),
     (64, 2048, 1, dict(idx_ahead=True)), (33, 64, 1, dict(idx_ahead=True)), (96, 2051, 3, dict(idx_ahead=True)),
     (128, 320, 2, dict(idx_ahead=True, early=True, late_next=True, lean_fences=True)),
-    (96, 2051, 3, dict(idx_ahead=True, l2_hint=True))])
+    (96, 2051, 3, dict(idx_ahead=True, l2_hint=True)),
+    (64, 2048, 1, dict(free_first=True)), (33, 64, 1, dict(free_first=True)), (96, 2051, 3, dict(free_first=True)),
+    (128, 2048, None, dict(free_first=True)), (64, 2048, 32, dict(free_first=True)),
+    (128, 320, 2, dict(free_first=True, early=False, late_next=False, lean_fences=False)),
+    (64, 2048, 1, dict(early_idx=True)), (33, 64, 1, dict(early_idx=True)), (96, 2051, 3, dict(early_idx=True)),
+    (128, 2048, None, dict(early_idx=True)), (64, 2048, 32, dict(early_idx=True)),
+    (128, 320, 2, dict(early_idx=True, idx_ahead=True)),
+    (64, 2048, 1, dict(smem_out=True)), (33, 64, 1, dict(smem_out=True)), (96, 2051, 3, dict(smem_out=True)),
+    (128, 2048, 1, dict(smem_out=True, early_idx=True)), (100, 320, 2, dict(smem_out=True))],
+    ids=lambda v: "+".join(f"{k}={int(x)}" for k, x in v.items()) if isinstance(v, dict) else None)
 def test_conv_early_loads_match_reference(fmt, heads, topk, splits, options):
     """Every value piece's loads issued before the producer's free wait (``conv.meta(early=True)``), the next
     block's first pieces loaded after its fence (``late_next=True``), the consumers' in-loop proxy fences left to
-    the writers (``lean_fences=True``), the rows looked up two blocks ahead (``idx_ahead=True``), alone and
+    the writers (``lean_fences=True``), the rows looked up two blocks ahead (``idx_ahead=True``), warpgroup 0
+    freeing a tile before its wait for the next (``free_first=True``), the indices prefetched and loaded without
+    waiting for the valid count (``early_idx=True``), the output through a tile (``smem_out=True``), alone and
     together: one block, odd block counts, splits (one block each at 32), head counts that are not a multiple of
     64, NoPE rows with and without a rope slot."""
     skip_unless_sm90()

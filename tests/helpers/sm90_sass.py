@@ -76,7 +76,8 @@ def _variants():
                 num_groups=2, has_valid_counts=True, rows128=False))
         # conv's producer options (conv.TUNED gives each kind its defaults, which the plain variants below carry):
         # every option the kind does not take by default once, the others off (``-plain``: all off)
-        producer = dict(l2_hint=False, early=False, late_next=False, lean_fences=False, idx_ahead=False)
+        producer = dict(l2_hint=False, early=False, late_next=False, lean_fences=False, idx_ahead=False,
+                        early_idx=False)
         for suffix, on in (("-plain", {}), ("-hint", dict(l2_hint=True)), ("-idx2", dict(idx_ahead=True)),
                            ("-early", dict(early=True, late_next=True, lean_fences=True))):
             if kind == "bf16" or fid != kind or (on and all(conv.TUNED[kind].get(o) for o in on)):
@@ -88,6 +89,10 @@ def _variants():
             v[f"conv-{fid}-trace"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                 num_groups=2, has_valid_counts=True, trace=True))
+        if fid == "fp8_ds_mla":  # a tile freed before the next ready wait, the indices early (not its default)
+            v[f"conv-{fid}-ffei"] = ("conv", "conv_kernel", SIG_K, conv.meta(
+                kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
+                num_groups=2, has_valid_counts=True, free_first=True, early_idx=True))
         if fid in ("nvfp4_ds_mla-nope", "bf16"):  # idx_ahead for the NoPE rows' and bf16's producer
             v[f"conv-{fid}-idx2"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,

@@ -74,11 +74,11 @@ NC_LOAD = gl.constexpr("ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2
 # TRACE (a diagnostic variant): each partition's thread 0 writes the SM clock at named events into
 # trace[program, event, block] (int64, the final-out pointer's bytes); blocks past TRACE_BLOCKS are not written
 TRACE_BLOCKS = gl.constexpr(64)
-TRACE_EVENTS = gl.constexpr(16)
+TRACE_EVENTS = gl.constexpr(18)
 # events: the producer's (0: its free wait returned, 1: before its ready arrival, 2: start, 3: q staged),
 # warpgroup 0's (4: QK done, 5: P handed over, 6: before its ready wait, 7: after it, 8: PV done, 9: start,
 # 10: end), warpgroup 1's (11: P received, 12: PV done, 13: its ready wait returned), the producer's fence
-# (14: before it, 15: after it)
+# (14: before it, 15: after it), the producer's next rows looked up (16) and its free wait begun (17)
 # warpgroup 0's S [64 heads, 64 rows] and each warpgroup's O [64 heads, 256 columns] on wgmma
 S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
 O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
@@ -124,6 +124,8 @@ L_W2 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [0, 1]))
 L_W2B = gl.constexpr(gl.BlockedLayout([1, 2, 2], [8, 4, 1], [4, 1, 1], [2, 0, 1]))
 L_W2C = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
 L_W2S = gl.constexpr(gl.SliceLayout(2, L_W2B.value))  # the e4m3 block scales [64 rows, 8 blocks]
+# SO's output rows [16 heads, 256 columns] bf16: 8 columns a thread, a warp along one head's 256
+L_OUT = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
 # bf16 q rows [64, 64k elements] (8 elements a thread)
 L_B16 = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
 # fp8_ds_mla's bf16 rope [64 rows, 64] (8 elements a thread, the rows of L_W8R): copied by cp.async
@@ -405,18 +407,41 @@ def _q_part(q_row, hm, col0: gl.constexpr, N: gl.constexpr, AGAIN: gl.constexpr 
 
 
 @gluon.jit
+def _prefetch_rows_l2(row, n):
+    """EARLY_IDX: ``prefetch.global.L2`` of every 128-byte line of ``row[0 : n]`` (int32), one line a thread."""
+    tid = gl.arange(0, 128, layout=PER_THREAD)
+    nbytes = n * 4
+    for c in range(0, gl.cdiv(nbytes, 128 * 128)):
+        off = (c * 128 + tid) * 128
+        addr = (row.to(gl.pointer_type(gl.int8)) + gl.where(off < nbytes, off, 0)).to(gl.int64, bitcast=True)
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr], gl.int32, False, 1)
+
+
+@gluon.jit
+def _bidx(idx_row, p0, k_end, k_stop, rows_l: gl.constexpr, EI: gl.constexpr):
+    """``block_indices``; EARLY_IDX: the load bounded by the split's end ``k_stop`` alone, the positions at or past
+    the valid count's ``k_end`` set to -1 after it, so that the load does not wait for the valid count's."""
+    if EI:
+        offs = p0 + gl.arange(0, 64, layout=rows_l)
+        return gl.where(offs < k_end, gl.load(idx_row + offs, mask=offs < k_stop, other=-1), -1)
+    else:
+        return block_indices(idx_row, p0, k_end, rows_l)
+
+
+@gluon.jit
 def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
               DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, B16: gl.constexpr,
               CL: gl.constexpr, HINT: gl.constexpr = False, W128: gl.constexpr = False, tr=None,
               TRACE: gl.constexpr = False, EARLY: gl.constexpr = False, LATE: gl.constexpr = False,
-              IDX2: gl.constexpr = False):
+              IDX2: gl.constexpr = False, EI: gl.constexpr = False):
     """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run two
     pieces ahead of the conversion: piece P + 2 (after the last value piece: the rope, then the next block's
     first two pieces) is loaded before piece P is converted; the next block's rows are looked up at the start
     of a block.  fp8_ds_mla's bf16 rope needs no conversion: it is copied into the tile by cp.async as soon as
     the tile is free, and waited for before the tile is published.  IDX2: the rows are looked up two blocks
     ahead, so that the next block's loads need no index load of their own (one memory latency fewer in the
-    producer's chain a block)."""
+    producer's chain a block).  EI: the split's indices prefetched into L2 before q is staged, and no index load
+    waiting for the valid count's."""
     (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K,
      rows_per_split, num_splits, smem,
      bars) = args
@@ -424,6 +449,10 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     q_bar, ready, free = bars
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
     _stamp(tr, 2, 0, TRACE)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    k_stop = gl.minimum(k_begin + rows_per_split, K)  # the split's end, without the valid count's load
+    if EI:
+        _prefetch_rows_l2(idx_row + k_begin, k_stop - k_begin)
     # q [64 heads, 576] (rows of heads >= H zero-filled)
     LB: gl.constexpr = cga(L_B16, CL)
     heads = g * 64 + gl.arange(0, 64 * head_groups(CL), layout=gl.SliceLayout(1, LB))
@@ -444,10 +473,9 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     _stamp(tr, 3, 0, TRACE)
 
     n_blocks = gl.cdiv(k_end - k_begin, 64)
-    idx_row = idx_ptr + t.to(gl.int64) * stride_it
     if B16:
         _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE, ROPE_OFF,
-                     W128, tr, TRACE, IDX2)
+                     W128, tr, TRACE, IDX2, k_stop, EI)
     elif CL:
         _convert_blocks_cl(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE,
                            SCALE_OFF, ROPE_OFF, DS, FP4)
@@ -462,21 +490,23 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
             rl: gl.constexpr = gl.SliceLayout(1, L_W8)
         el: gl.constexpr = gl.SliceLayout(1, L_W2C)
         SEP: gl.constexpr = ROPE and not DS and not FP4  # a rope in its own layout
-        base, valid = _ptrs(block_indices(idx_row, k_begin, k_end, rl), kv_ptr, BPT)
+        base, valid = _ptrs(_bidx(idx_row, k_begin, k_end, k_stop, rl, EI), kv_ptr, BPT)
         raw, sc = _load_piece(base, valid, 0, SCALE_OFF, DS, FP4, False, HINT)
         raw1, sc1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4, False, HINT)
         if IDX2:
-            nidx = block_indices(idx_row, k_begin + 64, k_end, rl)
+            nidx = _bidx(idx_row, k_begin + 64, k_end, k_stop, rl, EI)
         for i in range(n_blocks):
             b = i % 2
             if IDX2:  # block i + 1's rows were looked up a block ago; block i + 2's now
                 nbase, nvalid = _ptrs(nidx, kv_ptr, BPT)
-                nidx = block_indices(idx_row, k_begin + (i + 2) * 64, k_end, rl)
+                nidx = _bidx(idx_row, k_begin + (i + 2) * 64, k_end, k_stop, rl, EI)
             else:
-                nbase, nvalid = _ptrs(block_indices(idx_row, k_begin + (i + 1) * 64, k_end, rl), kv_ptr, BPT)
+                nbase, nvalid = _ptrs(_bidx(idx_row, k_begin + (i + 1) * 64, k_end, k_stop, rl, EI), kv_ptr, BPT)
+            _stamp(tr, 16, i, TRACE, nbase)
             raw2, sc2 = _load_piece(base, valid, 2, SCALE_OFF, DS, FP4, False, HINT)
             if EARLY:  # every value piece in flight before the wait: none of their loads inside free -> ready
                 raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4, False, HINT)
+            _stamp(tr, 17, i, TRACE)
             mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
             _stamp(tr, 0, i, TRACE)
             if ROPE and DS:
@@ -493,7 +523,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
                     rope = _load_rope(gl.convert_layout(base, el), gl.convert_layout(valid, el), ROPE_OFF, FP4,
                                       False, HINT)
                 elif SEP:
-                    rope = _load_rope(*_ptrs(block_indices(idx_row, k_begin + i * 64, k_end, el), kv_ptr, BPT),
+                    rope = _load_rope(*_ptrs(_bidx(idx_row, k_begin + i * 64, k_end, k_stop, el, EI), kv_ptr, BPT),
                                       ROPE_OFF, FP4, False, HINT)
                 else:
                     rope = _load_rope(base, valid, ROPE_OFF, FP4, False, HINT)
@@ -529,7 +559,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
 @gluon.jit
 def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, ready, free, BPT: gl.constexpr,
                  ROPE: gl.constexpr, ROPE_OFF: gl.constexpr, W128: gl.constexpr = False, tr=None,
-                 TRACE: gl.constexpr = False, IDX2: gl.constexpr = False):
+                 TRACE: gl.constexpr = False, IDX2: gl.constexpr = False, k_stop=0, EI: gl.constexpr = False):
     """bf16 rows: each 64-row block copied into tile i % 2 by cp.async as it is (no conversion).  The producer
     does not wait for its copies: each thread's cp.async arrival on ready[b] fires when that thread's copies have
     landed, so the next block's copies are issued as soon as its tile is free and both tiles can be in flight.
@@ -542,17 +572,19 @@ def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, read
     else:
         lay: gl.constexpr = L_B16
     rl: gl.constexpr = gl.SliceLayout(1, lay)
-    base, valid = _ptrs(block_indices(idx_row, k_begin, k_end, rl), kv_ptr, BPT)
+    base, valid = _ptrs(_bidx(idx_row, k_begin, k_end, k_stop, rl, EI), kv_ptr, BPT)
     if IDX2:
-        nidx = block_indices(idx_row, k_begin + 64, k_end, rl)
+        nidx = _bidx(idx_row, k_begin + 64, k_end, k_stop, rl, EI)
     for i in range(n_blocks):
         b = i % 2
         if IDX2:  # block i + 1's rows were looked up a block ago; block i + 2's now
             nbase, nvalid = _ptrs(nidx, kv_ptr, BPT)
-            nidx = block_indices(idx_row, k_begin + (i + 2) * 64, k_end, rl)
+            nidx = _bidx(idx_row, k_begin + (i + 2) * 64, k_end, k_stop, rl, EI)
         else:
-            nbase, nvalid = _ptrs(block_indices(idx_row, k_begin + (i + 1) * 64, k_end, rl), kv_ptr, BPT)
+            nbase, nvalid = _ptrs(_bidx(idx_row, k_begin + (i + 1) * 64, k_end, k_stop, rl, EI), kv_ptr, BPT)
+        _stamp(tr, 16, i, TRACE, nbase)
         rows = base.to(gl.pointer_type(gl.bfloat16))
+        _stamp(tr, 17, i, TRACE)
         mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
         _stamp(tr, 0, i, TRACE)
         copy_rows(kL.index(b), rows, 0, 256, valid, lay)
@@ -569,12 +601,18 @@ def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, read
 
 
 @gluon.jit
-def _stamp(tr, e: gl.constexpr, i, TRACE: gl.constexpr):
-    """TRACE: thread 0 of the calling 4-warp partition writes %clock64 to trace[program, e, i]."""
+def _stamp(tr, e: gl.constexpr, i, TRACE: gl.constexpr, after=None):
+    """TRACE: thread 0 of the calling 4-warp partition writes %clock64 to trace[program, e, i].  ``after``: a
+    tensor whose first element the clock read waits for (a value loaded or computed just before)."""
     if TRACE:
-        tid = gl.arange(0, 128, layout=PER_THREAD)
-        clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [tid], gl.int64, False, 1)
         off = (gl.program_id(0).to(gl.int64) * TRACE_EVENTS + e) * TRACE_BLOCKS + i
+        if after is None:
+            tid = gl.arange(0, 128, layout=PER_THREAD)
+            clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [tid], gl.int64, False, 1)
+        else:  # the clock read takes the value as an operand, so it cannot be issued before the value is there
+            v = after.to(gl.int64, bitcast=True)
+            tid = gl.arange(0, v.shape[0], layout=v.type.layout)
+            clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,l", [v], gl.int64, False, 1)
         gl.store(tr.to(gl.pointer_type(gl.int64), bitcast=True) + off + tid * 0, clk,
                  mask=(tid == 0) & (i < TRACE_BLOCKS))
 
@@ -590,16 +628,36 @@ def _qk(qL, qR, qE, kL, kR, kE, b, z, s_zero, ROPE: gl.constexpr):
 
 
 @gluon.jit
+def _stage(k):
+    """Tile 0 of ``k`` (kL or kR, [2, 64, 256] of the tiles' 16-bit type) as bf16 [64, 256], the same bytes."""
+    return compat.reinterpret(k, gl.bfloat16, [2, 64, 256],
+                              gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)).index(0)
+
+
+@gluon.jit
 def _out_store(acc, inv_l, col0: gl.constexpr, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H,
-               CL: gl.constexpr = False):
-    """Columns col0 .. col0 + 255 of heads 64 g .. 64 g + 63 (CL: 0 .. 127): acc [64, 256] x inv_l (per head)."""
+               CL: gl.constexpr = False, stage=None, SO: gl.constexpr = False):
+    """Columns col0 .. col0 + 255 of heads 64 g .. 64 g + 63 (CL: 0 .. 127): acc [64, 256] x inv_l (per head).
+    SO (a bf16 output): through ``stage`` [64, 256] bf16, a tile this warpgroup alone read and no longer needs, and
+    out in 16-byte row stores, a warp writing 512 contiguous bytes of a head's row (stores from the accumulator
+    layout cover 16 bytes of 8 rows a warp instruction, and the last block's epilogue waited on them)."""
     OL: gl.constexpr = cga(O_LAYOUT, CL)
-    heads = g * 64 + gl.arange(0, 64 * head_groups(CL), layout=gl.SliceLayout(1, OL))
-    cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, OL))
     o = acc * inv_l[:, None]
-    optr = (o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads.to(gl.int64)[:, None] * stride_oh
-            + cols[None, :])
-    gl.store(optr, o.to(o_ptr.dtype.element_ty), mask=(heads < H)[:, None])
+    if SO:
+        stage.store(o.to(gl.bfloat16))
+        compat.barrier()  # every warp's part of the tile is stored
+        cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, L_OUT))
+        obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os
+        for j in gl.static_range(4):  # 16 heads at a time: fewer registers live
+            heads = g * 64 + 16 * j + gl.arange(0, 16, layout=gl.SliceLayout(1, L_OUT))
+            o16 = stage.slice(16 * j, 16, dim=0).load(L_OUT)
+            gl.store(obase + heads.to(gl.int64)[:, None] * stride_oh + cols[None, :], o16, mask=(heads < H)[:, None])
+    else:
+        heads = g * 64 + gl.arange(0, 64 * head_groups(CL), layout=gl.SliceLayout(1, OL))
+        cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, OL))
+        optr = (o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads.to(gl.int64)[:, None] * stride_oh
+                + cols[None, :])
+        gl.store(optr, o.to(o_ptr.dtype.element_ty), mask=(heads < H)[:, None])
 
 
 @gluon.jit
@@ -636,7 +694,8 @@ def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, 
 
 @gluon.jit
 def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
-         NAMED: gl.constexpr, CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True):
+         NAMED: gl.constexpr, CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True,
+         FF: gl.constexpr = False, SO: gl.constexpr = False):
     """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
@@ -683,24 +742,40 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         # (measured: issuing that PV from registers before the hand-off, FlashMLA's order, was no faster)
         acc = warpgroup_mma(sP, kL.index(b + z), acc, is_async=True)
         nb = 1 - b
-        _stamp(tr, 6, i + 1, TRACE)
-        mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
-        _stamp(tr, 7, i + 1, TRACE)
-        if CF:  # LEAN: a converted tile was fenced by the producer before its arrival
-            fence_async_shared()
-        sc = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)
-        # tile b is released once this PV and the next QK's kL and kR parts are done (wgmma groups retire in order,
-        # and each of the QK's wgmma is a group of its own).  Releasing it after the PV alone (waiting with the
-        # QK's two or three groups outstanding) measured no faster (CHANGELOG).
-        acc = warpgroup_mma_wait(1, deps=(acc, ))
-        _stamp(tr, 8, i, TRACE)
-        compat.barrier()  # every warp's reads of tile b are done
-        if CL:
-            _signal(sig.index(2 * b), free.index(b))
-        else:
+        if FF:
+            # FREE_FIRST: tile b goes back to the producer as soon as this PV is done, before the wait for block
+            # i + 1: the producer's refill of tile b (block i + 2) no longer waits for block i + 1 to be ready
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            _stamp(tr, 8, i, TRACE)
+            compat.barrier()  # every warp's reads of tile b are done
             mbarrier.arrive(free.index(b), count=1)
-        sc = warpgroup_mma_wait(0, deps=(sc, ))
-        _stamp(tr, 4, i + 1, TRACE)
+            _stamp(tr, 6, i + 1, TRACE)
+            mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
+            _stamp(tr, 7, i + 1, TRACE)
+            if CF:
+                fence_async_shared()
+            sc = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)
+            sc = warpgroup_mma_wait(0, deps=(sc, ))
+            _stamp(tr, 4, i + 1, TRACE)
+        else:
+            _stamp(tr, 6, i + 1, TRACE)
+            mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
+            _stamp(tr, 7, i + 1, TRACE)
+            if CF:  # LEAN: a converted tile was fenced by the producer before its arrival
+                fence_async_shared()
+            sc = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)
+            # tile b is released once this PV and the next QK's kL and kR parts are done (wgmma groups retire in
+            # order, and each of the QK's wgmma is a group of its own).  Releasing it after the PV alone (waiting
+            # with the QK's two or three groups outstanding) measured no faster (CHANGELOG).
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            _stamp(tr, 8, i, TRACE)
+            compat.barrier()  # every warp's reads of tile b are done
+            if CL:
+                _signal(sig.index(2 * b), free.index(b))
+            else:
+                mbarrier.arrive(free.index(b), count=1)
+            sc = warpgroup_mma_wait(0, deps=(sc, ))
+            _stamp(tr, 4, i + 1, TRACE)
     if n_blocks > 0:
         i = n_blocks - 1
         b = i % 2
@@ -721,8 +796,12 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
     inv_l, lse = normalizer(m_i, l_i)
     if not DS and not FP4:
         inv_l = inv_l * k_scale
-    _out_store(acc, gl.convert_layout(inv_l, gl.SliceLayout(1, OL)), 0, o_ptr, stride_ot, stride_os, stride_oh, t,
-               s, g, H, CL)
+    if SO:
+        _out_store(acc, gl.convert_layout(inv_l, gl.SliceLayout(1, OL)), 0, o_ptr, stride_ot, stride_os, stride_oh,
+                   t, s, g, H, CL, _stage(kL), True)
+    else:
+        _out_store(acc, gl.convert_layout(inv_l, gl.SliceLayout(1, OL)), 0, o_ptr, stride_ot, stride_os, stride_oh,
+                   t, s, g, H, CL)
     heads = g * 64 + gl.arange(0, HM, layout=gl.SliceLayout(1, SL))
     gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
     _stamp(tr, 10, 0, TRACE)
@@ -730,7 +809,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
 
 @gluon.jit
 def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr,
-         CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True):
+         CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True, SO: gl.constexpr = False):
     """Warpgroup 1: PV for output columns 256-511 with warpgroup 0's P and alpha."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
      sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
@@ -775,7 +854,10 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
     inv_l, lse_unused = normalizer(gl.zeros([64 * head_groups(CL)], gl.float32, OR), sL.load(OR))
     if not DS and not FP4:
         inv_l = inv_l * k_scale
-    _out_store(acc, inv_l, 256, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H, CL)
+    if SO:
+        _out_store(acc, inv_l, 256, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H, CL, _stage(kR), True)
+    else:
+        _out_store(acc, inv_l, 256, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H, CL)
 
 
 @gluon.jit
@@ -788,7 +870,8 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 B16: gl.constexpr = False, NAMED: gl.constexpr = False, CL: gl.constexpr = False,
                 FUSED: gl.constexpr = False, HINT: gl.constexpr = False,
                 W128: gl.constexpr = False, TRACE: gl.constexpr = False, EARLY: gl.constexpr = False,
-                LATE: gl.constexpr = False, LEAN: gl.constexpr = False, IDX2: gl.constexpr = False):
+                LATE: gl.constexpr = False, LEAN: gl.constexpr = False, IDX2: gl.constexpr = False,
+                FF: gl.constexpr = False, SO: gl.constexpr = False, EI: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
     with num_ctas=2) x 128 heads x one split, NG = 1."""
@@ -896,10 +979,12 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     # LEAN: the consumers fence for the async proxy after their in-loop waits only where the writer cannot (cp.async
     # tiles land after the producer's arrival; st.async tiles come from the partner CTA)
     CF: gl.constexpr = B16 or CL or not LEAN
-    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF)),
-                        (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF)),
+    # SO: a bf16 output (one split) goes out through a tile (the partials of several splits are fp32)
+    SOB: gl.constexpr = SO and o_ptr.dtype.element_ty == gl.bfloat16
+    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, FF, SOB)),
+                        (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, SOB)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT, W128,
-                                     fo_ptr, TRACE, EARLY, LATE, IDX2))],
+                                     fo_ptr, TRACE, EARLY, LATE, IDX2, EI))],
                        [4, 4], [WG1_REGS, PR])
     if CL:
         # neither CTA exits while the other may still send to it (Triton 3.9 adds this barrier itself, 3.8 not)
@@ -928,15 +1013,17 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 # against 122 / 222).  Slower: the hint on fp8 and fp8_ds_mla rows (146 / 258 for fp8_ds_mla), early + late on
 # nvfp4 (129 / 245), idx_ahead with early + late on fp8_ds_mla at 128 heads (237), idx_ahead alone within 3 % of
 # the default on every quantized kind.
-TUNED = {"bf16": dict(rows128=True), "nvfp4_ds_mla": dict(l2_hint=True),
-         "fp8": dict(early=True, late_next=True, lean_fences=True, idx_ahead=True),
-         "fp8_ds_mla": dict(early=True, late_next=True, lean_fences=True)}
+TUNED = {"bf16": dict(rows128=True, free_first=True, smem_out=True),
+         "nvfp4_ds_mla": dict(l2_hint=True, early_idx=True, smem_out=True),
+         "fp8": dict(early=True, late_next=True, lean_fences=True, idx_ahead=True, smem_out=True),
+         "fp8_ds_mla": dict(early=True, late_next=True, lean_fences=True, smem_out=True)}
 
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
          has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False,
          l2_hint: bool | None = None, rows128: bool | None = None, early: bool | None = None,
          late_next: bool | None = None, lean_fences: bool | None = None, idx_ahead: bool | None = None,
+         free_first: bool | None = None, smem_out: bool | None = None, early_idx: bool | None = None,
          trace: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
@@ -958,7 +1045,10 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     pick = lambda name, value: bool(tuned.get(name, False) if value is None else value)
     l2_hint, rows128, early = pick("l2_hint", l2_hint), pick("rows128", rows128), pick("early", early)
     late_next, lean_fences = pick("late_next", late_next), pick("lean_fences", lean_fences)
-    idx_ahead = pick("idx_ahead", idx_ahead)
+    idx_ahead, free_first = pick("idx_ahead", idx_ahead), pick("free_first", free_first)
+    smem_out, early_idx = pick("smem_out", smem_out), pick("early_idx", early_idx)
+    if cluster and (free_first or smem_out or early_idx):
+        raise ValueError("free_first / smem_out / early_idx: options of the one-CTA kernel")
     if trace and (cluster or fused):
         raise ValueError("trace: its buffer is the final-out argument, which the 2-CTA and FUSED variants use")
     if cluster and idx_ahead:
@@ -973,7 +1063,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
              ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups, HAS_VC=bool(has_valid_counts), DS=ds,
              FP4=fp4, B16=kind == "bf16", NAMED=named, CL=bool(cluster), num_warps=4, maxnreg=168,
              enable_fp_fusion=True, HINT=bool(l2_hint), W128=bool(rows128), TRACE=bool(trace), EARLY=bool(early),
-             LATE=bool(late_next), LEAN=bool(lean_fences), IDX2=bool(idx_ahead), **fused_meta(fused))
+             LATE=bool(late_next), LEAN=bool(lean_fences), IDX2=bool(idx_ahead), FF=bool(free_first),
+             SO=bool(smem_out), EI=bool(early_idx), **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m
