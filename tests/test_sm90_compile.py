@@ -24,16 +24,16 @@ HOPPER_SMEM = 232448  # bytes of shared memory one block may use on sm_90 (227 K
 # Stack bytes (spill slots) per kernel family and Triton release, the largest over the family's variants.
 # The wide kernel keeps part of its loop state (the normaliser's partial sums) in local memory on every
 # release; a variant above its bound spills more than this code does on that release.  Releases not
-# listed get the largest bound of any.  The conv kernel: 0-32 bytes on 3.6 and 0-24 on 3.8; 40-144 on 3.9, whose
+# listed get the largest bound of any.  The conv kernel: 0-16 bytes on 3.6 and 0-24 on 3.8; 0-136 on 3.9, whose
 # first MMA warpgroup builds a wgmma op's shared-memory descriptors in registers up front (docs/design/kernels.md),
 # measured.  The pair kernel (bf16): 64 / 64 / 80-104 since its vector hand-offs arrive per thread (publish()).
 STACK = {
     "3.6": {"bf16": 64, "few": 0, "wide": 88, "wide-fp8qk": 128, "conv": 32, "conv-early": 0, "conv-idx2": 16,
-            "conv-trace": 48},
+            "conv-trace": 72},
     "3.8": {"bf16": 64, "few": 16, "wide": 96, "wide-fp8qk": 144, "conv": 24, "conv-early": 32, "conv-idx2": 8,
-            "conv-trace": 0},
+            "conv-trace": 16},
     "3.9": {"bf16": 104, "few": 0, "wide": 160, "wide-fp8qk": 216, "conv": 144, "conv-early": 152, "conv-idx2": 136,
-            "conv-trace": 184},
+            "conv-trace": 224},
 }
 # conv: each kind with its conv.TUNED producer options (fp8_ds_mla's NoPE rows with early + late_next spill 24
 # bytes on 3.8) and with them all off (-plain) or the hint alone (-hint).  conv-early: the producer with a fourth
@@ -41,7 +41,7 @@ STACK = {
 # fences left to the writers (meta(early=True, late_next=True, lean_fences=True)) where a kind does not take them by
 # default.  conv-idx2: the producer holding the next block's indices as well (meta(idx_ahead=True)) where a kind
 # does not take it by default: fp8_ds_mla spills 16 / 8 / 120 bytes on 3.6 / 3.8 / 3.9, nvfp4 136 on 3.9.  conv-trace: the diagnostic
-# trace build (meta(trace=True), benchmarks/conv_trace.py), fp8_ds_mla: 48 / 0 / 184 bytes.
+# trace build (meta(trace=True), benchmarks/conv_trace.py), fp8_ds_mla: 72 / 16 / 224 bytes.
 
 
 def _stack_limit(name):

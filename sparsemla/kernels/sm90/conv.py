@@ -21,6 +21,10 @@ conversion has its own warpgroup and the MMA warpgroups run the bf16 kernel's ki
 - warpgroup 1 (worker partition): PV for output columns 256-511 (A = P from shared memory, B = kR), its
   accumulator rescaled by warpgroup 0's alpha.
 
+After the last block each warpgroup writes a bf16 output through tile 0 of the part it alone read (kL / kR) and out
+in 16-byte row stores (``smem_out``); bf16 rows free each tile once warpgroup 0's PV on it is done, before the wait
+for the next block (``free_first``), so that the producer's next copies into it start a block earlier.
+
 Values.  The tiles, q and P are fp16 where the row values are exact in it, bf16 otherwise.  fp8: e4m3 -> fp16
 (exact); the per-tensor k_scale multiplies the scores and the output.  nvfp4_ds_mla: e2m1 x the 16-dim block's
 e4m3 scale (exact in fp16, ``rows.fp4_words_f16``); the e4m3 rope -> fp16.  For these two q is converted to fp16
@@ -1030,15 +1034,19 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
     1.  ``fused`` as in ``few.meta`` (not with ``cluster``).
 
-    Producer variants, ``None`` taking the kind's entry in :data:`TUNED` (off for the 2-CTA kernel): ``l2_hint``
-    (the producer's loads with FlashMLA's L2 prefetch hint), ``rows128`` (bf16 rows in 128-byte row segments),
-    ``early`` (every value piece's loads before the producer's free wait), ``late_next`` (the next block's first
-    pieces after its fence), ``lean_fences`` (the consumers' in-loop proxy fences left to the writers),
-    ``idx_ahead`` (the producer looks the rows up two blocks ahead, not one).  ``trace``: the diagnostic
+    Producer and consumer variants, ``None`` taking the kind's entry in :data:`TUNED` (off for the 2-CTA kernel):
+    ``l2_hint`` (the producer's loads with FlashMLA's L2 prefetch hint), ``rows128`` (bf16 rows in 128-byte row
+    segments), ``early`` (every value piece's loads before the producer's free wait), ``late_next`` (the next
+    block's first pieces after its fence), ``lean_fences`` (the consumers' in-loop proxy fences left to the
+    writers), ``idx_ahead`` (the producer looks the rows up two blocks ahead, not one), ``early_idx`` (the split's
+    indices prefetched into L2 before q is staged, no index load waiting for the valid count's), ``free_first``
+    (warpgroup 0 frees a tile when its PV on it is done, before it waits for the next block), ``smem_out`` (a bf16
+    output through a tile, out in 16-byte row stores).  ``trace``: the diagnostic
     build that writes the SM clock at every hand-off into the buffer passed as ``fo_ptr``
     (``benchmarks/conv_trace.py`` launches it and reads the timeline).  (Variants that
-    measured slower -- the next QK before the softmax, P in registers for warpgroup 0's PV, a tile freed in
-    halves, the validity as a score bias -- are on the branch ``try/conv-variants``; CHANGELOG.)"""
+    measured slower -- the next QK before the softmax or before this block's PV, P in registers for warpgroup 0's
+    PV, a tile freed in halves, the validity as a score bias -- are described in docs/design/kernels.md and the
+    CHANGELOG.)"""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     tuned = {} if cluster else TUNED.get(kind, {})
