@@ -697,6 +697,17 @@ def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, 
 
 
 @gluon.jit
+def _release(sig, free, b, CL: gl.constexpr):
+    """Warpgroup 0 is done with tile b: a warpgroup barrier (every warp's reads of it are done), then its arrival on
+    free[b] (CL: its signal to both CTAs' producers)."""
+    compat.barrier()
+    if CL:
+        _signal(sig.index(2 * b), free.index(b))
+    else:
+        mbarrier.arrive(free.index(b), count=1)
+
+
+@gluon.jit
 def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
          NAMED: gl.constexpr, CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True,
          FF: gl.constexpr = False, SO: gl.constexpr = False):
@@ -751,8 +762,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
             # i + 1: the producer's refill of tile b (block i + 2) no longer waits for block i + 1 to be ready
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             _stamp(tr, 8, i, TRACE)
-            compat.barrier()  # every warp's reads of tile b are done
-            mbarrier.arrive(free.index(b), count=1)
+            _release(sig, free, b, CL)
             _stamp(tr, 6, i + 1, TRACE)
             mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
             _stamp(tr, 7, i + 1, TRACE)
@@ -773,11 +783,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
             # with the QK's two or three groups outstanding) measured no faster (CHANGELOG).
             acc = warpgroup_mma_wait(1, deps=(acc, ))
             _stamp(tr, 8, i, TRACE)
-            compat.barrier()  # every warp's reads of tile b are done
-            if CL:
-                _signal(sig.index(2 * b), free.index(b))
-            else:
-                mbarrier.arrive(free.index(b), count=1)
+            _release(sig, free, b, CL)
             sc = warpgroup_mma_wait(0, deps=(sc, ))
             _stamp(tr, 4, i + 1, TRACE)
     if n_blocks > 0:
@@ -789,11 +795,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         acc = warpgroup_mma(sP, kL.index(b), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         _stamp(tr, 8, i, TRACE)
-        compat.barrier()  # every warp's reads of tile b are done
-        if CL:
-            _signal(sig.index(2 * b), free.index(b))
-        else:
-            mbarrier.arrive(free.index(b), count=1)
+        _release(sig, free, b, CL)
     # both warpgroups normalize with these row sums
     sL.store(l_i)
     publish(l_bar)
