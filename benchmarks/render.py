@@ -10,7 +10,9 @@ small batches, prefill, data movement, host overhead), and within it the newest 
 (``results.latest``); decode rows of partial runs measured after the decode table's commit follow in their own
 table.  Tables show one Triton release (``--triton``,
 default: the release with the most rows); when the file holds decode or prefill rows of several releases, a
-table per release follows.  The README block lies between the two ``RESULTS`` marker comments.
+table per release follows.  The README block lies between the two ``RESULTS`` marker comments; its decode table
+(four formats, 16 / 64 / 128 heads) comes from the newest run with the peers that measured its cells
+(``README_SECTION``), which may be a partial run of BENCHMARKS.md's decode table.
 
 Each GPU has its own results file (``benchmarks/results/<gpu>.jsonl``; by default every ``*.jsonl`` there is read):
 BENCHMARKS.md shows each GPU's tables under its own heading, the GPU with the newest decode run first, and the
@@ -114,6 +116,12 @@ SECTIONS = {
 }
 
 
+# The README's decode table: the four RoPE formats at 16 / 64 / 128 heads, from the newest run with the peers that
+# measured those cells (a run for the formats a change touched need not repeat the NoPE rows of BENCHMARKS.md's table)
+README_FORMATS = ("bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla")
+README_SECTION = (SECTIONS["decode"][0], {(c, f) for c in _DECODE_CFGS for f in README_FORMATS}, True)
+
+
 def current(rows: Sequence[dict]) -> List[dict]:
     """The rows the tables show: per section of :data:`SECTIONS`, those of one commit, the newest complete run of
     its driver (without one, its newest run), so that no table mixes runs; each table names its commit.  Rows of
@@ -127,12 +135,14 @@ def current(rows: Sequence[dict]) -> List[dict]:
 
 def peer_commits(rows: Sequence[dict], name: str) -> set:
     """Commits whose rows of section ``name`` include a peer's (runs that timed the peers in the same process)."""
-    match = SECTIONS[name][0]
+    match = SECTIONS[name][0] if name in SECTIONS else README_SECTION[0]
     return {r["commit"] for r in rows if match(r) and not r["impl"].startswith("sparsemla")}
 
 
-def section_commit(rows: Sequence[dict], name: str) -> Optional[str]:
-    match, need, peers = SECTIONS[name]
+def section_commit(rows: Sequence[dict], name: str, spec=None) -> Optional[str]:
+    """The commit of the newest complete run of section ``name`` (``spec``: a (match, cells, peers) tuple of
+    its own instead, such as :data:`README_SECTION`)."""
+    match, need, peers = spec or SECTIONS[name]
     have: Dict[str, set] = collections.defaultdict(set)
     last = None
     for r in rows:
@@ -665,7 +675,9 @@ def render_readme_block(rows: Sequence[dict], triton: Optional[str] = None) -> s
     gpu = gpus_newest_first(rows)[0]
     rows = [r for r in rows if r["gpu"] == gpu]
     triton = triton or primary_triton(rows)
-    t = Table(R.latest(current(select(rows, None, triton))))
+    sel = select(rows, None, triton)
+    commit = section_commit(sel, "readme", README_SECTION)
+    t = Table(R.latest([r for r in sel if README_SECTION[0](r) and r["commit"] == commit]))
     dec = [r for r in t.kinds("decode") if r["config"] in ("D-h16", "D-h64", "D-h128")]
     cols = [("sparsemla", f) for f in ("bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla")] + \
            [("flashinfer", "bf16"), ("flashinfer", "fp8"), ("flashmla", "fp8_ds_mla")]

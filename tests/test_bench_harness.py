@@ -526,6 +526,27 @@ def test_decode_table_takes_the_newest_complete_run_with_the_peers():
     assert render.section_commit(rows, "decode") == "c" * 40
 
 
+def test_readme_table_takes_the_newest_run_of_its_own_cells():
+    """The README's table (the four RoPE formats at 16 / 64 / 128 heads) shows the newest run with the peers that
+    measured its cells, although that run left out the NoPE rows that BENCHMARKS.md's decode table needs."""
+    render = _load_script("benchmarks/render.py")
+
+    def run(commit, value, formats):
+        env = dict(ENV, commit=commit)
+        out = [dict(R.make_row(env, config=f"D-h{h}", kind="decode", fmt=f, heads=h, batch=128, s_q=1, topk=2048,
+                               impl="sparsemla", timing="graph", value=value))
+               for h in (16, 64, 128) for f in formats]
+        out.append(R.make_row(env, config="D-h64", kind="decode", fmt="fp8_ds_mla", heads=64, batch=128, s_q=1,
+                              topk=2048, impl="flashmla", timing="graph", value=90.0))
+        return out
+    rows = run("a" * 40, 100.0, render.FORMATS) + run("b" * 40, 80.0, render.README_FORMATS)
+    assert render.section_commit(rows, "decode") == "a" * 40
+    block = render.render_readme_block(rows)
+    assert "commit `bbbbbbb`" in block and "| 64 | 80 us | 80 us | 80 us | 80 us | -- | -- | 90 us |" in block
+    rows += run("c" * 40, 70.0, render.README_FORMATS[:3])  # not every cell of the table: not taken
+    assert "commit `bbbbbbb`" in render.render_readme_block(rows)
+
+
 def test_host_table_takes_the_newest_run_with_the_peers():
     """Host-time targets are compared with the peers timed in the same process: a later run without them (--no-peers)
     stays in the file but does not replace the table's run."""
