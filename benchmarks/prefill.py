@@ -10,7 +10,9 @@ as queries, top-k 2048 distinct causal positions per token, 64-token blocks shuf
 attention), CUDA-graph replay, L2 flushed, median of ``--reps``; TFLOP/s = 2 h (valid pairs) (576 + 512) /
 time.  ``native reads``: the attention kernel reads the quantized rows; ``bf16 workspace``:
 ``SparseMLA(..., prefill_workspace_tokens=32768)``.  FlashMLA: ``flash_mla_sparse_fwd(..., use_legacy=True)``
-on the bf16 cache's rows, q padded to 64 / 128 heads.
+on the bf16 cache's rows, q padded to 64 / 128 heads.  ``--kernel sm90-conv`` (repeatable) also times the attention
+launcher alone on a plan forced to that kernel (native reads; impl ``sparsemla-conv``), beside the rest in one
+process: an A/B of the kernels a prefill could take (write such rows to a file of your own).
 """
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ import torch  # noqa: E402
 
 from sparsemla.bench import drivers as D  # noqa: E402
 from sparsemla.bench.accounting import achieved, attention_work  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode  # noqa: E402  (its forced_call: a plan forced to one kernel)
 
 REL_TOL = 2e-2
 
@@ -78,6 +83,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     D.common_args(ap, formats="bf16,fp8,fp8_ds_mla,nvfp4_ds_mla", reps=10)
     ap.add_argument("--heads", default="128,64,16", help="comma list: 128 = P-32k, 16 = P-h16, others P-h<H>")
+    ap.add_argument("--kernel", action="append", default=[], metavar="KERNEL",
+                    help="also time the attention launcher forced to this plan kernel (e.g. sm90-conv; sm_90), native "
+                    "reads, as impl sparsemla-<name>; repeatable.  For A/B runs: write the rows to a file of your own")
     a = ap.parse_args(argv)
     from sparsemla.bench import peers as P
     from sparsemla.bench.workload import build_queries, build_workload
@@ -97,6 +105,12 @@ def main(argv=None) -> int:
             for variant, ws in modes:
                 rec.attempt(f"{name} {fname} {variant}",
                             lambda: measure(rec, name, wl, "sparsemla", *runner_call(wl, ws), variant))
+            for k in a.kernel:
+                if rec.dry:  # the sm_90 kernels are Gluon: not under the interpreter
+                    continue
+                rec.attempt(f"{name} {fname} {k}",
+                            lambda: measure(rec, name, wl, "sparsemla-" + k.split("-", 1)[-1],
+                                            *decode.forced_call(wl, k), f"native reads, {k} forced"))
             if fmt.name == "bf16" and fmt.rope_dim and not a.no_peers:
                 rec.attempt(f"{name} {fname} flashmla",
                             lambda: measure(rec, name, wl, "flashmla",

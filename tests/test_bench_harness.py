@@ -477,7 +477,7 @@ def test_history_check_finds_narration_and_leaves_plain_words():
 
 @pytest.mark.parametrize("driver,args", [
     ("decode.py", ["--formats", "bf16", "--heads", "16"]),
-    ("prefill.py", ["--formats", "fp8_ds_mla", "--heads", "16"]),
+    ("prefill.py", ["--formats", "fp8_ds_mla", "--heads", "16", "--kernel", "sm90-conv"]),
     ("movement.py", ["--formats", "fp8", "--only", "gather,convert"]),
 ])
 def test_drivers_dry_run_write_valid_rows(tmp_path, driver, args):
