@@ -464,8 +464,11 @@ CAUSE_PAIR = ("Prefill (more tokens than SMs) and bf16 rows above 128 heads run 
               "blocks is gathered ahead, which does not hide the gather latency of rows spread over a multi-GB cache.")
 CAUSE_BF16 = ("bf16 rows at 33-128 heads (one token per SM or fewer) run sm90-conv's bf16 mode: a producer copies "
               "whole 64-row blocks by cp.async in 128-byte row segments (FlashInfer's width), both tiles in "
-              "flight, 64 heads a program, so that at 128 heads two programs gather each row; the gap at 128 heads "
-              "is not profiled yet.  " + CAUSE_PAIR)
+              "flight, 64 heads a program, so that at 128 heads two programs gather each row.  Until 4fc6ea5 a tile "
+              "went back to the producer only once the next block's QK had run, and each program's output left in "
+              "4-byte stores from the accumulator layout; with the tile freed after its PV and the output through "
+              "shared memory the kernel is ahead of FlashInfer's at 64 and 128 heads (later partial runs).  "
+              + CAUSE_PAIR)
 CAUSE_CONV = ("These rows run sm90-conv above 32 heads: a producer warpgroup converts each 64-row block into a 16-bit "
               "tile, two MMA warpgroups run QK, the softmax and PV on it, 64 heads a program.  Its per-block "
               "timeline (H100, fp8_ds_mla, 64 heads) puts a block at ~5,750 cycles, of which the first MMA "
@@ -475,8 +478,12 @@ CAUSE_CONV = ("These rows run sm90-conv above 32 heads: a producer warpgroup con
               "value where plain fp8's fp16 tile needs half of one, and plain fp8 runs 14 % faster on nearly the "
               "same bytes; yet an fp16 tile for fp8_ds_mla that halved the producer's instructions (each row's "
               "power of two kept out of the tile and put back on the scores) measured 9-12 % slower on an H100, "
-              "its extra work landing on the first MMA warpgroup.  At 128 heads the two programs of a token each convert its rows (sm90-cluster, two CTAs "
-              "converting each row once for both and exchanging it through distributed shared memory, is correct "
+              "its extra work landing on the first MMA warpgroup.  Traced since (4fc6ea5), the producer spends about "
+              "3,500 of its ~6,300 cycles a block between its ready arrival and the next block's row pointers "
+              "(the next pieces' loads issued and the index load), and a program's first block is ready only ~15,000 "
+              "cycles after its start.  At 128 heads the two programs of a token each convert its rows "
+              "(sm90-cluster, two CTAs converting each row once for both and exchanging it through distributed "
+              "shared memory, is correct "
               "on Triton 3.9 but measured 1.5-1.9x slower than sm90-conv: docs/design/kernels.md).")
 CAUSE_FEW = ("The few-heads kernel is bound by its consumer warpgroups' instruction count (~7 cycles per "
              "instruction per warp), not by bytes: fp8_ds_mla's per-group scales add about a quarter to plain "
