@@ -478,13 +478,12 @@ CAUSE_CONV = ("These rows run sm90-conv above 32 heads: a producer warpgroup con
               "value where plain fp8's fp16 tile needs half of one, and plain fp8 runs 14 % faster on nearly the "
               "same bytes; yet an fp16 tile for fp8_ds_mla that halved the producer's instructions (each row's "
               "power of two kept out of the tile and put back on the scores) measured 9-12 % slower on an H100, "
-              "its extra work landing on the first MMA warpgroup.  Traced since (4fc6ea5), the producer spends about "
-              "3,500 of its ~6,300 cycles a block between its ready arrival and the next block's row pointers "
-              "(the next pieces' loads issued and the index load), and a program's first block is ready only ~15,000 "
-              "cycles after its start.  At 128 heads the two programs of a token each convert its rows "
-              "(sm90-cluster, two CTAs converting each row once for both and exchanging it through distributed "
-              "shared memory, is correct "
-              "on Triton 3.9 but measured 1.5-1.9x slower than sm90-conv: docs/design/kernels.md).")
+              "its extra work landing on the first MMA warpgroup.  Traced since (4fc6ea5), about 3,500 of the "
+              "producer's ~6,300 cycles a block pass between its ready arrival and the next block's row pointers "
+              "(not yet broken down), and a program's first block is ready only ~15,000 cycles after its start.  "
+              "At 128 heads the two programs of a token each convert its rows (sm90-cluster, two CTAs converting "
+              "each row once for both and exchanging it through distributed shared memory, is correct on Triton "
+              "3.9 but measured 1.5-1.9x slower than sm90-conv: docs/design/kernels.md).")
 CAUSE_FEW = ("The few-heads kernel is bound by its consumer warpgroups' instruction count (~7 cycles per "
              "instruction per warp), not by bytes: fp8_ds_mla's per-group scales add about a quarter to plain "
              "fp8's instructions per block.")
