@@ -427,7 +427,7 @@ def _bidx(idx_row, p0, k_end, k_stop, rows_l: gl.constexpr, EI: gl.constexpr):
     the valid count's ``k_end`` set to -1 after it, so that the load does not wait for the valid count's."""
     if EI:
         offs = p0 + gl.arange(0, 64, layout=rows_l)
-        return gl.where(offs < k_end, gl.load(idx_row + offs, mask=offs < k_stop, other=-1), -1)
+        return gl.where(offs < k_end, block_indices(idx_row, p0, k_stop, rows_l), -1)
     else:
         return block_indices(idx_row, p0, k_end, rows_l)
 
