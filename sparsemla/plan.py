@@ -14,7 +14,7 @@ kernel             rows                                        takes a call when
                                                                tokens x ceil(H / 16) programs fit in
                                                                ``FEW_WAVES[kind]`` waves of one per SM
 ``sm90-conv``      fp8, fp8_ds_mla, nvfp4_ds_mla (rope, NoPE)  sm_90, H > 32 otherwise (64 heads a program, a
-                   and bf16 (H <= 128, T <= SMs)               converting producer warpgroup, 16-byte aligned q;
+                   and bf16 (H <= 128)                         converting producer warpgroup, 16-byte aligned q;
                                                                not in the FP8-QK mode)
 ``sm90-cluster``   fp8, fp8_ds_mla, nvfp4_ds_mla (rope, NoPE)  only when asked for (``kernel="sm90-cluster"``):
                                                                sm_90, 65-128 heads, Triton >= 3.8; sm90-conv as
@@ -22,8 +22,8 @@ kernel             rows                                        takes a call when
                                                                converting half of every block's rows for both
 ``sm90-wide``      fp8, fp8_ds_mla                             sm_90, H > 32 in the FP8-QK mode or with q rows
                                                                not 16-byte aligned (64 heads a program)
-``sm90-bf16``      bf16 (cache or prefill workspace)           sm_90, H > 32 (64 heads a program); sm90-conv
-                                                               takes H <= 128 and T <= the SM count
+``sm90-bf16``      bf16 (cache or prefill workspace)           sm_90, H > 128 (64 heads a program); sm90-conv
+                                                               takes H <= 128
 ``portable-wide``  every kind                                  H >= ``WIDE_MIN_HEADS[kind]`` (33; nvfp4 17)
 ``portable-fp8``   fp8, staged fp8, fp8_ds_mla                 fewer heads (16-32 heads a program)
 ``portable-nvfp4`` nvfp4_ds_mla                                fewer heads
@@ -70,11 +70,14 @@ CLUSTER_HEADS = (65, 128)
 CLUSTER_MIN_TRITON = (3, 8)
 # Kernels the plan takes only when asked for (``kernel=``), never by itself.
 FORCED_ONLY = ("sm90-cluster",)
-# bf16 rows: sm90-conv (a producer keeping two whole 64-row blocks in flight, gathering 128-byte row segments) where
-# a call has at most one token per SM, each program streaming its own rows from memory (decode); sm90-bf16 (both
-# warpgroups on QK, a pair of blocks at a time) beyond, where rows repeat from L2 (prefill).  H100, one process,
-# b 128: D-h64 123 us against 149, D-h128 169 against 240 (FlashInfer 122 / 159); before the 128-byte gather (H200):
-# D-h128 249.3 against 244.3, prefill P-h64 (4,096 tokens) 2,719 against 2,308.
+# Kernels the plan takes by itself, within the API's 128 heads, only where a kernel ahead of them did not build
+# (``unavailable``): sm90-bf16 behind sm90-conv for bf16 rows at 33-128 heads (its own calls: above 128 heads).
+BACKUP_ONLY = ("sm90-bf16",)
+# bf16 rows: sm90-conv (a producer keeping two whole 64-row blocks in flight, gathering 128-byte row segments,
+# warpgroup 0 freeing a tile when its PV is done) at 33-128 heads, decode and prefill; sm90-bf16 (both warpgroups on
+# QK, a pair of blocks at a time) above.  H100, one process: decode b 128, D-h64 123 us against 149, D-h128 169
+# against 240 (FlashInfer 122 / 159); prefill (4,096 tokens, benchmarks/prefill.py --kernel sm90-conv) P-32k 4,175
+# us against 4,579, P-h64 2,146 against 2,335 (FlashMLA 3,738 / 1,964).
 CONV_BF16_MAX_HEADS = 128
 
 # Kernels with a FUSED variant: the split partials merged by the kernel's own programs after a grid barrier, in a
@@ -252,7 +255,7 @@ def _why_not(kernel, kind, num_tokens, num_heads, num_sms, capability, interpret
 def _auto_why_not(kernel: str, kind: str, num_tokens: int, num_heads: int, num_sms: int,
                   fp8_qk: bool) -> Optional[str]:
     """Why the plan does not choose ``kernel`` by itself for a call it can serve (None: it may).  sm90-conv:
-    :data:`CONV_AUTO_KINDS`, and bf16 rows within :data:`CONV_BF16_MAX_HEADS` heads and one token per SM;
+    :data:`CONV_AUTO_KINDS`, and bf16 rows within :data:`CONV_BF16_MAX_HEADS` heads;
     never in the FP8-QK mode."""
     if kernel in FORCED_ONLY:
         return f"it is measured slower than sm90-conv (docs/design/kernels.md); kernel={kernel!r} forces it"
@@ -263,10 +266,9 @@ def _auto_why_not(kernel: str, kind: str, num_tokens: int, num_heads: int, num_s
     if kind in CONV_AUTO_KINDS:
         return None
     if kind == "bf16":
-        if num_heads <= CONV_BF16_MAX_HEADS and num_tokens <= num_sms:
+        if num_heads <= CONV_BF16_MAX_HEADS:
             return None
-        return (f"it takes bf16 rows by itself only up to {CONV_BF16_MAX_HEADS} heads and {num_sms} tokens "
-                f"(one per SM); kernel='sm90-conv' forces it")
+        return f"it takes bf16 rows by itself only up to {CONV_BF16_MAX_HEADS} heads; kernel='sm90-conv' forces it"
     return f"it serves {kind} rows only when asked for (kernel={kernel!r})"
 
 

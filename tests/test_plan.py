@@ -20,9 +20,9 @@ ADA = dict(capability=(8, 9), num_sms=128)
     ("nvfp4_ds_mla", 17, 64, "sm90-conv"), ("nvfp4_ds_mla", 128, 64, "sm90-conv"),
     ("nvfp4_ds_mla", 128, 128, "sm90-conv"), ("nvfp4_ds_mla-nope", 128, 96, "sm90-conv"),
     ("bf16", 128, 16, "portable-bf16"), ("bf16", 128, 32, "portable-bf16"), ("bf16", 128, 33, "sm90-conv"),
-    ("bf16", 132, 64, "sm90-conv"), ("bf16", 133, 64, "sm90-bf16"), ("bf16", 128, 65, "sm90-conv"),
-    ("bf16", 132, 128, "sm90-conv"), ("bf16", 133, 128, "sm90-bf16"), ("bf16", 128, 129, "sm90-bf16"),
-    ("bf16", 4096, 64, "sm90-bf16"), ("bf16", 4096, 128, "sm90-bf16"),
+    ("bf16", 132, 64, "sm90-conv"), ("bf16", 133, 64, "sm90-conv"), ("bf16", 128, 65, "sm90-conv"),
+    ("bf16", 132, 128, "sm90-conv"), ("bf16", 133, 128, "sm90-conv"), ("bf16", 128, 129, "sm90-bf16"),
+    ("bf16", 4096, 64, "sm90-conv"), ("bf16", 4096, 128, "sm90-conv"), ("bf16", 4096, 192, "sm90-bf16"),
     ("fp8_ds_mla-nope", 128, 16, "sm90-few"), ("nvfp4_ds_mla-nope", 128, 16, "sm90-few"),
     ("bf16-nope", 128, 64, "sm90-conv"), ("bf16-nope", 128, 128, "sm90-conv"), ("fp8-nope", 128, 128, "sm90-conv"),
     ("fp8_ds_mla-nope", 128, 64, "sm90-conv"),
@@ -51,7 +51,7 @@ def test_bf16_needs_aligned_q_on_hopper():
 
 
 def test_unavailable_kernels_fall_back():
-    for kernel, kind, tokens, heads in [("sm90-few", "fp8_ds_mla", 128, 16), ("sm90-bf16", "bf16", 4096, 128)]:
+    for kernel, kind, tokens, heads in [("sm90-few", "fp8_ds_mla", 128, 16), ("sm90-bf16", "bf16", 4096, 192)]:
         p = plan_attention(kind, tokens, heads, 2048, unavailable=frozenset({kernel}), **H200)
         assert p.kernel.startswith("portable-"), (kernel, p)
     # bf16 rows at 64 heads: sm90-conv, then sm90-bf16, then the portable kernels
@@ -152,11 +152,11 @@ def test_conv_kernel_plans():
             plan_attention(kind, 4, 64, 2048, kernel="sm90-conv", **opts)
     with pytest.raises(ValueError, match="fp8_qk"):
         plan_attention("fp8", 4, 64, 2048, kernel="sm90-conv", fp8_qk=True, **H200)
-    # bf16 rows above 128 heads (or past one token per SM): only when asked for, with sm90-bf16's head groups
+    # bf16 rows above 128 heads: only when asked for, with sm90-bf16's head groups
     assert plan_attention("bf16", 128, 192, 2048, **H200).kernel == "sm90-bf16"
     assert "not sm90-conv: it takes bf16 rows by itself only up to 128 heads" in explain("bf16", 128, 192, 2048,
                                                                                          **H200)
-    assert "(one per SM)" in explain("bf16", 4096, 64, 2048, **H200)
+    assert "not sm90-conv" not in explain("bf16", 4096, 64, 2048, **H200)
     p = plan_attention("bf16", 128, 192, 2048, kernel="sm90-conv", **H200)
     assert (p.kernel, p.heads_per_program, p.num_groups) == ("sm90-conv", 64, 3)
     assert plan_attention("fp8_ds_mla", 128, 64, 2048, fp8_qk=True, **H200).kernel == "sm90-wide"

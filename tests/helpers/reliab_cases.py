@@ -834,6 +834,7 @@ def planned_kernel(spec: Spec, capability=(9, 0), num_sms: int = 132) -> Optiona
 def plan_kernel_names() -> List[str]:
     try:
         from sparsemla import plan as P
-        return [k for k in P.KERNELS if k not in P.FORCED_ONLY]  # the kernels the plan chooses by itself
+        # the kernels the plan chooses by itself when every kernel builds, within the API's head counts
+        return [k for k in P.KERNELS if k not in P.FORCED_ONLY + P.BACKUP_ONLY]
     except Exception:
         return []
