@@ -212,6 +212,27 @@ def test_conv_early_loads_match_reference(fmt, heads, topk, splits, options):
         check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
 
 
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8_ds_mla-nope-compact", "fp8", "fp8-nope",
+                                 "nvfp4_ds_mla", "nvfp4_ds_mla-nope", "nvfp4_ds_mla-nope-compact"])
+@pytest.mark.parametrize("heads,topk,splits,options", [
+    (64, 2048, 1, {}), (33, 64, 1, {}), (96, 2051, 3, {}), (128, 2048, None, {}), (64, 2048, 32, {}),
+    (64, 2048, 1, dict(idx_ahead=True)), (96, 2051, 3, dict(idx_ahead=True)), (33, 64, 1, dict(idx_ahead=True)),
+    (128, 320, 2, dict(idx_ahead=False, early=False, late_next=False))],
+    ids=lambda v: "+".join(f"{k}={int(x)}" for k, x in v.items()) or "alone" if isinstance(v, dict) else None)
+def test_conv_row_prefetch_matches_reference(fmt, heads, topk, splits, options):
+    """The producer prefetching the next block's rows into L2 (``conv.meta(row_prefetch=True)``), the block after
+    next with ``idx_ahead``, beside the kind's other options: one block, odd block counts, splits, head counts that
+    are not a multiple of 64, NoPE rows, -1 padding and garbage past the valid counts (a prefetch of an invalid row
+    reads row 0)."""
+    skip_unless_sm90()
+    from sparsemla.kernels.sm90 import conv
+    k_scale = _k_scale(fmt)
+    c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda",
+                  k_scale=k_scale)
+    with meta_variant(conv, KERNEL, row_prefetch=True, **options):
+        check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "bf16-nope"])
 @pytest.mark.parametrize("heads,topk,splits", [(64, 2048, 1), (33, 64, 1), (96, 2051, 3), (128, 320, 2)])
 def test_conv_bf16_rows64_matches_reference(fmt, heads, topk, splits):

@@ -421,6 +421,41 @@ def _prefetch_rows_l2(row, n):
         gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr], gl.int32, False, 1)
 
 
+# PF: the lines of 64 rows to prefetch into L2, [64 rows, 8 lines] with the rows of the pieces' layouts (L_W8R /
+# L_W2, lanes along the rows: 2 lines a thread; plain fp8's L_W8: 1)
+L_PF = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [4, 1], [0, 1]))
+L_PF8 = gl.constexpr(gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0]))
+
+
+@gluon.jit
+def _prefetch_block_l2(base, BPT: gl.constexpr, lay: gl.constexpr):
+    """PF: ``prefetch.global.L2`` of every 128-byte line of the rows ``base`` [64] (byte pointers; an invalid row
+    points at row 0): line k of a row at byte min(128 k, BPT - 1), so that the 8 cover a row of up to 896 bytes
+    at any alignment.  A prefetch writes no register: the producer does not wait for it, and its later loads of
+    those rows find them in L2."""
+    k = gl.arange(0, 8, layout=gl.SliceLayout(0, lay))
+    off = gl.minimum(k * 128, BPT - 1)
+    addr = (gl.convert_layout(base, gl.SliceLayout(1, lay))[:, None] + off[None, :]).to(gl.int64, bitcast=True)
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr], gl.int32, False, 1)
+
+
+@gluon.jit
+def _prefetch_next(nbase, nidx, kv_ptr, BPT: gl.constexpr, IDX2: gl.constexpr, PF: gl.constexpr, FP4: gl.constexpr,
+                   DS: gl.constexpr):
+    """PF, at the middle of block i (its piece 2 stored: the index load of the next rows has landed with that
+    piece's loads, so reading it stalls nothing more): the next rows into L2 -- block i + 2's with IDX2 (``nidx``,
+    a whole block ahead of their first loads), else block i + 1's (``nbase``)."""
+    if PF:
+        if FP4 or DS:
+            lay: gl.constexpr = L_PF
+        else:
+            lay: gl.constexpr = L_PF8
+        if IDX2:
+            _prefetch_block_l2(_ptrs(nidx, kv_ptr, BPT)[0], BPT, lay)
+        else:
+            _prefetch_block_l2(nbase, BPT, lay)
+
+
 @gluon.jit
 def _bidx(idx_row, p0, k_end, k_stop, rows_l: gl.constexpr, EI: gl.constexpr):
     """``block_indices``; EARLY_IDX: the load bounded by the split's end ``k_stop`` alone, the positions at or past
@@ -437,7 +472,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
               DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, B16: gl.constexpr,
               CL: gl.constexpr, HINT: gl.constexpr = False, W128: gl.constexpr = False, tr=None,
               TRACE: gl.constexpr = False, EARLY: gl.constexpr = False, LATE: gl.constexpr = False,
-              IDX2: gl.constexpr = False, EI: gl.constexpr = False):
+              IDX2: gl.constexpr = False, EI: gl.constexpr = False, PF: gl.constexpr = False):
     """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run two
     pieces ahead of the conversion: piece P + 2 (after the last value piece: the rope, then the next block's
     first two pieces) is loaded before piece P is converted; the next block's rows are looked up at the start
@@ -497,6 +532,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
         base, valid = _ptrs(_bidx(idx_row, k_begin, k_end, k_stop, rl, EI), kv_ptr, BPT)
         raw, sc = _load_piece(base, valid, 0, SCALE_OFF, DS, FP4, False, HINT)
         raw1, sc1 = _load_piece(base, valid, 1, SCALE_OFF, DS, FP4, False, HINT)
+        nidx = 0
         if IDX2:
             nidx = _bidx(idx_row, k_begin + 64, k_end, k_stop, rl, EI)
         for i in range(n_blocks):
@@ -532,6 +568,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
                 else:
                     rope = _load_rope(base, valid, ROPE_OFF, FP4, False, HINT)
                 _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
+                _prefetch_next(nbase, nidx, kv_ptr, BPT, IDX2, PF, FP4, DS)
                 if not LATE:
                     raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
                 _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
@@ -542,6 +579,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
                 if not LATE:
                     raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
                 _store_piece(raw2, sc2, _piece_dst(kLw, kRw, b, 2), DS, FP4)
+                _prefetch_next(nbase, nidx, kv_ptr, BPT, IDX2, PF, FP4, DS)
                 if not LATE:
                     raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4, False, HINT)
                 _store_piece(raw3, sc3, _piece_dst(kLw, kRw, b, 3), DS, FP4)
@@ -877,7 +915,8 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 FUSED: gl.constexpr = False, HINT: gl.constexpr = False,
                 W128: gl.constexpr = False, TRACE: gl.constexpr = False, EARLY: gl.constexpr = False,
                 LATE: gl.constexpr = False, LEAN: gl.constexpr = False, IDX2: gl.constexpr = False,
-                FF: gl.constexpr = False, SO: gl.constexpr = False, EI: gl.constexpr = False):
+                FF: gl.constexpr = False, SO: gl.constexpr = False, EI: gl.constexpr = False,
+                PF: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
     with num_ctas=2) x 128 heads x one split, NG = 1."""
@@ -990,7 +1029,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, FF, SOB)),
                         (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, SOB)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT, W128,
-                                     fo_ptr, TRACE, EARLY, LATE, IDX2, EI))],
+                                     fo_ptr, TRACE, EARLY, LATE, IDX2, EI, PF))],
                        [4, 4], [WG1_REGS, PR])
     if CL:
         # neither CTA exits while the other may still send to it (Triton 3.9 adds this barrier itself, 3.8 not)
@@ -1018,11 +1057,14 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 # against 112 / 204; without idx_ahead 108 / 201); fp8_ds_mla with early + late_next + lean_fences (120 / 219
 # against 122 / 222).  Slower: the hint on fp8 and fp8_ds_mla rows (146 / 258 for fp8_ds_mla), early + late on
 # nvfp4 (129 / 245), idx_ahead with early + late on fp8_ds_mla at 128 heads (237), idx_ahead alone within 3 % of
-# the default on every quantized kind.
+# the default on every quantized kind.  The next block's rows prefetched into L2 (row_prefetch), H100, one process,
+# 64 / 128 heads: fp8_ds_mla 108.6 / 199.0 against 115.1 / 207.9; nvfp4 106.7 / 199.3 against 104.8-117.5 / 195.0,
+# plain fp8 (two blocks ahead with its idx_ahead) 103.3 / 190.0 against 99.9 / 181.3 (kept off); two blocks ahead on
+# fp8_ds_mla 126.1 / 211.7.
 TUNED = {"bf16": dict(rows128=True, free_first=True, smem_out=True),
          "nvfp4_ds_mla": dict(l2_hint=True, early_idx=True, smem_out=True),
          "fp8": dict(early=True, late_next=True, lean_fences=True, idx_ahead=True, smem_out=True),
-         "fp8_ds_mla": dict(early=True, late_next=True, lean_fences=True, smem_out=True)}
+         "fp8_ds_mla": dict(early=True, late_next=True, lean_fences=True, smem_out=True, row_prefetch=True)}
 
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
@@ -1030,7 +1072,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
          l2_hint: bool | None = None, rows128: bool | None = None, early: bool | None = None,
          late_next: bool | None = None, lean_fences: bool | None = None, idx_ahead: bool | None = None,
          free_first: bool | None = None, smem_out: bool | None = None, early_idx: bool | None = None,
-         trace: bool = False) -> dict:
+         row_prefetch: bool | None = None, trace: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
@@ -1043,7 +1085,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     writers), ``idx_ahead`` (the producer looks the rows up two blocks ahead, not one), ``early_idx`` (the split's
     indices prefetched into L2 before q is staged, no index load waiting for the valid count's), ``free_first``
     (warpgroup 0 frees a tile when its PV on it is done, before it waits for the next block), ``smem_out`` (a bf16
-    output through a tile, out in 16-byte row stores).  ``trace``: the diagnostic
+    output through a tile, out in 16-byte row stores), ``row_prefetch`` (the quantized kinds: the producer prefetches
+    the next block's rows into L2, two blocks ahead with ``idx_ahead``).  ``trace``: the diagnostic
     build that writes the SM clock at every hand-off into the buffer passed as ``fo_ptr``
     (``benchmarks/conv_trace.py`` launches it and reads the timeline).  (Variants that
     measured slower -- the next QK before the softmax or before this block's PV, P in registers for warpgroup 0's
@@ -1057,6 +1100,10 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     late_next, lean_fences = pick("late_next", late_next), pick("lean_fences", lean_fences)
     idx_ahead, free_first = pick("idx_ahead", idx_ahead), pick("free_first", free_first)
     smem_out, early_idx = pick("smem_out", smem_out), pick("early_idx", early_idx)
+    row_prefetch = pick("row_prefetch", row_prefetch)
+    if row_prefetch and (cluster or kind == "bf16"):
+        raise ValueError(f"row_prefetch: an option of the one-CTA kernel's converting producer, got kind={kind!r}, "
+                         f"cluster={cluster}")
     if cluster and (free_first or smem_out or early_idx):
         raise ValueError("free_first / smem_out / early_idx: options of the one-CTA kernel")
     if trace and (cluster or fused):
@@ -1074,7 +1121,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
              FP4=fp4, B16=kind == "bf16", NAMED=named, CL=bool(cluster), num_warps=4, maxnreg=168,
              enable_fp_fusion=True, HINT=bool(l2_hint), W128=bool(rows128), TRACE=bool(trace), EARLY=bool(early),
              LATE=bool(late_next), LEAN=bool(lean_fences), IDX2=bool(idx_ahead), FF=bool(free_first),
-             SO=bool(smem_out), EI=bool(early_idx), **fused_meta(fused))
+             SO=bool(smem_out), EI=bool(early_idx), PF=bool(row_prefetch), **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m
