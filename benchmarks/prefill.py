@@ -86,6 +86,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", action="append", default=[], metavar="KERNEL",
                     help="also time the attention launcher forced to this plan kernel (e.g. sm90-conv; sm_90), native "
                     "reads, as impl sparsemla-<name>; repeatable.  For A/B runs: write the rows to a file of your own")
+    ap.add_argument("--conv-variant", action="append", default=[], metavar="K=V[,K=V]",
+                    help="also time the attention launcher forced to sm90-conv built with these conv.meta options, as "
+                    "impl sparsemla-conv with the options as its variant; repeatable.  For A/B runs, like --kernel")
     a = ap.parse_args(argv)
     from sparsemla.bench import peers as P
     from sparsemla.bench.workload import build_queries, build_workload
@@ -111,6 +114,14 @@ def main(argv=None) -> int:
                 rec.attempt(f"{name} {fname} {k}",
                             lambda: measure(rec, name, wl, "sparsemla-" + k.split("-", 1)[-1],
                                             *decode.forced_call(wl, k), f"native reads, {k} forced"))
+            for v in (decode.parse_options(x) for x in a.conv_variant):
+                if rec.dry:
+                    continue
+                label = ",".join(f"{k}={val}" for k, val in sorted(v.items()))
+                rec.attempt(f"{name} {fname} sm90-conv {label}",
+                            lambda: measure(rec, name, wl, "sparsemla-conv",
+                                            *decode.forced_call(wl, "sm90-conv", variant=v),
+                                            f"native reads, sm90-conv forced, {label}"))
             if fmt.name == "bf16" and fmt.rope_dim and not a.no_peers:
                 rec.attempt(f"{name} {fname} flashmla",
                             lambda: measure(rec, name, wl, "flashmla",

@@ -89,10 +89,15 @@ def _variants():
             v[f"conv-{fid}-trace"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                 num_groups=2, has_valid_counts=True, trace=True))
-        if fid == "fp8_ds_mla":  # a tile freed before the next ready wait, the indices early (not its default)
+        if fid == "fp8_ds_mla":  # a tile freed before the next ready wait, the indices early (not its default; its
+            # row_prefetch off: the three together spill 48 bytes)
             v[f"conv-{fid}-ffei"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
-                num_groups=2, has_valid_counts=True, free_first=True, early_idx=True))
+                num_groups=2, has_valid_counts=True, free_first=True, early_idx=True, row_prefetch=False))
+        if fid in ("fp8", "nvfp4_ds_mla", "fp8-nope"):  # the L2 prefetch of the next rows (not their default)
+            v[f"conv-{fid}-pf"] = ("conv", "conv_kernel", SIG_K, conv.meta(
+                kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
+                num_groups=2, has_valid_counts=True, row_prefetch=True))
         if fid in ("nvfp4_ds_mla-nope", "bf16"):  # idx_ahead for the NoPE rows' and bf16's producer
             v[f"conv-{fid}-idx2"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
