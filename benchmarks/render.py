@@ -459,36 +459,34 @@ def releases_section(rows: Sequence[dict]) -> List[str]:
 
 # --- shortfalls: each printed only while the data show it ------------------------------------------------
 
-CAUSE_PAIR = ("Prefill (more tokens than SMs) and bf16 rows above 128 heads run the warp-specialized pair kernel: "
-              "one program per SM fits (q and two 64-row blocks fill the shared memory), so only the next pair of "
-              "blocks is gathered ahead, which does not hide the gather latency of rows spread over a multi-GB cache.")
-CAUSE_BF16 = ("bf16 rows at 33-128 heads (one token per SM or fewer) run sm90-conv's bf16 mode: a producer copies "
-              "whole 64-row blocks by cp.async in 128-byte row segments (FlashInfer's width), both tiles in "
-              "flight, 64 heads a program, so that at 128 heads two programs gather each row.  Until 4fc6ea5 a tile "
-              "went back to the producer only once the next block's QK had run, and each program's output left in "
-              "4-byte stores from the accumulator layout; with the tile freed after its PV and the output through "
-              "shared memory the kernel is ahead of FlashInfer's at 64 and 128 heads (later partial runs).  "
-              + CAUSE_PAIR)
+CAUSE_BF16 = ("bf16 rows at 33-128 heads run sm90-conv's bf16 mode: a producer copies whole 64-row blocks by "
+              "cp.async in 128-byte row segments (FlashInfer's width), both tiles in flight, 64 heads a program, so "
+              "that at 128 heads two programs gather each row; its first MMA warpgroup runs QK over the block's 64 "
+              "rows and the softmax in series (traced at 128 heads: QK ~1,360 cycles, softmax ~1,040 a block).")
 CAUSE_CONV = ("These rows run sm90-conv above 32 heads: a producer warpgroup converts each 64-row block into a 16-bit "
-              "tile, two MMA warpgroups run QK, the softmax and PV on it, 64 heads a program.  Its per-block "
-              "timeline (H100, fp8_ds_mla, 64 heads) puts a block at ~5,750 cycles, of which the first MMA "
-              "warpgroup waits ~2,900 for the producer.  Looking the rows up a block earlier (idx_ahead) left "
-              "fp8_ds_mla within 3 %, so a block's index and row loads in series are not the whole chain; "
-              "fp8_ds_mla's conversion (e4m3 to fp32, times the group scale, to bf16) costs three instructions a "
-              "value where plain fp8's fp16 tile needs half of one, and plain fp8 runs 14 % faster on nearly the "
-              "same bytes; yet an fp16 tile for fp8_ds_mla that halved the producer's instructions (each row's "
-              "power of two kept out of the tile and put back on the scores) measured 9-12 % slower on an H100, "
-              "its extra work landing on the first MMA warpgroup.  Traced since (4fc6ea5), about 3,500 of the "
-              "producer's ~6,300 cycles a block pass between its ready arrival and the next block's row pointers "
-              "(not yet broken down), and a program's first block is ready only ~15,000 cycles after its start.  "
-              "At 128 heads the two programs of a token each convert its rows (sm90-cluster, two CTAs converting "
-              "each row once for both and exchanging it through distributed shared memory, is correct on Triton "
-              "3.9 but measured 1.5-1.9x slower than sm90-conv: docs/design/kernels.md).")
+              "tile, two MMA warpgroups run QK, the softmax and PV on it, 64 heads a program.  The producer bounds "
+              "it.  Its row loads go into registers, and ptxas puts them all on one scoreboard (fp8_ds_mla), so the "
+              "first use of any of them waits for every one in flight; the proxy fence that publishes each tile "
+              "waits for them too.  A block thus exposes about two memory latencies: under Nsight Compute (128 "
+              "heads) 41 % of the producer's stall samples sit on its loop's first load, waiting for the loads the "
+              "last block issued after its fence.  Prefetching the next block's rows into L2 (row_prefetch, "
+              "fp8_ds_mla's default since 52f4a02) took 5-6 % off.  Copying a block's raw rows by cp.async into the "
+              "kR half of its own tile instead measured 9-13 % slower: one latency a block, but the whole 42 KB "
+              "burst of each SM takes ~4,000 cycles to land and nothing overlaps it.  Keeping one block's loads in "
+              "flight while another converts needs a third buffer, which does not fit beside q and two tiles (231 "
+              "of 232 KB).  At 128 heads the two programs of a token each convert its rows (sm90-cluster, two CTAs "
+              "converting each row once for both and exchanging it through distributed shared memory, is correct "
+              "on Triton 3.9 but measured 1.5-1.9x slower than sm90-conv: docs/design/kernels.md).")
 CAUSE_FEW = ("The few-heads kernel is bound by its consumer warpgroups' instruction count (~7 cycles per "
              "instruction per warp), not by bytes: fp8_ds_mla's per-group scales add about a quarter to plain "
              "fp8's instructions per block.")
-CAUSE_PREFILL = ("Prefill over a quantized cache runs the bf16 kernel on an upconverted workspace; the bf16 "
-                 "kernel's pipeline holds two 64-row blocks per program, as in decode.")
+CAUSE_PREFILL = ("Prefill runs sm90-conv's bf16 mode (since 299a4be; before, the pair kernel, 0.83x), over a "
+                 "quantized cache on a workspace upconverted once per step.  The rows come from L2 there, and the "
+                 "first MMA warpgroup bounds it: QK over a block's 64 rows and the softmax in series before either "
+                 "warpgroup's PV.  Splitting S between the two warpgroups (32 rows each, row maxima and P exchanged "
+                 "through named barriers) measured 16 % slower at P-32k (5,097 against 4,414 us) and 20 % at D-h128 "
+                 "bf16: the exchanges tie the warpgroups together, so neither overlaps its softmax with the other's "
+                 "MMAs.")
 
 
 CAUSE_RELEASE = ("Compiled on the CPU with each release (`tests/helpers/sm90_sass.py`), the sm_90 kernels keep more "
@@ -580,7 +578,7 @@ def shortfalls(t: Table, rows: Sequence[dict] = ()) -> List[str]:
                 parts.append(f"{f} {peer['value'] / ours['value']:.2f}x at {h} heads")
     if parts:
         items.append(f"- **Prefill at 64-128 heads is slower than FlashMLA's sparse prefill on bf16 rows** (speed "
-                     f"relative to it: {'; '.join(parts)}). {CAUSE_PREFILL} {CAUSE_PAIR}")
+                     f"relative to it: {'; '.join(parts)}). {CAUSE_PREFILL}")
     parts = []
     for b in (4, 16):
         for f in ("bf16", "fp8", "fp8_ds_mla"):

@@ -77,7 +77,7 @@ def _variants():
         # conv's producer options (conv.TUNED gives each kind its defaults, which the plain variants below carry):
         # every option the kind does not take by default once, the others off (``-plain``: all off)
         producer = dict(l2_hint=False, early=False, late_next=False, lean_fences=False, idx_ahead=False,
-                        early_idx=False)
+                        early_idx=False, row_prefetch=False)
         for suffix, on in (("-plain", {}), ("-hint", dict(l2_hint=True)), ("-idx2", dict(idx_ahead=True)),
                            ("-early", dict(early=True, late_next=True, lean_fences=True))):
             if kind == "bf16" or fid != kind or (on and all(conv.TUNED[kind].get(o) for o in on)):
