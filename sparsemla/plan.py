@@ -341,7 +341,8 @@ def _plan(kind, num_tokens, num_heads, topk, capability, num_sms, fp8_qk, portab
 _WHY = {
     "sm90-few": "e4m3 / e2m1 rows on Hopper at few heads per call: rows as the wgmma's M, 16 heads a program",
     "sm90-wide": "e4m3 rows on Hopper above 32 heads: 64 heads a program, each row converted once for all of them",
-    "sm90-bf16": "bf16 rows on Hopper above 32 heads: 64 heads a program, rows gathered by a producer warpgroup",
+    "sm90-bf16": ("bf16 rows on Hopper above 128 heads (and where sm90-conv did not build): 64 heads a program, rows "
+                  "gathered by a producer warpgroup"),
     "portable-wide": "many heads off Hopper's Gluon kernels: 64 heads a program, each tile converted once to bf16",
     "portable-fp8": "few heads: e4m3 rows converted on the operand registers (mma.sync)",
     "portable-nvfp4": "few heads: e2m1 rows converted on the operand registers (mma.sync)",
@@ -349,9 +350,9 @@ _WHY = {
     "sm90-cluster": ("e4m3 / fp8_ds_mla / e2m1 rows on Hopper at 65-128 heads, asked for: sm90-conv as a cluster of "
                      "two CTAs (64 heads each) whose producers each convert half of every block's rows into both "
                      "CTAs' tiles"),
-    "sm90-conv": ("e4m3 / fp8_ds_mla / e2m1 rows on Hopper above 32 heads (bf16 rows at 33-128 heads, one token "
-                  "per SM): a producer warpgroup converts (or copies) each row once into a 16-bit tile, the MMA "
-                  "warpgroups run on it (64 heads a program)"),
+    "sm90-conv": ("e4m3 / fp8_ds_mla / e2m1 rows on Hopper above 32 heads (bf16 rows at 33-128 heads): a producer "
+                  "warpgroup converts (or copies) each row once into a 16-bit tile, the MMA warpgroups run on it (64 "
+                  "heads a program)"),
 }
 
 

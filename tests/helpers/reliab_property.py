@@ -80,8 +80,8 @@ def cover_kernels(seed: int, configs: Sequence[rc.Config], backends: Sequence[st
             fl = rc.backend_formats(b, fmts)
             if not fl:
                 continue
-            # 133-160 tokens only here: sm90-bf16 takes bf16 rows past one token per SM (132 on an H100 / H200;
-            # sm90-conv below that), and no call takes more than 128 heads
+            # 133-160 tokens only here: calls past one token per SM (132 on an H100 / H200), which the pool's
+            # draws rarely reach (no call takes more than 128 heads)
             c = rc.draw_config(src, src.choice(fl), b, many_heads=src.chance(0.7), many_tokens=src.chance(0.7),
                                tokens_band=(133, 160) if src.chance(0.3) else None)
             k = _first_kernel(seed, len(configs) + len(added), c)
