@@ -178,7 +178,7 @@ def test_conv_meta_takes_each_kinds_tuned_producer_options():
     rows = {"bf16": (1152, 1024, -1), "fp8": (576, 512, -1), "fp8_ds_mla": (656, 512, 528),
             "nvfp4_ds_mla": (352, 256, 320)}
     flags = dict(l2_hint="HINT", rows128="W128", early="EARLY", late_next="LATE", lean_fences="LEAN",
-                 idx_ahead="IDX2", free_first="FF", smem_out="SO", early_idx="EI")
+                 idx_ahead="IDX2", free_first="FF", smem_out="SO", early_idx="EI", row_prefetch="PF")
     for kind, (bpr, rope_off, scale_off) in rows.items():
         args = dict(kind=kind, bytes_per_row=bpr, rope_offset=rope_off, scale_offset=scale_off, **common)
         m = conv.meta(**args)
@@ -192,9 +192,15 @@ def test_conv_meta_takes_each_kinds_tuned_producer_options():
     so = {"smem_out": True}
     assert conv.TUNED == {"bf16": dict(so, rows128=True, free_first=True),
                           "nvfp4_ds_mla": dict(so, l2_hint=True, early_idx=True),
-                          "fp8": dict(ell, **so, idx_ahead=True), "fp8_ds_mla": dict(ell, **so)}
+                          "fp8": dict(ell, **so, idx_ahead=True), "fp8_ds_mla": dict(ell, **so, row_prefetch=True)}
     on = conv.meta(kind="nvfp4_ds_mla", bytes_per_row=352, rope_offset=256, scale_offset=320, l2_hint=True, **common)
     assert on["HINT"] and not on["W128"]
+    # the L2 prefetch of the next rows is the converting producer's: not bf16 rows', not the 2-CTA kernel's
+    for kind, extra in (("bf16", {}), ("fp8", dict(cluster=True))):
+        bpr, rope_off, scale_off = rows[kind]
+        with pytest.raises(ValueError, match="row_prefetch"):
+            conv.meta(kind=kind, bytes_per_row=bpr, rope_offset=rope_off, scale_offset=scale_off, row_prefetch=True,
+                      **common, **extra)
 
 
 def test_compat_names_exist_on_this_release():

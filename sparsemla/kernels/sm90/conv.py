@@ -480,7 +480,9 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     the tile is free, and waited for before the tile is published.  IDX2: the rows are looked up two blocks
     ahead, so that the next block's loads need no index load of their own (one memory latency fewer in the
     producer's chain a block).  EI: the split's indices prefetched into L2 before q is staged, and no index load
-    waiting for the valid count's."""
+    waiting for the valid count's.  PF: once piece 2 is stored, the next block's rows (IDX2: the block after
+    next) prefetched into L2, so that their loads, which each wait for every load in flight (one scoreboard),
+    find them there."""
     (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K,
      rows_per_split, num_splits, smem,
      bars) = args
