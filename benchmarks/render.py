@@ -481,9 +481,10 @@ CAUSE_FEW = ("The few-heads kernel is bound by its consumer warpgroups' instruct
              "instruction per warp), not by bytes: fp8_ds_mla's per-group scales add about a quarter to plain "
              "fp8's instructions per block.")
 CAUSE_PREFILL = ("Prefill runs sm90-conv's bf16 mode (since 299a4be; before, the pair kernel, 0.83x), over a "
-                 "quantized cache on a workspace upconverted once per step.  The rows come from L2 there, and the "
-                 "first MMA warpgroup bounds it: QK over a block's 64 rows and the softmax in series before either "
-                 "warpgroup's PV.  Splitting S between the two warpgroups (32 rows each, row maxima and P exchanged "
+                 "quantized cache on a workspace upconverted once per step.  Its rows come from L2; in bf16 decode at "
+                 "128 heads, traced, the first MMA warpgroup bounds the kernel (QK over a block's 64 rows ~1,360 "
+                 "cycles and the softmax ~1,040 in series before either warpgroup's PV; prefill not traced).  "
+                 "Splitting S between the two warpgroups (32 rows each, row maxima and P exchanged "
                  "through named barriers) measured 16 % slower at P-32k (5,097 against 4,414 us) and 20 % at D-h128 "
                  "bf16: the exchanges tie the warpgroups together, so neither overlaps its softmax with the other's "
                  "MMAs.")
