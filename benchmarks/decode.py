@@ -105,6 +105,11 @@ def parse_options(text: str) -> dict:
     return out
 
 
+def variant_label(options: dict) -> str:
+    """``{"idx_ahead": True}`` -> ``"idx_ahead=True"``: a variant's options as its rows' ``variant``."""
+    return ",".join(f"{k}={v}" for k, v in sorted(options.items()))
+
+
 def fused_applies(wl) -> bool:
     """Whether the plan of this workload can merge its splits in the kernel (``fused_combine``)."""
     from sparsemla.kernels.attention import plan_for
@@ -174,7 +179,7 @@ def run_decode(rec, config_names, formats, *, fp8qk=True, peers=True, conv=False
                 for v in conv_variants:
                     if fmt.name not in CONV_KINDS or rec.dry:
                         continue
-                    label = ",".join(f"{k}={val}" for k, val in sorted(v.items()))
+                    label = variant_label(v)
                     rec.attempt(f"{name} {fname} {CONV_KERNEL} {label}",
                                 lambda: measure(rec, name, wl, "sparsemla-conv", lambda: forced_call(wl, CONV_KERNEL,
                                                                                                      variant=v),

@@ -94,6 +94,10 @@ def main(argv=None) -> int:
     from sparsemla.bench.workload import build_queries, build_workload
     from sparsemla.formats import get_format
     rec = D.Recorder(a)
+    # the forced launches beside the runner: (impl, kernel, conv.meta options, variant text)
+    forced = [("sparsemla-" + k.split("-", 1)[-1], k, None, f"native reads, {k} forced") for k in a.kernel]
+    forced += [("sparsemla-conv", "sm90-conv", v, f"native reads, sm90-conv forced, {decode.variant_label(v)}")
+               for v in map(decode.parse_options, a.conv_variant)]
     base_cfg = D.config_named("P-32k")
     for fname in D.fmt_list(a.formats):
         fmt = get_format(fname)
@@ -108,20 +112,9 @@ def main(argv=None) -> int:
             for variant, ws in modes:
                 rec.attempt(f"{name} {fname} {variant}",
                             lambda: measure(rec, name, wl, "sparsemla", *runner_call(wl, ws), variant))
-            for k in a.kernel:
-                if rec.dry:  # the sm_90 kernels are Gluon: not under the interpreter
-                    continue
-                rec.attempt(f"{name} {fname} {k}",
-                            lambda: measure(rec, name, wl, "sparsemla-" + k.split("-", 1)[-1],
-                                            *decode.forced_call(wl, k), f"native reads, {k} forced"))
-            for v in (decode.parse_options(x) for x in a.conv_variant):
-                if rec.dry:
-                    continue
-                label = ",".join(f"{k}={val}" for k, val in sorted(v.items()))
-                rec.attempt(f"{name} {fname} sm90-conv {label}",
-                            lambda: measure(rec, name, wl, "sparsemla-conv",
-                                            *decode.forced_call(wl, "sm90-conv", variant=v),
-                                            f"native reads, sm90-conv forced, {label}"))
+            for impl, k, v, text in ([] if rec.dry else forced):  # Gluon kernels: not under the interpreter
+                rec.attempt(f"{name} {fname} {text}",
+                            lambda: measure(rec, name, wl, impl, *decode.forced_call(wl, k, variant=v), text))
             if fmt.name == "bf16" and fmt.rope_dim and not a.no_peers:
                 rec.attempt(f"{name} {fname} flashmla",
                             lambda: measure(rec, name, wl, "flashmla",

@@ -133,9 +133,9 @@ def current(rows: Sequence[dict]) -> List[dict]:
     return out
 
 
-def peer_commits(rows: Sequence[dict], name: str) -> set:
-    """Commits whose rows of section ``name`` include a peer's (runs that timed the peers in the same process)."""
-    match = SECTIONS[name][0] if name in SECTIONS else README_SECTION[0]
+def peer_commits(rows: Sequence[dict], match) -> set:
+    """Commits whose rows that ``match`` (a section's row filter) include a peer's (runs that timed the peers in the
+    same process)."""
     return {r["commit"] for r in rows if match(r) and not r["impl"].startswith("sparsemla")}
 
 
@@ -149,7 +149,7 @@ def section_commit(rows: Sequence[dict], name: str, spec=None) -> Optional[str]:
         if match(r) and r["impl"] == "sparsemla":
             have[r["commit"]].add((r["config"], r["format"]))
             last = r["commit"]
-    with_peers = peer_commits(rows, name)
+    with_peers = peer_commits(rows, match)
     # first-seen order: the newest is last
     full = [c for c in have if (need is None or need <= have[c]) and (not peers or c in with_peers)]
     return full[-1] if full else last
@@ -166,7 +166,7 @@ def later_rows(rows: Sequence[dict]) -> List[dict]:
         match = SECTIONS[name][0]
         after = max(i for i, r in enumerate(rows) if r["commit"] == commit and match(r))
         # partial runs with the peers beside them; runs without peers show in the per-release table
-        with_peers = peer_commits(rows, name)
+        with_peers = peer_commits(rows, match)
         later += [r for r in rows[after + 1:] if r["commit"] != commit and match(r) and r["commit"] in with_peers]
     return R.latest(later)
 

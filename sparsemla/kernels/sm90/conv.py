@@ -417,8 +417,13 @@ def _prefetch_rows_l2(row, n):
     nbytes = n * 4
     for c in range(0, gl.cdiv(nbytes, 128 * 128)):
         off = (c * 128 + tid) * 128
-        addr = (row.to(gl.pointer_type(gl.int8)) + gl.where(off < nbytes, off, 0)).to(gl.int64, bitcast=True)
-        gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr], gl.int32, False, 1)
+        _prefetch_l2((row.to(gl.pointer_type(gl.int8)) + gl.where(off < nbytes, off, 0)).to(gl.int64, bitcast=True))
+
+
+@gluon.jit
+def _prefetch_l2(addr):
+    """``prefetch.global.L2`` of the line of each address in ``addr`` (int64): no register written, nothing waits."""
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr], gl.int32, False, 1)
 
 
 # PF: the lines of 64 rows to prefetch into L2, [64 rows, 8 lines] with the rows of the pieces' layouts (L_W8R /
@@ -435,8 +440,7 @@ def _prefetch_block_l2(base, BPT: gl.constexpr, lay: gl.constexpr):
     those rows find them in L2."""
     k = gl.arange(0, 8, layout=gl.SliceLayout(0, lay))
     off = gl.minimum(k * 128, BPT - 1)
-    addr = (gl.convert_layout(base, gl.SliceLayout(1, lay))[:, None] + off[None, :]).to(gl.int64, bitcast=True)
-    gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr], gl.int32, False, 1)
+    _prefetch_l2((gl.convert_layout(base, gl.SliceLayout(1, lay))[:, None] + off[None, :]).to(gl.int64, bitcast=True))
 
 
 @gluon.jit
