@@ -18,6 +18,7 @@ else
 fi
 
 t0=$(date +%s)
+df -h "$(dirname "$venv")" | tail -n 1
 "$python" -m venv "$venv"
 "$venv/bin/pip" install --quiet --no-cache-dir --no-compile "vllm==0.33.0" -e "$root[vllm,test]"
 t1=$(date +%s)
