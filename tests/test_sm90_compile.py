@@ -113,17 +113,18 @@ def test_cluster_kernel_protocol(compiled, name):
     assert c["init_fence"] and c["cluster_barriers"] >= 2, c
 
 
-@pytest.mark.parametrize("name", [f"conv-{kind}" for kind in conv.KINDS] + ["bf16-bf16"])
-def test_named_hand_off_spills_no_more_and_runs_fewer_instructions(compiled, name):
+@pytest.mark.parametrize("named,mbar", [(f"conv-{kind}", f"conv-{kind}-mbar") for kind in conv.KINDS if kind != "bf16"]
+                         + [(f"{k}-bf16-named", f"{k}-bf16") for k in ("conv", "bf16")])
+def test_named_hand_off_spills_no_more_and_runs_fewer_instructions(compiled, named, mbar):
     """``sm90-conv`` and the pair kernel with their hand-offs between MMA warpgroups through named barriers
-    (``meta(named=True)``) instead of mbarriers: what makes them worth measuring is fewer instructions (no
-    mbarrier try-wait loops, fewer warpgroup barriers) and, for conv on 3.9, the shared-memory descriptors no
-    longer built ahead and spilled -- so each must keep both on every release."""
-    default, named = compiled[name], compiled[f"{name}-named"]
-    assert "error" not in named, named.get("error")
-    assert named["stack"] <= default["stack"], (named["stack"], default["stack"])
-    assert named["instructions"] < default["instructions"], (named["instructions"], default["instructions"])
-    assert named["regs"] == default["regs"]
+    (``meta(named=True)``; conv's quantized kinds by default) against mbarriers: what makes them faster is fewer
+    instructions (no mbarrier try-wait loops, fewer warpgroup barriers) and, for conv on 3.9, the shared-memory
+    descriptors no longer built ahead and spilled -- so each must keep both on every release."""
+    n, m = compiled[named], compiled[mbar]
+    assert "error" not in n and "error" not in m, (n.get("error"), m.get("error"))
+    assert n["stack"] <= m["stack"], (n["stack"], m["stack"])
+    assert n["instructions"] < m["instructions"], (n["instructions"], m["instructions"])
+    assert n["regs"] == m["regs"]
 
 
 def test_every_format_layout_has_variants():
@@ -178,7 +179,8 @@ def test_conv_meta_takes_each_kinds_tuned_producer_options():
     rows = {"bf16": (1152, 1024, -1), "fp8": (576, 512, -1), "fp8_ds_mla": (656, 512, 528),
             "nvfp4_ds_mla": (352, 256, 320)}
     flags = dict(l2_hint="HINT", rows128="W128", early="EARLY", late_next="LATE", lean_fences="LEAN",
-                 idx_ahead="IDX2", free_first="FF", smem_out="SO", early_idx="EI", row_prefetch="PF")
+                 idx_ahead="IDX2", free_first="FF", smem_out="SO", early_idx="EI", row_prefetch="PF",
+                 named="NAMED")
     for kind, (bpr, rope_off, scale_off) in rows.items():
         args = dict(kind=kind, bytes_per_row=bpr, rope_offset=rope_off, scale_offset=scale_off, **common)
         m = conv.meta(**args)
@@ -189,10 +191,10 @@ def test_conv_meta_takes_each_kinds_tuned_producer_options():
             cl = conv.meta(**args, cluster=True)
             assert not any(cl[c] for c in flags.values()), kind
     ell = {"early": True, "late_next": True, "lean_fences": True}
-    so = {"smem_out": True}
+    so, nso = {"smem_out": True}, {"smem_out": True, "named": True}
     assert conv.TUNED == {"bf16": dict(so, rows128=True, free_first=True),
-                          "nvfp4_ds_mla": dict(so, l2_hint=True, early_idx=True),
-                          "fp8": dict(ell, **so, idx_ahead=True), "fp8_ds_mla": dict(ell, **so, row_prefetch=True)}
+                          "nvfp4_ds_mla": dict(nso, l2_hint=True, early_idx=True),
+                          "fp8": dict(ell, **nso, idx_ahead=True), "fp8_ds_mla": dict(ell, **nso, row_prefetch=True)}
     on = conv.meta(kind="nvfp4_ds_mla", bytes_per_row=352, rope_offset=256, scale_offset=320, l2_hint=True, **common)
     assert on["HINT"] and not on["W128"]
     # the L2 prefetch of the next rows is the converting producer's: not bf16 rows', not the 2-CTA kernel's

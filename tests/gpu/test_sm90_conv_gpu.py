@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from attn_cases import SEED, make_case, rel_err  # noqa: E402
 from sm90_gpu import (check_case, check_ds_scales_far_apart, check_k_scale_applied_once,  # noqa: E402
-                      check_reference, meta_variant, named_hand_off, plan_for, run, skip_unless_sm90)
+                      check_reference, meta_variant, plan_for, run, skip_unless_sm90)
 
 from sparsemla.formats import get_format  # noqa: E402
 from sparsemla.kernels.attention import attention_fwd, split_elements  # noqa: E402
@@ -148,15 +148,17 @@ def test_conv_planned_for_quantized_rows(fmt):
 
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "nvfp4_ds_mla", "bf16", "nvfp4_ds_mla-nope"])
 @pytest.mark.parametrize("heads,topk,splits", [(64, 2048, 1), (128, 2051, 3), (33, 64, 1), (96, 320, 2)])
-def test_conv_named_hand_off_matches_reference(fmt, heads, topk, splits):
-    """The named-barrier hand-off (``conv.meta(named=True)``): the same checks as the default's (one block, odd
+def test_conv_other_hand_off_matches_reference(fmt, heads, topk, splits):
+    """The hand-off between the MMA warpgroups a kind does not take by default (``conv.meta(named=...)``: named
+    barriers for bf16 rows, mbarriers for the quantized kinds): the same checks as the default's (one block, odd
     block counts, splits, head counts that are not a multiple of 64)."""
     skip_unless_sm90()
     from sparsemla.kernels.sm90 import conv
     k_scale = _k_scale(fmt)
     c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda",
                   k_scale=k_scale)
-    with named_hand_off(conv, KERNEL):
+    named = not conv.TUNED[c["fmt"].name].get("named", False)
+    with meta_variant(conv, KERNEL, named=named):
         check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
 
 

@@ -59,7 +59,8 @@ def _variants():
     """name -> (module, kernel, signature, meta); meta from the module's own ``meta`` (what ``launch`` uses),
     with two head groups and valid counts; the conv kernel also without valid counts (``-novc``, nvfp4),
     writing fp32 split partials (``-split``, each kind with rope); the conv and pair kernels also with their
-    hand-offs through named barriers (``-named``, each kind with rope); one variant per kernel family that merges
+    hand-offs through named barriers where that is not their default (``-named``: bf16 rows) and through mbarriers
+    where it is (``-mbar``: the conv kernel's quantized kinds, with rope); one variant per kernel family that merges
     its splits in the kernel (``-fused``)."""
     from sparsemla.kernels.sm90 import bf16, conv, few, wide
     from sparsemla.plan import cluster_builds
@@ -131,12 +132,12 @@ def _variants():
         # every layout with valid counts; without them and with split partials once per kind (the layout does
         # not change those paths, and each compile costs CI time on three releases)
         for suffix, sig, vc in (("", SIG_K, True), ("-novc", SIG_K, False), ("-split", SIG_K_SPLIT, True),
-                                ("-named", SIG_K, True)):
+                                ("-mbar", SIG_K, True)):
             if suffix and (fid != kind or (suffix == "-novc" and kind != "nvfp4_ds_mla")):
                 continue
             v[f"conv-{fid}{suffix}"] = ("conv", "conv_kernel", sig, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
-                num_groups=2, has_valid_counts=vc, named=suffix == "-named"))
+                num_groups=2, has_valid_counts=vc, **(dict(named=False) if suffix == "-mbar" else {})))
         if fid in ("fp8", "fp8_ds_mla", "fp8_ds_mla-nope", "nvfp4_ds_mla", "nvfp4_ds_mla-nope") and cluster_builds():
             v[f"conv-{fid}-cluster"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,

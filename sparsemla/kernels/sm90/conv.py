@@ -45,12 +45,13 @@ Shared memory: q 72 KB + 2 tiles x 72 KB + P 8 KB + small vectors, 231,120 bytes
 block (NoPE 206,512: no rope buffers).  Registers: 168 at launch for 12 warps; warpgroup 0 gets 208 (O 128 +
 S 32 + the next QK), warpgroup 1 160, the producer 136 (bf16 rows: the producer 40, warpgroup 0 256).
 
-``NAMED`` (``meta(named=True)``; opt-in, the plan does not choose it): P and alpha go from warpgroup 0 to warpgroup 1
-through two named hardware barriers (``bar.arrive`` / ``bar.sync`` on ids 14 and 15, 256 threads) instead of the
-``p_ready`` / ``p_free`` mbarriers, FlashInfer's hand-off: no try-wait loops and one warpgroup barrier less a block
-in warpgroup 0 (and on Triton 3.9 its wgmma descriptors no longer spilled).  On the H200 (Triton 3.6) it is no faster
-(decode within 1-3 % of the default, docs/design/kernels.md); Triton 3.9, where it removes the spill, is not
-yet measured.
+``NAMED`` (``meta(named=True)``; the quantized kinds' default, :data:`TUNED`): P and alpha go from warpgroup 0 to
+warpgroup 1 through two named hardware barriers (``bar.arrive`` / ``bar.sync`` on ids 14 and 15, 256 threads) instead
+of the ``p_ready`` / ``p_free`` mbarriers, FlashInfer's hand-off: no try-wait loops and one warpgroup barrier less a
+block in warpgroup 0.  On Triton 3.9 the mbarrier hand-off makes ptxas build warpgroup 0's wgmma descriptors ahead
+and spill them (120-136 bytes of stack; named: none, fp8_ds_mla 24): decode b 128 on an H100 ran 0-14 % faster
+with it on 3.9 and 0-2 % faster on 3.6 (docs/design/kernels.md).  bf16 rows keep the mbarriers (no spill on any release;
+on the H200 the named hand-off was 0-1 % slower there).
 
 ``CL`` (``meta(cluster=True)``; plan kernel ``sm90-cluster``, Triton >= 3.8, quantized rows, 65-128 heads): a
 cluster of two CTAs serves a token's 128 heads, 64 each, and each CTA's producer converts 32 of every block's 64
@@ -1068,13 +1069,14 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 # plain fp8 (two blocks ahead with its idx_ahead) 103.3 / 190.0 against 99.9 / 181.3 (kept off); two blocks ahead on
 # fp8_ds_mla 126.1 / 211.7.
 TUNED = {"bf16": dict(rows128=True, free_first=True, smem_out=True),
-         "nvfp4_ds_mla": dict(l2_hint=True, early_idx=True, smem_out=True),
-         "fp8": dict(early=True, late_next=True, lean_fences=True, idx_ahead=True, smem_out=True),
-         "fp8_ds_mla": dict(early=True, late_next=True, lean_fences=True, smem_out=True, row_prefetch=True)}
+         "nvfp4_ds_mla": dict(l2_hint=True, early_idx=True, smem_out=True, named=True),
+         "fp8": dict(early=True, late_next=True, lean_fences=True, idx_ahead=True, smem_out=True, named=True),
+         "fp8_ds_mla": dict(early=True, late_next=True, lean_fences=True, smem_out=True, row_prefetch=True,
+                            named=True)}
 
 
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
-         has_valid_counts: bool, named: bool = False, cluster: bool = False, fused: bool = False,
+         has_valid_counts: bool, named: bool | None = None, cluster: bool = False, fused: bool = False,
          l2_hint: bool | None = None, rows128: bool | None = None, early: bool | None = None,
          late_next: bool | None = None, lean_fences: bool | None = None, idx_ahead: bool | None = None,
          free_first: bool | None = None, smem_out: bool | None = None, early_idx: bool | None = None,
@@ -1092,7 +1094,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     indices prefetched into L2 before q is staged, no index load waiting for the valid count's), ``free_first``
     (warpgroup 0 frees a tile when its PV on it is done, before it waits for the next block), ``smem_out`` (a bf16
     output through a tile, out in 16-byte row stores), ``row_prefetch`` (the quantized kinds: the producer prefetches
-    the next block's rows into L2, two blocks ahead with ``idx_ahead``).  ``trace``: the diagnostic
+    the next block's rows into L2, two blocks ahead with ``idx_ahead``), ``named`` (P and alpha handed from
+    warpgroup 0 to warpgroup 1 through named barriers, ``NAMED`` in the module docstring).  ``trace``: the diagnostic
     build that writes the SM clock at every hand-off into the buffer passed as ``fo_ptr``
     (``benchmarks/conv_trace.py`` launches it and reads the timeline).  (Variants that
     measured slower -- the next QK before the softmax or before this block's PV, P in registers for warpgroup 0's
@@ -1106,7 +1109,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     late_next, lean_fences = pick("late_next", late_next), pick("lean_fences", lean_fences)
     idx_ahead, free_first = pick("idx_ahead", idx_ahead), pick("free_first", free_first)
     smem_out, early_idx = pick("smem_out", smem_out), pick("early_idx", early_idx)
-    row_prefetch = pick("row_prefetch", row_prefetch)
+    row_prefetch, named = pick("row_prefetch", row_prefetch), pick("named", named)
     if row_prefetch and (cluster or kind == "bf16"):
         raise ValueError(f"row_prefetch: an option of the one-CTA kernel's converting producer, got kind={kind!r}, "
                          f"cluster={cluster}")
