@@ -51,7 +51,7 @@ of the ``p_ready`` / ``p_free`` mbarriers, FlashInfer's hand-off: no try-wait lo
 block in warpgroup 0.  On Triton 3.9 the mbarrier hand-off makes ptxas build warpgroup 0's wgmma descriptors ahead
 and spill them (120-136 bytes of stack; named: none, fp8_ds_mla 24): decode b 128 on an H100 ran 0-14 % faster
 with it on 3.9 and 0-2 % faster on 3.6 (docs/design/kernels.md).  bf16 rows keep the mbarriers (no spill on any release;
-on the H200 the named hand-off was 0-1 % slower there).
+on the H200 the named hand-off was 1-2 % slower there).
 
 ``CL`` (``meta(cluster=True)``; plan kernel ``sm90-cluster``, Triton >= 3.8, quantized rows, 65-128 heads): a
 cluster of two CTAs serves a token's 128 heads, 64 each, and each CTA's producer converts 32 of every block's 64
@@ -1067,7 +1067,8 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 # the default on every quantized kind.  The next block's rows prefetched into L2 (row_prefetch), H100, one process,
 # 64 / 128 heads: fp8_ds_mla 108.6 / 199.0 against 115.1 / 207.9; nvfp4 106.7 / 199.3 against 104.8-117.5 / 195.0,
 # plain fp8 (two blocks ahead with its idx_ahead) 103.3 / 190.0 against 99.9 / 181.3 (kept off); two blocks ahead on
-# fp8_ds_mla 126.1 / 211.7.
+# fp8_ds_mla 126.1 / 211.7.  The quantized kinds' named-barrier hand-off (NAMED): 0-2 % faster on Triton 3.6 and
+# 0-14 % on 3.9, where the mbarrier hand-off spills (fp8_ds_mla 110.0 / 214.4 against 127.4 / 214.7).
 TUNED = {"bf16": dict(rows128=True, free_first=True, smem_out=True),
          "nvfp4_ds_mla": dict(l2_hint=True, early_idx=True, smem_out=True, named=True),
          "fp8": dict(early=True, late_next=True, lean_fences=True, idx_ahead=True, smem_out=True, named=True),
