@@ -137,7 +137,7 @@ def _variants():
                 continue
             v[f"conv-{fid}{suffix}"] = ("conv", "conv_kernel", sig, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
-                num_groups=2, has_valid_counts=vc, **(dict(named=False) if suffix == "-mbar" else {})))
+                num_groups=2, has_valid_counts=vc, named=False if suffix == "-mbar" else None))
         if fid in ("fp8", "fp8_ds_mla", "fp8_ds_mla-nope", "nvfp4_ds_mla", "nvfp4_ds_mla-nope") and cluster_builds():
             v[f"conv-{fid}-cluster"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
