@@ -184,7 +184,7 @@ def test_conv_meta_takes_each_kinds_tuned_producer_options():
     for kind, (bpr, rope_off, scale_off) in rows.items():
         args = dict(kind=kind, bytes_per_row=bpr, rope_offset=rope_off, scale_offset=scale_off, **common)
         m = conv.meta(**args)
-        assert {f for f, c in flags.items() if m[c]} == set(conv.TUNED.get(kind, {})), kind
+        assert {f for f, c in flags.items() if m[c]} == {f for f, v in conv.tuned(kind, 64).items() if v}, kind
         off = conv.meta(**args, **{f: False for f in flags})
         assert not any(off[c] for c in flags.values()), kind
         if kind != "bf16":
@@ -195,6 +195,14 @@ def test_conv_meta_takes_each_kinds_tuned_producer_options():
     assert conv.TUNED == {"bf16": dict(so, rows128=True, free_first=True),
                           "nvfp4_ds_mla": dict(nso, l2_hint=True, early_idx=True),
                           "fp8": dict(ell, **nso, idx_ahead=True), "fp8_ds_mla": dict(ell, **nso, row_prefetch=True)}
+    # nvfp4_ds_mla: fp8_ds_mla's L2 handling for NoPE rows, and for RoPE rows from Triton 3.9
+    fp4 = conv.TUNED["nvfp4_ds_mla"]
+    assert conv.tuned("nvfp4_ds_mla", 64, (3, 6)) == fp4 == conv.tuned("nvfp4_ds_mla", 64, (3, 8))
+    assert conv.tuned("nvfp4_ds_mla", 0, (3, 6)) == dict(fp4, **conv.ROWS_PF) == conv.tuned("nvfp4_ds_mla", 64, (3, 9))
+    assert conv.ROWS_PF == dict(l2_hint=False, early_idx=False, row_prefetch=True)
+    nope = conv.meta(kind="nvfp4_ds_mla", bytes_per_row=288, rope_offset=-1, scale_offset=256, rope_dim=0,
+                     num_groups=1, has_valid_counts=False)
+    assert nope["PF"] and not nope["HINT"] and not nope["EI"] and nope["NAMED"] and nope["SO"]
     on = conv.meta(kind="nvfp4_ds_mla", bytes_per_row=352, rope_offset=256, scale_offset=320, l2_hint=True, **common)
     assert on["HINT"] and not on["W128"]
     # the L2 prefetch of the next rows is the converting producer's: not bf16 rows', not the 2-CTA kernel's

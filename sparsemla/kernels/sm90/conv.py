@@ -1075,6 +1075,22 @@ TUNED = {"bf16": dict(rows128=True, free_first=True, smem_out=True),
                             named=True)}
 
 
+# nvfp4_ds_mla's producer with fp8_ds_mla's L2 handling (the next block's rows prefetched into L2, plain loads, the
+# indices not prefetched): where it measured faster than TUNED's entry.  H100, decode b 128, one process, us at 64 /
+# 128 heads, TUNED -> ROWS_PF: NoPE rows on Triton 3.6 112.4 / 203.1 -> 102.1 / 184.0; RoPE rows on 3.9 118.2 / 215.5
+# -> 107.5 / 192.7, but on 3.6 105.4 / 192.1 -> 105.7 / 210.5 (docs/design/kernels.md).
+ROWS_PF = dict(l2_hint=False, early_idx=False, row_prefetch=True)
+
+
+def tuned(kind: str, rope_dim: int, release=compat.RELEASE) -> dict:
+    """The ``meta`` options a kind takes by default: its :data:`TUNED` entry, with :data:`ROWS_PF` for nvfp4_ds_mla's
+    NoPE rows, and for its RoPE rows on Triton >= 3.9 (``release``: (major, minor))."""
+    t = dict(TUNED.get(kind, {}))
+    if kind == "nvfp4_ds_mla" and (not rope_dim or tuple(release) >= (3, 9)):
+        t.update(ROWS_PF)
+    return t
+
+
 def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scale_offset: int, num_groups: int,
          has_valid_counts: bool, named: bool | None = None, cluster: bool = False, fused: bool = False,
          l2_hint: bool | None = None, rows128: bool | None = None, early: bool | None = None,
@@ -1086,7 +1102,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
     1.  ``fused`` as in ``few.meta`` (not with ``cluster``).
 
-    Producer and consumer variants, ``None`` taking the kind's entry in :data:`TUNED` (off for the 2-CTA kernel):
+    Producer and consumer variants, ``None`` taking the kind's default (:func:`tuned`; off for the 2-CTA kernel):
     ``l2_hint`` (the producer's loads with FlashMLA's L2 prefetch hint), ``rows128`` (bf16 rows in 128-byte row
     segments), ``early`` (every value piece's loads before the producer's free wait), ``late_next`` (the next
     block's first pieces after its fence), ``lean_fences`` (the consumers' in-loop proxy fences left to the
@@ -1103,8 +1119,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     CHANGELOG.)"""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
-    tuned = {} if cluster else TUNED.get(kind, {})
-    pick = lambda name, value: bool(tuned.get(name, False) if value is None else value)
+    default = {} if cluster else tuned(kind, rope_dim)
+    pick = lambda name, value: bool(default.get(name, False) if value is None else value)
     l2_hint, rows128, early = pick("l2_hint", l2_hint), pick("rows128", rows128), pick("early", early)
     late_next, lean_fences = pick("late_next", late_next), pick("lean_fences", lean_fences)
     idx_ahead, free_first = pick("idx_ahead", idx_ahead), pick("free_first", free_first)
