@@ -127,17 +127,6 @@ def synthetic_trace(programs: int, n_blocks: int, steps: dict, blocks: int = 64)
 RAW_PROGRAMS = 512
 
 
-def config(name: str):
-    """The decode or prefill configuration ``name``: the tables' own, or ``P-h<H>`` (P-32k at H heads, as
-    ``benchmarks/prefill.py`` names it)."""
-    from dataclasses import replace
-
-    from sparsemla.bench import drivers as D
-    if name.startswith("P-h"):
-        return replace(D.config_named("P-32k"), id=name, name=name, num_heads=int(name[3:]))
-    return D.config_named(name)
-
-
 def _parse_meta(items) -> dict:
     """``key=value`` strings (each may hold several, comma-separated) -> conv.meta keyword arguments (1 / 0 /
     true / false as booleans), as ``decode.py --conv-variant`` reads them."""
@@ -203,7 +192,7 @@ def main(argv=None) -> int:
         import decode
 
         D.prepare_environment()
-        wl = build_workload(config(a.config), get_format(a.format), device=torch.device("cuda"))
+        wl = build_workload(D.config_named(a.config), get_format(a.format), device=torch.device("cuda"))
         trace, out, n = traced_call(wl, meta)  # (the first launch compiles; the trace is this launch's)
         trace, out, n = traced_call(wl, meta)
         err = decode.check_against_reference(wl, lambda: None, out)
