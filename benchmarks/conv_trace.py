@@ -1,13 +1,15 @@
-"""The per-block timeline of the ``sm90-conv`` kernel on one decode call of the decode table (its trace build).
+"""The per-block timeline of the ``sm90-conv`` kernel on one decode or prefill call of the tables (its trace build).
 
     python3 benchmarks/conv_trace.py --config D-h64 --format fp8_ds_mla --out $OUT/trace
     python3 benchmarks/conv_trace.py --config D-h128 --format nvfp4_ds_mla --meta idx_ahead=1 --meta named=1
+    python3 benchmarks/conv_trace.py --config P-32k --format bf16     # prefill: P-32k (128 heads) or P-h<H>
     python3 benchmarks/conv_trace.py --dry-run                  # CPU: the analysis on a synthetic trace
 
 The trace build (``conv.meta(trace=True)``) has thread 0 of each of the kernel's three partitions write the SM clock
 (``%clock64``) at every hand-off into ``trace[program, event, block]`` (int64; the events are listed in
 ``kernels/sm90/conv.py`` beside ``TRACE_EVENTS``).  This driver builds the decode table's workload (b requests of
-32,768-token contexts in shuffled 64-token blocks, ``sparsemla.bench.workload``), plans the call with the kernel
+32,768-token contexts in shuffled 64-token blocks, ``sparsemla.bench.workload``; for ``P-32k`` / ``P-h<H>`` the
+prefill table's: 4,096 queries over one 32,768-token context, native reads), plans the call with the kernel
 forced to ``sm90-conv`` and one split (each program walks its token's whole top-k), and launches the trace build
 with the trace buffer as the final-out argument (only the FUSED variants read it).  The traced call's output is
 checked against float64 before anything is read.  ``--meta key=value`` builds a variant of the kernel
@@ -122,6 +124,9 @@ def synthetic_trace(programs: int, n_blocks: int, steps: dict, blocks: int = 64)
     return tr
 
 
+RAW_PROGRAMS = 512
+
+
 def _parse_meta(items) -> dict:
     """``key=value`` strings (each may hold several, comma-separated) -> conv.meta keyword arguments (1 / 0 /
     true / false as booleans), as ``decode.py --conv-variant`` reads them."""
@@ -165,7 +170,8 @@ def traced_call(wl, meta: dict):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="D-h64", help="a decode configuration (D-h<H>: 33-128 heads)")
+    ap.add_argument("--config", default="D-h64",
+                    help="a decode configuration (D-h<H>: 33-128 heads) or a prefill one (P-32k, P-h<H>)")
     ap.add_argument("--format", default="fp8_ds_mla")
     ap.add_argument("--meta", action="append", help="key=value: an option of conv.meta for the traced variant")
     ap.add_argument("--out", default=None, help="folder for the summary and the raw trace (JSON)")
@@ -198,7 +204,9 @@ def main(argv=None) -> int:
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, f"trace-{name}.json"), "w") as f:
-            json.dump({"name": name, "meta": meta, "blocks": n, "medians": res, "trace": trace}, f)
+            # (the raw trace of the first RAW_PROGRAMS programs: a prefill call has thousands)
+            json.dump({"name": name, "meta": meta, "blocks": n, "medians": res, "programs": len(trace),
+                       "trace": trace[:RAW_PROGRAMS]}, f)
     return 0
 
 

@@ -619,7 +619,20 @@ def test_conv_trace_meta_options_and_dry_run(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "conv_trace.py"), "--dry-run", "--out",
                         str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0 and "producer fill" in r.stdout, r.stdout + r.stderr
-    assert (tmp_path / "trace-synthetic.json").exists()
+    raw = json.loads((tmp_path / "trace-synthetic.json").read_text())
+    assert raw["programs"] == len(raw["trace"]) <= ct.RAW_PROGRAMS
+
+
+def test_config_named_gives_prefill_at_any_head_count():
+    """``P-h<H>``: the P-32k workload at H heads (conv_trace.py and ncu_profile.py take prefill names this way)."""
+    from sparsemla.bench import drivers as D
+    base = D.config_named("P-32k")
+    c = D.config_named("P-h64")
+    assert (c.name, c.num_heads, c.s_q, c.batch, c.topk, c.context) == ("P-h64", 64, base.s_q, 1, base.topk,
+                                                                        base.context)
+    assert D.config_named("P-h96", batch=2).batch == 2
+    with pytest.raises(KeyError):
+        D.config_named("P-hx")
 
 
 def test_plan_variant_builds_the_conv_kernel_with_its_options_only():

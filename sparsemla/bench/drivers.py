@@ -141,8 +141,9 @@ def scaled(config, dry: bool):
 
 
 def config_named(variant: str, **override):
-    """A standard configuration by variant name (``D-h16``, ``D-small-b1-h128``, ``P-32k``; ``D-h<H>`` for any
-    H), optionally with fields replaced (``batch=``, ``num_heads=``, ``name=``)."""
+    """A standard configuration by variant name (``D-h16``, ``D-small-b1-h128``, ``P-32k``; ``D-h<H>`` and
+    ``P-h<H>``, P-32k at H heads as ``benchmarks/prefill.py`` names it, for any H), optionally with fields replaced
+    (``batch=``, ``num_heads=``, ``name=``)."""
     from dataclasses import replace
 
     from .configs import BenchConfig, list_configs
@@ -152,6 +153,8 @@ def config_named(variant: str, **override):
     if variant.startswith("D-h") and variant[3:].isdigit():
         c = BenchConfig(variant, variant, "decode", batch=128, s_q=1, num_heads=int(variant[3:]), topk=2048)
         return replace(c, **override) if override else c
+    if variant.startswith("P-h") and variant[3:].isdigit():
+        return replace(config_named("P-32k"), id=variant, name=variant, num_heads=int(variant[3:]), **override)
     raise KeyError(f"unknown configuration {variant!r}")
 
 
