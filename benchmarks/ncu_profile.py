@@ -1,10 +1,11 @@
-"""One decode or prefill call of the tables under Nsight Compute: each kernel it launches profiled once, after a warm-up,
-with the sections that say what bounds it; a one-screen summary, the report and its CSV pages under ``--out``.
+"""One decode or prefill call of the tables under Nsight Compute: each kernel it launches profiled once, after a
+warm-up, with the sections that say what bounds it; a one-screen summary, the report and its CSV pages under
+``--out``.
 
     python3 benchmarks/ncu_profile.py --config D-h128 --format fp8_ds_mla --out $OUT/prof
     python3 benchmarks/ncu_profile.py --config D-h64 --format bf16 --kernel sm90-conv --out $OUT/prof    # a forced kernel
     python3 benchmarks/ncu_profile.py --config D-h128 --format nvfp4_ds_mla --set full --out $OUT/prof    # every section
-    python3 benchmarks/ncu_profile.py --config P-32k --format bf16 --out $OUT/prof                    # prefill, native reads
+    python3 benchmarks/ncu_profile.py --config P-32k --format bf16 --out $OUT/prof    # prefill, native reads
     python3 benchmarks/ncu_profile.py --dry-run --format fp8_ds_mla                                       # CPU check
 
 The driver runs itself again under ``ncu --profile-from-start off`` (``NCU`` names the binary; default: on PATH,
@@ -141,8 +142,8 @@ def child(a) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="D-h128", help="a decode configuration (D-h<H>, D-small-b4-h128, ...) or a prefill one "
-                    "(P-32k, P-h<H>)")
+    ap.add_argument("--config", default="D-h128",
+                    help="a decode configuration (D-h<H>, D-small-b4-h128, ...) or a prefill one (P-32k, P-h<H>)")
     ap.add_argument("--format", default="fp8_ds_mla")
     ap.add_argument("--kernel", default=None, help="force a kernel of the plan (sm90-conv, sm90-cluster, ...)")
     ap.add_argument("--out", default="./out/profile", help="folder for the report, its CSV pages and summary")
