@@ -60,6 +60,8 @@ BLOCK_INTERVALS = {
     "wg1 pv": ("p_received", 0, "wg1_pv_done", 0),
 }
 PROGRAM_INTERVALS = {"q_staged": ("prod_start", "q_staged"), "wg0_total": ("wg0_start", "wg0_end")}
+# the programs whose raw trace --out writes (a prefill call has thousands)
+RAW_PROGRAMS = 512
 
 
 def analyze(trace, n_blocks: int) -> dict:
@@ -122,9 +124,6 @@ def synthetic_trace(programs: int, n_blocks: int, steps: dict, blocks: int = 64)
         ev[EVENTS["wg0_end"]][0] = t0 + 600 + n_blocks * period + 900
         tr.append(ev)
     return tr
-
-
-RAW_PROGRAMS = 512
 
 
 def _parse_meta(items) -> dict:
@@ -204,7 +203,6 @@ def main(argv=None) -> int:
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, f"trace-{name}.json"), "w") as f:
-            # (the raw trace of the first RAW_PROGRAMS programs: a prefill call has thousands)
             json.dump({"name": name, "meta": meta, "blocks": n, "medians": res, "programs": len(trace),
                        "trace": trace[:RAW_PROGRAMS]}, f)
     return 0

@@ -13,15 +13,12 @@ serves every release:
   ``sm90-conv``'s 2-CTA kernel uses them, which the plan builds where ``plan.cluster_builds()``).
 - ``fence_mbarrier_init_cluster()``: makes this CTA's mbarrier initializations visible to the cluster before a
   cluster barrier: ``mbarrier.fence_init_release_cluster`` on 3.8; 3.9 emits the fence itself (nothing to call).
-- ``RELEASE``: the installed release as (major, minor), for kernel options tuned per release.
 """
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-RELEASE = tuple(int(x) for x in triton.__version__.split(".")[:2])
 barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.shared_memory_descriptor._reinterpret

@@ -69,6 +69,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
+from ...plan import triton_release
 from . import compat
 from .common import (NEG_BIG, PER_THREAD, PUBLISH, combine_in_kernel, fused_meta, named_asm, named_barrier,
                      normalizer, program_coords, publish)
@@ -1082,9 +1083,11 @@ TUNED = {"bf16": dict(rows128=True, free_first=True, smem_out=True),
 ROWS_PF = dict(l2_hint=False, early_idx=False, row_prefetch=True)
 
 
-def tuned(kind: str, rope_dim: int, release=compat.RELEASE) -> dict:
+def tuned(kind: str, rope_dim: int, release=None) -> dict:
     """The ``meta`` options a kind takes by default: its :data:`TUNED` entry, with :data:`ROWS_PF` for nvfp4_ds_mla's
-    NoPE rows, and for its RoPE rows on Triton >= 3.9 (``release``: (major, minor))."""
+    NoPE rows, and for its RoPE rows on Triton >= 3.9 (``release``: (major, minor); None: the installed one)."""
+    if release is None:
+        release = triton_release()
     t = dict(TUNED.get(kind, {}))
     if kind == "nvfp4_ds_mla" and (not rope_dim or tuple(release) >= (3, 9)):
         t.update(ROWS_PF)
