@@ -200,6 +200,10 @@ def test_conv_meta_takes_each_kinds_tuned_producer_options():
     assert conv.tuned("nvfp4_ds_mla", 64, (3, 6)) == fp4 == conv.tuned("nvfp4_ds_mla", 64, (3, 8))
     assert conv.tuned("nvfp4_ds_mla", 0, (3, 6)) == dict(fp4, **conv.ROWS_PF) == conv.tuned("nvfp4_ds_mla", 64, (3, 9))
     assert conv.ROWS_PF == dict(l2_hint=False, early_idx=False, row_prefetch=True)
+    # fp8_ds_mla above 64 heads on Triton >= 3.9: without late_next; at 64 heads and on older releases with it
+    ds = conv.TUNED["fp8_ds_mla"]
+    assert conv.tuned("fp8_ds_mla", 64, (3, 9), num_groups=2) == dict(ds, late_next=False)
+    assert conv.tuned("fp8_ds_mla", 64, (3, 9), num_groups=1) == ds == conv.tuned("fp8_ds_mla", 64, (3, 8), num_groups=2)
     nope = conv.meta(kind="nvfp4_ds_mla", bytes_per_row=288, rope_offset=-1, scale_offset=256, rope_dim=0,
                      num_groups=1, has_valid_counts=False)
     assert nope["PF"] and not nope["HINT"] and not nope["EI"] and nope["NAMED"] and nope["SO"]

@@ -1083,14 +1083,20 @@ TUNED = {"bf16": dict(rows128=True, free_first=True, smem_out=True),
 ROWS_PF = dict(l2_hint=False, early_idx=False, row_prefetch=True)
 
 
-def tuned(kind: str, rope_dim: int, release=None) -> dict:
+def tuned(kind: str, rope_dim: int, release=None, num_groups: int = 1) -> dict:
     """The ``meta`` options a kind takes by default: its :data:`TUNED` entry, with :data:`ROWS_PF` for nvfp4_ds_mla's
-    NoPE rows, and for its RoPE rows on Triton >= 3.9 (``release``: (major, minor); None: the installed one)."""
+    NoPE rows, and for its RoPE rows on Triton >= 3.9 (``release``: (major, minor); None: the installed one); on
+    Triton >= 3.9 fp8_ds_mla above 64 heads (``num_groups`` > 1) without ``late_next``."""
     if release is None:
         release = triton_release()
     t = dict(TUNED.get(kind, {}))
     if kind == "nvfp4_ds_mla" and (not rope_dim or tuple(release) >= (3, 9)):
         t.update(ROWS_PF)
+    # Triton 3.9 spills the late-next producer's pieces (stack 24 bytes against 8 without it); at 128 heads, where
+    # every block is converted by two programs, that costs more than late_next saves.  H100, b 128, one process:
+    # 213.0 -> 201.4 us at 128 heads, but 111.2 -> 115.3 at 64 (docs/design/kernels.md).
+    if kind == "fp8_ds_mla" and num_groups > 1 and tuple(release) >= (3, 9):
+        t["late_next"] = False
     return t
 
 
@@ -1122,7 +1128,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     CHANGELOG.)"""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
-    default = {} if cluster else tuned(kind, rope_dim)
+    default = {} if cluster else tuned(kind, rope_dim, num_groups=num_groups)
     pick = lambda name, value: bool(default.get(name, False) if value is None else value)
     l2_hint, rows128, early = pick("l2_hint", l2_hint), pick("rows128", rows128), pick("early", early)
     late_next, lean_fences = pick("late_next", late_next), pick("lean_fences", lean_fences)
