@@ -6,13 +6,16 @@ warm-up, with the sections that say what bounds it; a one-screen summary, the re
     python3 benchmarks/ncu_profile.py --config D-h64 --format bf16 --kernel sm90-conv --out $OUT/prof    # a forced kernel
     python3 benchmarks/ncu_profile.py --config D-h128 --format nvfp4_ds_mla --set full --out $OUT/prof    # every section
     python3 benchmarks/ncu_profile.py --config P-32k --format bf16 --out $OUT/prof    # prefill, native reads
+    python3 benchmarks/ncu_profile.py --config P-32k --format bf16 --peer flashmla --out $OUT/prof   # the peer's kernel
     python3 benchmarks/ncu_profile.py --dry-run --format fp8_ds_mla                                       # CPU check
 
 The driver runs itself again under ``ncu --profile-from-start off`` (``NCU`` names the binary; default: on PATH,
 else the newest ``/usr/local/cuda*/bin/ncu``).  That child builds the decode table's workload (b requests of
 32,768-token contexts in shuffled 64-token blocks, ``sparsemla.bench.workload``; for ``P-32k`` / ``P-h<H>`` 4,096
 queries over one 32,768-token context, through the functional API: native reads), calls once to compile and warm up,
-then once between ``cudaProfilerStart`` and ``cudaProfilerStop``: only that call's kernels are profiled.  The parent
+then once between ``cudaProfilerStart`` and ``cudaProfilerStop``: only that call's kernels are profiled.  ``--peer
+flashmla`` profiles FlashMLA's call on the same workload instead (decode: fp8_ds_mla rows; prefill: bf16 rows), so that
+both kernels' figures come from the same sections.  The parent
 then reads the report back (``ncu --import``: the details page and the raw metrics as CSV, both kept) and prints,
 per kernel, its duration, grid, registers, shared memory, the throughput figures of Speed Of Light, issue-slot use,
 warp cycles per issued instruction, the tensor pipes' activity, and the largest stall reasons per issued
@@ -124,8 +127,18 @@ def child(a) -> int:
     dev = torch.device("cpu" if a.dry_run else "cuda")
     cfg = D.scaled(D.config_named(a.config), a.dry_run)
     wl = build_workload(cfg, get_format(a.format), device=dev)
-    call, out = decode.forced_call(wl, a.kernel) if a.kernel else decode.ours_call(wl)
-    err = decode.check_against_reference(wl, call, out)  # (also the warm-up: compiles and launches once)
+    if a.peer:
+        from sparsemla.bench import peers as P
+        prefill = a.config.startswith("P-")
+        if a.peer != "flashmla" or a.format != ("bf16" if prefill else "fp8_ds_mla"):
+            raise SystemExit(f"--peer: flashmla reads bf16 rows in prefill and fp8_ds_mla rows in decode, got "
+                             f"{a.peer!r} with {a.format!r} on {a.config}")
+        call = P.flashmla_prefill(wl, wl.cache.rows.view(torch.bfloat16)) if prefill else P.flashmla_decode(wl)
+        call()
+        err = float("nan")  # (the peer's output is not ours to check here)
+    else:
+        call, out = decode.forced_call(wl, a.kernel) if a.kernel else decode.ours_call(wl)
+        err = decode.check_against_reference(wl, call, out)  # (also the warm-up: compiles and launches once)
     for _ in range(2):
         call()
     if dev.type == "cuda":
@@ -135,7 +148,7 @@ def child(a) -> int:
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
-    what = a.kernel or "the plan's kernels"
+    what = a.peer or a.kernel or "the plan's kernels"
     print(f"profiled: {a.config} {a.format}, {what}; output within {err:.1e} of float64", flush=True)
     return 0
 
@@ -146,6 +159,7 @@ def main(argv=None) -> int:
                     help="a decode configuration (D-h<H>, D-small-b4-h128, ...) or a prefill one (P-32k, P-h<H>)")
     ap.add_argument("--format", default="fp8_ds_mla")
     ap.add_argument("--kernel", default=None, help="force a kernel of the plan (sm90-conv, sm90-cluster, ...)")
+    ap.add_argument("--peer", default=None, choices=["flashmla"], help="profile the peer's call instead of ours")
     ap.add_argument("--out", default="./out/profile", help="folder for the report, its CSV pages and summary")
     ap.add_argument("--set", default=None, help="an ncu section set instead of the default sections (e.g. full)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -155,12 +169,13 @@ def main(argv=None) -> int:
         return child(a)
     ncu = find_ncu()
     os.makedirs(a.out, exist_ok=True)
-    name = f"{a.config}-{a.format}" + (f"-{a.kernel}" if a.kernel else "")
+    name = f"{a.config}-{a.format}" + (f"-{a.kernel}" if a.kernel else "") + (f"-{a.peer}" if a.peer else "")
     report = os.path.join(a.out, name)
     what = ["--set", a.set] if a.set else [x for s in SECTIONS for x in ("--section", s)]
     cmd = [ncu, "--profile-from-start", "off", "--target-processes", "all", *what, "--export", report,
            "--force-overwrite", sys.executable, os.path.abspath(__file__), "--child", "--config", a.config,
-           "--format", a.format, *(["--kernel", a.kernel] if a.kernel else [])]
+           "--format", a.format, *(["--kernel", a.kernel] if a.kernel else []),
+           *(["--peer", a.peer] if a.peer else [])]
     print(" ".join(cmd), flush=True)
     done = subprocess.run(cmd)
     if done.returncode != 0:

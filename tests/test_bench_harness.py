@@ -595,6 +595,15 @@ def test_ncu_profile_dry_run_makes_the_call(tmp_path):
     assert r.returncode == 0 and "profiled: D-h16 fp8_ds_mla" in r.stdout, r.stdout + r.stderr
 
 
+def test_ncu_profile_peer_names_the_rows_it_reads(tmp_path):
+    """--peer flashmla profiles FlashMLA's call: fp8_ds_mla rows in decode, bf16 rows in prefill; any other format is
+    refused with the argument named."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "ncu_profile.py"), "--dry-run", "--format",
+                        "bf16", "--config", "D-h16", "--peer", "flashmla"], capture_output=True, text=True,
+                       timeout=600, cwd=ROOT)
+    assert r.returncode != 0 and "--peer: flashmla reads" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
 def test_conv_trace_analysis_recovers_the_intervals_of_a_synthetic_trace():
     ct = _load_script("benchmarks/conv_trace.py")
     steps = dict(fill=3600, wait_free=2150, wait_ready=2900, qk=1270, softmax=1200, pv=1200)
