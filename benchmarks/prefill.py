@@ -83,9 +83,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     D.common_args(ap, formats="bf16,fp8,fp8_ds_mla,nvfp4_ds_mla", reps=10)
     ap.add_argument("--heads", default="128,64,16", help="comma list: 128 = P-32k, 16 = P-h16, others P-h<H>")
-    ap.add_argument("--kernel", action="append", default=[], metavar="KERNEL",
+    ap.add_argument("--kernel", action="append", default=[], metavar="KERNEL[:K=V[,K=V]]",
                     help="also time the attention launcher forced to this plan kernel (e.g. sm90-conv; sm_90), native "
-                    "reads, as impl sparsemla-<name>; repeatable.  For A/B runs: write the rows to a file of your own")
+                    "reads, as impl sparsemla-<name>, built with the options after a colon (sm90-bf16: bf16.meta's, "
+                    "e.g. sm90-bf16:rows128=1); repeatable.  For A/B runs: write the rows to a file of your own")
     ap.add_argument("--conv-variant", action="append", default=[], metavar="K=V[,K=V]",
                     help="also time the attention launcher forced to sm90-conv built with these conv.meta options, as "
                     "impl sparsemla-conv with the options as its variant; repeatable.  For A/B runs, like --kernel")
@@ -95,7 +96,12 @@ def main(argv=None) -> int:
     from sparsemla.formats import get_format
     rec = D.Recorder(a)
     # the forced launches beside the runner: (impl, kernel, conv.meta options, variant text)
-    forced = [("sparsemla-" + k.split("-", 1)[-1], k, None, f"native reads, {k} forced") for k in a.kernel]
+    forced = []
+    for spec in a.kernel:
+        k, _, opts = spec.partition(":")
+        v = decode.parse_options(opts) or None
+        text = f"native reads, {k} forced" + (f", {decode.variant_label(v)}" if v else "")
+        forced.append(("sparsemla-" + k.split("-", 1)[-1], k, v, text))
     forced += [("sparsemla-conv", "sm90-conv", v, f"native reads, sm90-conv forced, {decode.variant_label(v)}")
                for v in map(decode.parse_options, a.conv_variant)]
     base_cfg = D.config_named("P-32k")

@@ -644,9 +644,10 @@ def test_config_named_gives_prefill_at_any_head_count():
         D.config_named("P-hx")
 
 
-def test_plan_variant_builds_the_conv_kernel_with_its_options_only():
+def test_plan_variant_builds_the_conv_and_pair_kernels_with_their_options_only():
     """A plan's ``variant`` (``decode.py --conv-variant``) builds sm90-conv with those conv.meta options, keyed apart
-    from the default build; the launcher refuses options for any other kernel, and the trace build outside
+    from the default build, and sm90-bf16 with bf16.meta's; the launcher refuses options for any other kernel, and
+    the trace build outside
     conv_trace.py (it writes into the final-out argument)."""
     from dataclasses import replace
 
@@ -668,6 +669,13 @@ def test_plan_variant_builds_the_conv_kernel_with_its_options_only():
     assert few_plan.kernel != "sm90-conv"
     with pytest.raises(ValueError, match="variant"):
         A._sm90_launch(replace(few_plan, variant=(("named", True),)), fmt, True, False)
+    # sm90-bf16 (prefill.py --kernel sm90-bf16:rows128=1): bf16.meta's options
+    b16 = get_format("bf16")
+    pair = plan_attention(b16, 128, 64, 2048, kernel="sm90-bf16")
+    assert pair.kernel == "sm90-bf16"
+    assert not A._sm90_launch(pair, b16, True, False).meta["W128"]
+    wide = A._sm90_launch(replace(pair, variant=(("named", True), ("rows128", True))), b16, True, False)
+    assert wide.meta["W128"] and wide.meta["NAMED"]
     decode = _load_script("benchmarks/decode.py")
     assert decode.parse_options("idx_ahead=1, named=false,early=True") == dict(idx_ahead=True, named=False,
                                                                                 early=True)

@@ -59,11 +59,12 @@ _LAUNCHES: dict = {}
 
 def _sm90_launch(plan, fmt, has_vc: bool, fused: bool) -> Launch:
     # Imported on first use: the Gluon modules need triton.experimental.gluon, and a Triton without it must still
-    # serve every call with the portable kernels.  The plan's ``variant``: further options of ``conv.meta``, a build
-    # the plan never chooses (sm90-conv only; its trace build is launched by benchmarks/conv_trace.py alone)
+    # serve every call with the portable kernels.  The plan's ``variant``: further options of ``conv.meta`` or
+    # ``bf16.meta``, a build the plan never chooses (sm90-conv and sm90-bf16 only; sm90-conv's trace build is
+    # launched by benchmarks/conv_trace.py alone)
     meta = dict(plan.variant)
-    if meta and plan.kernel != "sm90-conv":
-        raise ValueError(f"plan.variant: options for sm90-conv only, the plan's kernel is {plan.kernel}")
+    if meta and plan.kernel not in ("sm90-conv", "sm90-bf16"):
+        raise ValueError(f"plan.variant: options for sm90-conv or sm90-bf16 only, the plan's kernel is {plan.kernel}")
     lay = fmt.layout
     common = dict(bytes_per_row=fmt.bytes_per_token, rope_dim=fmt.rope_dim, rope_offset=max(lay.rope_offset, 0),
                   num_groups=plan.num_groups, has_valid_counts=has_vc)
@@ -82,7 +83,7 @@ def _sm90_launch(plan, fmt, has_vc: bool, fused: bool) -> Launch:
         return Launch(conv.conv_kernel, conv.meta(kind=plan.kind, scale_offset=max(lay.scale_offset, 0),
                                                   cluster=plan.kernel == "sm90-cluster", **common, **meta), {})
     from .sm90 import bf16
-    return Launch(bf16.bf16_kernel, bf16.meta(**common), {})
+    return Launch(bf16.bf16_kernel, bf16.meta(**common, **meta), {})
 
 
 def _portable_launch(plan, fmt, has_vc: bool, interp: bool) -> Launch:
