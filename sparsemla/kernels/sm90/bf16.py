@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from . import compat
 
 from .common import (NEG_BIG, PUBLISH, combine_in_kernel, fused_meta, named_asm, named_barrier, program_coords,
-                     publish)
+                     publish, store_via_tile)
 from .rows import L_ROWS128, copy_rows
 
 # Each consumer warpgroup (4 warps): S [64 heads, 64 rows] and O [64 heads, 256 columns] on wgmma; its own
@@ -176,7 +176,8 @@ def _consumer_start(t, k_begin, k_end, idx_ptr, stride_it, q_bar):
 
 @gluon.jit
 def _epilogue(acc, l_own, m_i, sL_own, sL_other, bar_own, bar_other, col0: gl.constexpr, o_ptr, stride_ot,
-              stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh, t, s, g, H, WRITE_LSE: gl.constexpr):
+              stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh, t, s, g, H, WRITE_LSE: gl.constexpr,
+              stage=None, SO: gl.constexpr = False):
     """Add the other warpgroup's row sums to this one's (through shared memory), then store this
     warpgroup's 256 output columns (and, for one of them, the lse)."""
     _vec_publish(sL_own, l_own, bar_own)
@@ -184,11 +185,15 @@ def _epilogue(acc, l_own, m_i, sL_own, sL_other, bar_own, bar_other, col0: gl.co
     l_i = l_own + sL_other.load(SROW)
     has = l_i != 0  # NaN (a selected row held a NaN) passes through, see common.normalizer
     inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
-    heads = g * 64 + gl.arange(0, 64, layout=OROW)
-    cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, O_LAYOUT))
     o = acc * gl.convert_layout(inv_l, OROW)[:, None]
-    optr = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[:, None] * stride_oh + cols[None, :]
-    gl.store(optr, o.to(o_ptr.dtype.element_ty), mask=(heads < H)[:, None])
+    if SO:
+        store_via_tile(o.to(gl.bfloat16), stage, o_ptr + t.to(gl.int64) * stride_ot + s * stride_os, col0, g * 64, H,
+                       stride_oh)
+    else:
+        heads = g * 64 + gl.arange(0, 64, layout=OROW)
+        cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, O_LAYOUT))
+        optr = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os + heads[:, None] * stride_oh + cols[None, :]
+        gl.store(optr, o.to(o_ptr.dtype.element_ty), mask=(heads < H)[:, None])
     if WRITE_LSE:
         lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         lh = g * 64 + gl.arange(0, 64, layout=SROW)
@@ -196,10 +201,10 @@ def _epilogue(acc, l_own, m_i, sL_own, sL_other, bar_own, bar_other, col0: gl.co
 
 
 @gluon.jit
-def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
-         idx_ptr, stride_it, vc_ptr, sm_scale_log2, H, K, rows_per_split, num_splits, smem, bars,
-         ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr):
+def _wg0(args, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr, SO: gl.constexpr):
     """Warpgroup 0: blocks 2i, output columns 0-255."""
+    (o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh, idx_ptr, stride_it, vc_ptr,
+     sm_scale_log2, H, K, rows_per_split, num_splits, smem, bars) = args
     qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1 = smem
     q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar = bars
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
@@ -269,15 +274,19 @@ def _wg0(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
             acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(sS1, kL.index(1 + z), acc, is_async=True),))
             compat.barrier()
             mbarrier.arrive(free_l.index(1), count=1)
-    _epilogue(acc, l_i, m_i, sL0, sL1, l0_bar, l1_bar, 0, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-              stride_lt, stride_ls, stride_lh, t, s, g, H, False)
+    if SO:
+        _epilogue(acc, l_i, m_i, sL0, sL1, l0_bar, l1_bar, 0, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+                  stride_lt, stride_ls, stride_lh, t, s, g, H, False, kL.index(0), True)
+    else:
+        _epilogue(acc, l_i, m_i, sL0, sL1, l0_bar, l1_bar, 0, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+                  stride_lt, stride_ls, stride_lh, t, s, g, H, False)
 
 
 @gluon.jit
-def _wg1(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
-         idx_ptr, stride_it, vc_ptr, sm_scale_log2, H, K, rows_per_split, num_splits, smem, bars,
-         ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr):
+def _wg1(args, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr, SO: gl.constexpr):
     """Warpgroup 1: blocks 2i + 1, output columns 256-511, and the lse."""
+    (o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh, idx_ptr, stride_it, vc_ptr,
+     sm_scale_log2, H, K, rows_per_split, num_splits, smem, bars) = args
     qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1 = smem
     q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar = bars
     t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
@@ -322,8 +331,12 @@ def _wg1(o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, 
         acc = warpgroup_mma_wait(0, deps=(acc,))
         compat.barrier()
         mbarrier.arrive(free_r.index(0), count=1)
-    _epilogue(acc, l_i, m_i, sL1, sL0, l1_bar, l0_bar, 256, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-              stride_lt, stride_ls, stride_lh, t, s, g, H, True)
+    if SO:
+        _epilogue(acc, l_i, m_i, sL1, sL0, l1_bar, l0_bar, 256, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+                  stride_lt, stride_ls, stride_lh, t, s, g, H, True, kR.index(1), True)
+    else:
+        _epilogue(acc, l_i, m_i, sL1, sL0, l1_bar, l0_bar, 256, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+                  stride_lt, stride_ls, stride_lh, t, s, g, H, True)
 
 
 @gluon.jit
@@ -333,7 +346,7 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 fo_ptr, stride_ft, stride_fh, fl_ptr, stride_gt, stride_gh,
                 BPT: gl.constexpr, ROPE: gl.constexpr, ROPE_OFF: gl.constexpr, NG: gl.constexpr,
                 HAS_VC: gl.constexpr, NAMED: gl.constexpr = False, FUSED: gl.constexpr = False,
-                W128: gl.constexpr = False):
+                W128: gl.constexpr = False, SO: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``launch``)."""
     half: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)
@@ -377,12 +390,13 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     mbarrier.init(l1_bar, count=PUBLISH)
     smem = (qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1)
     bars = (q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar)
+    SOB: gl.constexpr = SO and o_ptr.dtype.element_ty == gl.bfloat16
     cargs = (o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
-             idx_ptr, stride_it, vc_ptr, sm_scale_log2, H, K, rows_per_split, num_splits, smem, bars, ROPE, NG, HAS_VC,
-             NAMED)
+             idx_ptr, stride_it, vc_ptr, sm_scale_log2, H, K, rows_per_split, num_splits, smem, bars)
+    # (constexprs reach a partition as constexprs only when written into warp_specialize's argument tuples)
     gl.warp_specialize([
-        (_wg0, cargs),
-        (_wg1, cargs),
+        (_wg0, (cargs, ROPE, NG, HAS_VC, NAMED, SOB)),
+        (_wg1, (cargs, ROPE, NG, HAS_VC, NAMED, SOB)),
         (_producer, (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H,
          K, rows_per_split,
                      num_splits, smem, bars, BPT, ROPE, ROPE_OFF, NG, HAS_VC, W128)),
@@ -407,11 +421,11 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
 # strides (read by the FUSED variant only).
 
 def meta(*, bytes_per_row: int, rope_dim: int, rope_offset: int, num_groups: int, has_valid_counts: bool,
-         named: bool = False, fused: bool = False, rows128: bool = False) -> dict:
+         named: bool = False, fused: bool = False, rows128: bool = False, smem_out: bool = False) -> dict:
     """``bf16_kernel``'s constexprs and launch options: ``bytes_per_row`` the row stride in bytes (1152 or
     1024, or any larger multiple of 16), ``rope_dim`` 64 or 0, ``rope_offset`` the rope part's byte offset
     (ignored without rope), ``num_groups`` = ceil(heads / 64); ``fused`` as in ``few.meta``; ``rows128``: the
     producer's gather in 128 contiguous bytes of 4 rows a warp instruction."""
     return dict(BPT=bytes_per_row, ROPE=rope_dim, ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups,
                 HAS_VC=bool(has_valid_counts), NAMED=named, num_warps=4, maxnreg=168,
-                enable_fp_fusion=True, W128=bool(rows128), **fused_meta(fused))
+                enable_fp_fusion=True, W128=bool(rows128), SO=bool(smem_out), **fused_meta(fused))

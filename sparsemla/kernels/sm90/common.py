@@ -59,6 +59,27 @@ def named_barrier(ASM: gl.constexpr):
     gl.inline_asm_elementwise(ASM, "=r,r", [one], gl.int32, False, 1)
 
 
+# a bf16 output staged through shared memory, read back as [16 heads, 256 columns]: 8 columns (16 bytes) a thread,
+# a warp along one head's 256
+L_OUT = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
+
+
+@gluon.jit
+def store_via_tile(o, stage, obase, col0: gl.constexpr, head0, H, stride_oh):
+    """Store a warpgroup's bf16 output ``o`` [64 heads, 256 columns] (heads head0 .. head0 + 63, columns col0 ..
+    col0 + 255 of the output rows at ``obase``; heads >= H left out) through ``stage``, a [64, 256] bf16 tile that
+    only this warpgroup reads now: out in 16-byte row stores, a warp writing 512 contiguous bytes of a head's row.
+    Stores from the wgmma accumulator layout cover 16 bytes of 8 rows a warp instruction, and a program's last
+    block waited on them."""
+    stage.store(o)
+    compat.barrier()  # every warp's part of the tile is stored
+    cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, L_OUT))
+    for j in gl.static_range(4):  # 16 heads at a time: fewer registers live
+        heads = head0 + 16 * j + gl.arange(0, 16, layout=gl.SliceLayout(1, L_OUT))
+        o16 = stage.slice(16 * j, 16, dim=0).load(L_OUT)
+        gl.store(obase + heads.to(gl.int64)[:, None] * stride_oh + cols[None, :], o16, mask=(heads < H)[:, None])
+
+
 @gluon.jit
 def program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG: gl.constexpr, HAS_VC: gl.constexpr):
     """Program id -> (token, split, head group, first position, end position).  Head groups vary fastest so

@@ -72,7 +72,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ...plan import triton_release
 from . import compat
 from .common import (NEG_BIG, PER_THREAD, PUBLISH, combine_in_kernel, fused_meta, named_asm, named_barrier,
-                     normalizer, program_coords, publish)
+                     normalizer, program_coords, publish, store_via_tile)
 from .rows import L_ROWS128, block_indices, copy_rows, e4m3_words_bf16, e4m3_words_f16, fp4_words_f16, pow2_scale
 
 # HINT's load of a thread's 4 consecutive words (pack 4: the first of its 4 addresses): FlashMLA's gather hint
@@ -130,8 +130,6 @@ L_W2 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [0, 1]))
 L_W2B = gl.constexpr(gl.BlockedLayout([1, 2, 2], [8, 4, 1], [4, 1, 1], [2, 0, 1]))
 L_W2C = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
 L_W2S = gl.constexpr(gl.SliceLayout(2, L_W2B.value))  # the e4m3 block scales [64 rows, 8 blocks]
-# SO's output rows [16 heads, 256 columns] bf16: 8 columns a thread, a warp along one head's 256
-L_OUT = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
 # bf16 q rows [64, 64k elements] (8 elements a thread)
 L_B16 = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
 # fp8_ds_mla's bf16 rope [64 rows, 64] (8 elements a thread, the rows of L_W8R): copied by cp.async
@@ -694,14 +692,8 @@ def _out_store(acc, inv_l, col0: gl.constexpr, o_ptr, stride_ot, stride_os, stri
     OL: gl.constexpr = cga(O_LAYOUT, CL)
     o = acc * inv_l[:, None]
     if SO:
-        stage.store(o.to(gl.bfloat16))
-        compat.barrier()  # every warp's part of the tile is stored
-        cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, L_OUT))
-        obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os
-        for j in gl.static_range(4):  # 16 heads at a time: fewer registers live
-            heads = g * 64 + 16 * j + gl.arange(0, 16, layout=gl.SliceLayout(1, L_OUT))
-            o16 = stage.slice(16 * j, 16, dim=0).load(L_OUT)
-            gl.store(obase + heads.to(gl.int64)[:, None] * stride_oh + cols[None, :], o16, mask=(heads < H)[:, None])
+        store_via_tile(o.to(gl.bfloat16), stage, o_ptr + t.to(gl.int64) * stride_ot + s * stride_os, col0, g * 64, H,
+                       stride_oh)
     else:
         heads = g * 64 + gl.arange(0, 64 * head_groups(CL), layout=gl.SliceLayout(1, OL))
         cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, OL))
