@@ -37,7 +37,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 KINDS = ("decode", "prefill", "movement", "host")
 TIMINGS = ("graph", "eager", "host")
 UNITS = ("us", "TFLOP/s", "GB/s")
-IMPLS = ("sparsemla", "sparsemla-fp8qk", "sparsemla-conv", "sparsemla-cluster", "sparsemla-fused", "flashmla",
+IMPLS = ("sparsemla", "sparsemla-fp8qk", "sparsemla-conv", "sparsemla-cluster", "sparsemla-bf16", "sparsemla-fused", "flashmla",
          "flashinfer", "torch-gather")
 
 REQUIRED = ("config", "kind", "format", "heads", "batch", "s_q", "topk", "impl", "timing", "value", "unit",

@@ -45,3 +45,18 @@ def test_bf16_rows128_matches_reference(fmt, heads, topk, splits):
     c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda")
     with meta_variant(bf16, "sm90-bf16", rows128=True):
         check_case(c, c["fmt"].head_dim ** -0.5, "sm90-bf16", splits)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "bf16-nope"])
+@pytest.mark.parametrize("heads,topk,splits", [(64, 2048, 1), (128, 2048, 4), (33, 2051, 3), (128, 192, None),
+                                               (100, 64, 1)])
+@pytest.mark.parametrize("named", [False, True])
+def test_bf16_tile_out_and_thread_frees_match_reference(fmt, heads, topk, splits, named):
+    """The pair kernel with its bf16 output through a tile (``smem_out``; one split: the tiles each warpgroup alone
+    reads, block 0's left and block 1's right half), each consumer thread arriving on the free mbarriers itself
+    (``thread_free``), the 128-byte gather, with and without the named-barrier hand-offs: the default's checks."""
+    skip_unless_sm90()
+    from sparsemla.kernels.sm90 import bf16
+    c = make_case(fmt, 5, heads, topk, ctx=4096 if topk > 64 else 256, block_size=64, device="cuda")
+    with meta_variant(bf16, "sm90-bf16", rows128=True, smem_out=True, thread_free=True, named=named):
+        check_case(c, c["fmt"].head_dim ** -0.5, "sm90-bf16", splits)

@@ -72,6 +72,9 @@ def _variants():
             v[f"bf16-{fid}-rows128-so"] = ("bf16", "bf16_kernel", SIG, bf16.meta(
                 bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, num_groups=2, has_valid_counts=True,
                 rows128=True, smem_out=True))
+            v[f"bf16-{fid}-rows128-so-tf-named"] = ("bf16", "bf16_kernel", SIG, bf16.meta(
+                bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, num_groups=2, has_valid_counts=True,
+                rows128=True, smem_out=True, thread_free=True, named=True))
         if fid in ("bf16", "bf16-nope"):  # conv's bf16 gather in 64 contiguous bytes of 8 rows (not its default)
             v[f"conv-{fid}-rows64"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,

@@ -130,10 +130,24 @@ def _qk_half(q_part, k_part, sc, use_acc):
 
 
 @gluon.jit
-def _masked_scores(sc, idx_row, p0, k_end, sm_scale_log2, cols_l: gl.constexpr):
+def _masked_scores(sc, idx_row, p0, k_end, cols_l: gl.constexpr):
+    """The block's raw scores, -inf where its row is not valid (the softmax scale is applied inside the exponent:
+    one FFMA a score)."""
     offs = p0 + gl.arange(0, 64, layout=cols_l)
     valid = gl.load(idx_row + offs, mask=offs < k_end, other=-1) >= 0
-    return gl.where(valid[None, :], sc * sm_scale_log2, float("-inf"))
+    return gl.where(valid[None, :], sc, float("-inf"))
+
+
+@gluon.jit
+def _free(bar, TF: gl.constexpr):
+    """This warpgroup is done with a buffer half: a warpgroup barrier and one arrival on ``bar`` (count 1), or, with
+    TF, every thread's own arrival (count 128; a cp.async arrival, at once: no copy of these threads is in flight),
+    which needs no warpgroup barrier."""
+    if TF:
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+    else:
+        compat.barrier()
+        mbarrier.arrive(bar, count=1)
 
 
 @gluon.jit
@@ -201,7 +215,8 @@ def _epilogue(acc, l_own, m_i, sL_own, sL_other, bar_own, bar_other, col0: gl.co
 
 
 @gluon.jit
-def _wg0(args, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr, SO: gl.constexpr):
+def _wg0(args, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr, SO: gl.constexpr,
+         TF: gl.constexpr):
     """Warpgroup 0: blocks 2i, output columns 0-255."""
     (o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh, idx_ptr, stride_it, vc_ptr,
      sm_scale_log2, H, K, rows_per_split, num_splits, smem, bars) = args
@@ -227,22 +242,21 @@ def _wg0(args, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED
         # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in
         # the loop instead of 72 wgmma descriptors being hoisted out of it (that spilled ~540 bytes)
         z = i // (n_pairs + 1)
-        sc = _masked_scores(sc, idx_row, k_begin + i * 128, k_end, sm_scale_log2, gl.SliceLayout(0, S_LAYOUT))
-        m_new = gl.maximum(m_i, gl.max(sc, 1))
+        sc = _masked_scores(sc, idx_row, k_begin + i * 128, k_end, gl.SliceLayout(0, S_LAYOUT))
+        m_new = gl.maximum(m_i, gl.max(sc, 1) * sm_scale_log2)
         if NAMED:
             sM0.store(m_new)
             named_barrier(M0_ARRIVE)
         else:
             _vec_publish(sM0, m_new, m0_bar)
         alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(sc - m_new[:, None])
+        p = gl.exp2(sc * sm_scale_log2 - m_new[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * gl.convert_layout(alpha, OROW)[:, None]
         # local PV: P0 (registers) x block 0's V columns 0-255
         acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_OP), kL.index(z), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        compat.barrier()
-        mbarrier.arrive(free_l.index(0), count=1)
+        _free(free_l.index(0), TF)
         # the pair's max from warpgroup 1; rescale P0, the accumulator and l to it
         mbarrier.wait(m1_bar, ph, pred=not NAMED)
         if NAMED:
@@ -262,8 +276,7 @@ def _wg0(args, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED
             fence_async_shared()
             sc = _qk_half(qL.index(z), kL.index(z), s_zero, False)
             acc = warpgroup_mma_wait(1, deps=(acc,))
-            compat.barrier()
-            mbarrier.arrive(free_l.index(1), count=1)
+            _free(free_l.index(1), TF)
             mbarrier.wait(ready_r.index(0), ph ^ 1)
             fence_async_shared()
             sc = _qk_half(qR.index(z), kR.index(z), sc, True)
@@ -272,8 +285,7 @@ def _wg0(args, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED
             sc, acc = warpgroup_mma_wait(0, deps=(sc, acc))
         else:
             acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(sS1, kL.index(1 + z), acc, is_async=True),))
-            compat.barrier()
-            mbarrier.arrive(free_l.index(1), count=1)
+            _free(free_l.index(1), TF)
     if SO:
         _epilogue(acc, l_i, m_i, sL0, sL1, l0_bar, l1_bar, 0, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
                   stride_lt, stride_ls, stride_lh, t, s, g, H, False, kL.index(0), True)
@@ -283,7 +295,8 @@ def _wg0(args, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED
 
 
 @gluon.jit
-def _wg1(args, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr, SO: gl.constexpr):
+def _wg1(args, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr, SO: gl.constexpr,
+         TF: gl.constexpr):
     """Warpgroup 1: blocks 2i + 1, output columns 256-511, and the lse."""
     (o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh, idx_ptr, stride_it, vc_ptr,
      sm_scale_log2, H, K, rows_per_split, num_splits, smem, bars) = args
@@ -304,18 +317,18 @@ def _wg1(args, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED
         fence_async_shared()
         sc = _qk_half(qL.index(z), kL.index(1 + z), sc, True)
         sc = warpgroup_mma_wait(0, deps=(sc,))
-        sc = _masked_scores(sc, idx_row, k_begin + i * 128 + 64, k_end, sm_scale_log2, gl.SliceLayout(0, S_LAYOUT))
+        sc = _masked_scores(sc, idx_row, k_begin + i * 128 + 64, k_end, gl.SliceLayout(0, S_LAYOUT))
         mbarrier.wait(m0_bar, ph, pred=not NAMED)
         if NAMED:
             named_barrier(M0_SYNC)
-        m_fin = gl.maximum(sM0.load(SROW), gl.max(sc, 1))
+        m_fin = gl.maximum(sM0.load(SROW), gl.max(sc, 1) * sm_scale_log2)
         if NAMED:
             sM1.store(m_fin)
             named_barrier(M1_ARRIVE)
         else:
             _vec_publish(sM1, m_fin, m1_bar)
         alpha = gl.exp2(m_i - m_fin)
-        p = gl.exp2(sc - m_fin[:, None])
+        p = gl.exp2(sc * sm_scale_log2 - m_fin[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_fin
         acc = acc * gl.convert_layout(alpha, OROW)[:, None]
@@ -326,11 +339,9 @@ def _wg1(args, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED
         _swap_p(sS1, pb, p1_bar, p0_bar, ph, P1_ARRIVE, P0_SYNC, NAMED)
         acc = warpgroup_mma(sS0, kR.index(z), acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc,))
-        compat.barrier()
-        mbarrier.arrive(free_r.index(1), count=1)
+        _free(free_r.index(1), TF)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        compat.barrier()
-        mbarrier.arrive(free_r.index(0), count=1)
+        _free(free_r.index(0), TF)
     if SO:
         _epilogue(acc, l_i, m_i, sL1, sL0, l1_bar, l0_bar, 256, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
                   stride_lt, stride_ls, stride_lh, t, s, g, H, True, kR.index(1), True)
@@ -346,7 +357,7 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 fo_ptr, stride_ft, stride_fh, fl_ptr, stride_gt, stride_gh,
                 BPT: gl.constexpr, ROPE: gl.constexpr, ROPE_OFF: gl.constexpr, NG: gl.constexpr,
                 HAS_VC: gl.constexpr, NAMED: gl.constexpr = False, FUSED: gl.constexpr = False,
-                W128: gl.constexpr = False, SO: gl.constexpr = False):
+                W128: gl.constexpr = False, SO: gl.constexpr = False, TF: gl.constexpr = False):
     """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
     default partition, warpgroup 0) and maxnreg=168 (see ``launch``)."""
     half: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)
@@ -380,8 +391,9 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     for b in gl.static_range(2):
         mbarrier.init(ready_l.index(b), count=128)
         mbarrier.init(ready_r.index(b), count=128)
-        mbarrier.init(free_l.index(b), count=1)  # one arrive per consumer warpgroup
-        mbarrier.init(free_r.index(b), count=1)
+        # one consumer warpgroup frees each half: one arrival after a warpgroup barrier, or each thread's (TF)
+        mbarrier.init(free_l.index(b), count=128 if TF else 1)
+        mbarrier.init(free_r.index(b), count=128 if TF else 1)
     mbarrier.init(m0_bar, count=PUBLISH)  # the vectors' hand-offs (publish())
     mbarrier.init(m1_bar, count=PUBLISH)
     mbarrier.init(p0_bar, count=1)
@@ -395,8 +407,8 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
              idx_ptr, stride_it, vc_ptr, sm_scale_log2, H, K, rows_per_split, num_splits, smem, bars)
     # (constexprs reach a partition as constexprs only when written into warp_specialize's argument tuples)
     gl.warp_specialize([
-        (_wg0, (cargs, ROPE, NG, HAS_VC, NAMED, SOB)),
-        (_wg1, (cargs, ROPE, NG, HAS_VC, NAMED, SOB)),
+        (_wg0, (cargs, ROPE, NG, HAS_VC, NAMED, SOB, TF)),
+        (_wg1, (cargs, ROPE, NG, HAS_VC, NAMED, SOB, TF)),
         (_producer, (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H,
          K, rows_per_split,
                      num_splits, smem, bars, BPT, ROPE, ROPE_OFF, NG, HAS_VC, W128)),
@@ -421,11 +433,13 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
 # strides (read by the FUSED variant only).
 
 def meta(*, bytes_per_row: int, rope_dim: int, rope_offset: int, num_groups: int, has_valid_counts: bool,
-         named: bool = False, fused: bool = False, rows128: bool = False, smem_out: bool = False) -> dict:
+         named: bool = False, fused: bool = False, rows128: bool = False, smem_out: bool = False,
+         thread_free: bool = False) -> dict:
     """``bf16_kernel``'s constexprs and launch options: ``bytes_per_row`` the row stride in bytes (1152 or
     1024, or any larger multiple of 16), ``rope_dim`` 64 or 0, ``rope_offset`` the rope part's byte offset
     (ignored without rope), ``num_groups`` = ceil(heads / 64); ``fused`` as in ``few.meta``; ``rows128``: the
     producer's gather in 128 contiguous bytes of 4 rows a warp instruction."""
     return dict(BPT=bytes_per_row, ROPE=rope_dim, ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups,
                 HAS_VC=bool(has_valid_counts), NAMED=named, num_warps=4, maxnreg=168,
-                enable_fp_fusion=True, W128=bool(rows128), SO=bool(smem_out), **fused_meta(fused))
+                enable_fp_fusion=True, W128=bool(rows128), SO=bool(smem_out), TF=bool(thread_free),
+                **fused_meta(fused))
