@@ -67,14 +67,11 @@ def _variants():
     v = {}
     for fid, (bpr, rope, rope_off, scale_off) in LAYOUTS.items():
         kind = fid.split("-")[0]
-        if fid in ("bf16", "bf16-nope"):  # the pair kernel's gather in 128 contiguous bytes of 4 rows, its output
-            # through a tile
-            v[f"bf16-{fid}-rows128-so"] = ("bf16", "bf16_kernel", SIG, bf16.meta(
+        if fid in ("bf16", "bf16-nope"):  # the pair kernel without its default gather (128 contiguous bytes of 4
+            # rows), tile output and per-thread releases
+            v[f"bf16-{fid}-plain"] = ("bf16", "bf16_kernel", SIG, bf16.meta(
                 bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, num_groups=2, has_valid_counts=True,
-                rows128=True, smem_out=True))
-            v[f"bf16-{fid}-rows128-so-tf-named"] = ("bf16", "bf16_kernel", SIG, bf16.meta(
-                bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, num_groups=2, has_valid_counts=True,
-                rows128=True, smem_out=True, thread_free=True, named=True))
+                rows128=False, smem_out=False, thread_free=False))
         if fid in ("bf16", "bf16-nope"):  # conv's bf16 gather in 64 contiguous bytes of 8 rows (not its default)
             v[f"conv-{fid}-rows64"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,

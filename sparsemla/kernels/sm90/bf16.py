@@ -433,8 +433,8 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
 # strides (read by the FUSED variant only).
 
 def meta(*, bytes_per_row: int, rope_dim: int, rope_offset: int, num_groups: int, has_valid_counts: bool,
-         named: bool = False, fused: bool = False, rows128: bool = False, smem_out: bool = False,
-         thread_free: bool = False) -> dict:
+         named: bool = False, fused: bool = False, rows128: bool = True, smem_out: bool = True,
+         thread_free: bool = True) -> dict:
     """``bf16_kernel``'s constexprs and launch options: ``bytes_per_row`` the row stride in bytes (1152 or
     1024, or any larger multiple of 16), ``rope_dim`` 64 or 0, ``rope_offset`` the rope part's byte offset
     (ignored without rope), ``num_groups`` = ceil(heads / 64); ``fused`` as in ``few.meta``; ``rows128``: the
