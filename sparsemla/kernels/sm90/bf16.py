@@ -201,8 +201,7 @@ def _epilogue(acc, l_own, m_i, sL_own, sL_other, bar_own, bar_other, col0: gl.co
     inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
     o = acc * gl.convert_layout(inv_l, OROW)[:, None]
     if SO:
-        store_via_tile(o.to(gl.bfloat16), stage, o_ptr + t.to(gl.int64) * stride_ot + s * stride_os, col0, g * 64, H,
-                       stride_oh)
+        store_via_tile(o.to(gl.bfloat16), stage, o_ptr, t, s, g, stride_ot, stride_os, col0, H, stride_oh)
     else:
         heads = g * 64 + gl.arange(0, 64, layout=OROW)
         cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, O_LAYOUT))

@@ -65,17 +65,19 @@ L_OUT = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
 
 
 @gluon.jit
-def store_via_tile(o, stage, obase, col0: gl.constexpr, head0, H, stride_oh):
-    """Store a warpgroup's bf16 output ``o`` [64 heads, 256 columns] (heads head0 .. head0 + 63, columns col0 ..
-    col0 + 255 of the output rows at ``obase``; heads >= H left out) through ``stage``, a [64, 256] bf16 tile that
-    only this warpgroup reads now: out in 16-byte row stores, a warp writing 512 contiguous bytes of a head's row.
+def store_via_tile(o, stage, o_ptr, t, s, g, stride_ot, stride_os, col0: gl.constexpr, H, stride_oh):
+    """Store a warpgroup's bf16 output ``o`` [64 heads, 256 columns] (heads 64 g .. 64 g + 63, columns col0 .. col0 +
+    255 of token t's split s at ``o_ptr``; heads >= H left out) through ``stage``, a [64, 256] bf16 tile that only
+    this warpgroup reads now: out in 16-byte row stores, a warp writing 512 contiguous bytes of a head's row.
     Stores from the wgmma accumulator layout cover 16 bytes of 8 rows a warp instruction, and a program's last
-    block waited on them."""
+    block waited on them.  (Its address arithmetic after the tile's barrier, as where it came from in sm90-conv:
+    that kernel's PTX is unchanged by the move.)"""
     stage.store(o)
     compat.barrier()  # every warp's part of the tile is stored
     cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, L_OUT))
+    obase = o_ptr + t.to(gl.int64) * stride_ot + s * stride_os
     for j in gl.static_range(4):  # 16 heads at a time: fewer registers live
-        heads = head0 + 16 * j + gl.arange(0, 16, layout=gl.SliceLayout(1, L_OUT))
+        heads = g * 64 + 16 * j + gl.arange(0, 16, layout=gl.SliceLayout(1, L_OUT))
         o16 = stage.slice(16 * j, 16, dim=0).load(L_OUT)
         gl.store(obase + heads.to(gl.int64)[:, None] * stride_oh + cols[None, :], o16, mask=(heads < H)[:, None])
 

@@ -692,8 +692,7 @@ def _out_store(acc, inv_l, col0: gl.constexpr, o_ptr, stride_ot, stride_os, stri
     OL: gl.constexpr = cga(O_LAYOUT, CL)
     o = acc * inv_l[:, None]
     if SO:
-        store_via_tile(o.to(gl.bfloat16), stage, o_ptr + t.to(gl.int64) * stride_ot + s * stride_os, col0, g * 64, H,
-                       stride_oh)
+        store_via_tile(o.to(gl.bfloat16), stage, o_ptr, t, s, g, stride_ot, stride_os, col0, H, stride_oh)
     else:
         heads = g * 64 + gl.arange(0, 64 * head_groups(CL), layout=gl.SliceLayout(1, OL))
         cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, OL))
