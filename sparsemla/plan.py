@@ -77,7 +77,9 @@ BACKUP_ONLY = ("sm90-bf16",)
 # warpgroup 0 freeing a tile when its PV is done) at 33-128 heads, decode and prefill; sm90-bf16 (both warpgroups on
 # QK, a pair of blocks at a time) above.  H100, one process: decode b 128, D-h64 123 us against 149, D-h128 169
 # against 240 (FlashInfer 122 / 159); prefill (4,096 tokens, benchmarks/prefill.py --kernel sm90-conv) P-32k 4,175
-# us against 4,579, P-h64 2,146 against 2,335 (FlashMLA 3,738 / 1,964).
+# us against 4,579, P-h64 2,146 against 2,335 (FlashMLA 3,738 / 1,964).  With sm90-bf16's defaults since (128-byte
+# gather, tile output, per-thread releases) the two run prefill within 3 % of each other, either ahead (H100, two
+# rounds: P-32k 4,125-4,328 against 4,234-4,256, P-h64 2,153-2,229 against 2,160-2,207): sm90-conv stays.
 CONV_BF16_MAX_HEADS = 128
 
 # Kernels with a FUSED variant: the split partials merged by the kernel's own programs after a grid barrier, in a

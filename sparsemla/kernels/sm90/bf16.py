@@ -21,6 +21,10 @@ rope buffers then hold only P0); one program per SM.  12 warps at launch (12 x 3
 register file); setmaxnreg then gives the consumers 232 and the producer 40.  The schedule follows the one
 FlashMLA's SM90 sparse prefill kernel describes (warpgroup-owned blocks, max hand-off, split V columns).
 
+By default (``meta``) the producer gathers 128 contiguous bytes of 4 rows a warp instruction, a bf16 output goes
+out through a tile only its warpgroup reads (``common.store_via_tile``), and each consumer thread arrives on the
+free mbarriers itself (count 128: no warpgroup barrier before a release); measured in docs/design/kernels.md.
+
 ``NAMED`` (``meta(named=True)``; opt-in, the plan does not choose it): the four hand-offs of a pair (each warpgroup's
 row max, each one's P) through named hardware barriers (ids 12-15, 256 threads: the writer's threads arrive, the
 reader's sync) instead of mbarriers, as FlashMLA's prefill kernel hands them over; 16-40 instructions fewer, and
