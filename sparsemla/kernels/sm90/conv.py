@@ -1084,8 +1084,8 @@ def tuned(kind: str, rope_dim: int, release=None, num_groups: int = 1) -> dict:
     if kind == "nvfp4_ds_mla" and (not rope_dim or tuple(release) >= (3, 9)):
         t.update(ROWS_PF)
     # Triton 3.9 spills the late-next producer's pieces (stack 24 bytes against 8 without it); at 128 heads, where
-    # every block is converted by two programs, that costs more than late_next saves.  H100, b 128, one process:
-    # 213.0 -> 201.4 us at 128 heads, but 111.2 -> 115.3 at 64 (docs/design/kernels.md).
+    # every block is converted by two programs, that costs more than late_next saves.  H100, b 128, one process, us
+    # with / without it: 211.8 / 201.6 at 128 heads, 111.2 / 115.3 at 64 (docs/design/kernels.md).
     if kind == "fp8_ds_mla" and num_groups > 1 and tuple(release) >= (3, 9):
         t["late_next"] = False
     return t
