@@ -289,12 +289,8 @@ def _wg0(args, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED
         else:
             acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(sS1, kL.index(1 + z), acc, is_async=True),))
             _free(free_l.index(1), TF)
-    if SO:
-        _epilogue(acc, l_i, m_i, sL0, sL1, l0_bar, l1_bar, 0, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-                  stride_lt, stride_ls, stride_lh, t, s, g, H, False, kL.index(0), True)
-    else:
-        _epilogue(acc, l_i, m_i, sL0, sL1, l0_bar, l1_bar, 0, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-                  stride_lt, stride_ls, stride_lh, t, s, g, H, False)
+    _epilogue(acc, l_i, m_i, sL0, sL1, l0_bar, l1_bar, 0, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+              stride_lt, stride_ls, stride_lh, t, s, g, H, False, kL.index(0), SO)
 
 
 @gluon.jit
@@ -345,12 +341,8 @@ def _wg1(args, ROPE: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED
         _free(free_r.index(1), TF)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         _free(free_r.index(0), TF)
-    if SO:
-        _epilogue(acc, l_i, m_i, sL1, sL0, l1_bar, l0_bar, 256, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-                  stride_lt, stride_ls, stride_lh, t, s, g, H, True, kR.index(1), True)
-    else:
-        _epilogue(acc, l_i, m_i, sL1, sL0, l1_bar, l0_bar, 256, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
-                  stride_lt, stride_ls, stride_lh, t, s, g, H, True)
+    _epilogue(acc, l_i, m_i, sL1, sL0, l1_bar, l0_bar, 256, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr,
+              stride_lt, stride_ls, stride_lh, t, s, g, H, True, kR.index(1), SO)
 
 
 @gluon.jit
