@@ -669,13 +669,14 @@ def test_plan_variant_builds_the_conv_and_pair_kernels_with_their_options_only()
     assert few_plan.kernel != "sm90-conv"
     with pytest.raises(ValueError, match="variant"):
         A._sm90_launch(replace(few_plan, variant=(("named", True),)), fmt, True, False)
-    # sm90-bf16 (prefill.py --kernel sm90-bf16:rows128=1): bf16.meta's options
+    # sm90-bf16 (prefill.py --kernel sm90-bf16:rows128=0): bf16.meta's options
     b16 = get_format("bf16")
     pair = plan_attention(b16, 128, 64, 2048, kernel="sm90-bf16")
     assert pair.kernel == "sm90-bf16"
-    assert not A._sm90_launch(pair, b16, True, False).meta["W128"]
-    wide = A._sm90_launch(replace(pair, variant=(("named", True), ("rows128", True))), b16, True, False)
-    assert wide.meta["W128"] and wide.meta["NAMED"]
+    default = A._sm90_launch(pair, b16, True, False).meta
+    assert default["W128"] and default["SO"] and default["TF"] and not default["NAMED"]
+    narrow = A._sm90_launch(replace(pair, variant=(("named", True), ("rows128", False))), b16, True, False).meta
+    assert not narrow["W128"] and narrow["NAMED"] and narrow["SO"]
     decode = _load_script("benchmarks/decode.py")
     assert decode.parse_options("idx_ahead=1, named=false,early=True") == dict(idx_ahead=True, named=False,
                                                                                 early=True)

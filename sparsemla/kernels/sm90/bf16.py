@@ -197,7 +197,9 @@ def _epilogue(acc, l_own, m_i, sL_own, sL_other, bar_own, bar_other, col0: gl.co
               stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh, t, s, g, H, WRITE_LSE: gl.constexpr,
               stage=None, SO: gl.constexpr = False):
     """Add the other warpgroup's row sums to this one's (through shared memory), then store this
-    warpgroup's 256 output columns (and, for one of them, the lse)."""
+    warpgroup's 256 output columns (and, for one of them, the lse).  SO (a bf16 output): through ``stage``, a
+    [64, 256] tile that only this warpgroup reads (``common.store_via_tile``); both warpgroups are past their last
+    MMA once the row sums have crossed."""
     _vec_publish(sL_own, l_own, bar_own)
     mbarrier.wait(bar_other, 0)
     l_i = l_own + sL_other.load(SROW)
@@ -397,6 +399,7 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     mbarrier.init(l1_bar, count=PUBLISH)
     smem = (qL, qR, qE, kL, kR, kE, sS1, sM0, sM1, sL0, sL1)
     bars = (q_bar, ready_l, ready_r, free_l, free_r, m0_bar, m1_bar, p0_bar, p1_bar, l0_bar, l1_bar)
+    # SO: a bf16 output (one split) goes out through a tile (the partials of several splits are fp32)
     SOB: gl.constexpr = SO and o_ptr.dtype.element_ty == gl.bfloat16
     cargs = (o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
              idx_ptr, stride_it, vc_ptr, sm_scale_log2, H, K, rows_per_split, num_splits, smem, bars)
@@ -433,7 +436,10 @@ def meta(*, bytes_per_row: int, rope_dim: int, rope_offset: int, num_groups: int
     """``bf16_kernel``'s constexprs and launch options: ``bytes_per_row`` the row stride in bytes (1152 or
     1024, or any larger multiple of 16), ``rope_dim`` 64 or 0, ``rope_offset`` the rope part's byte offset
     (ignored without rope), ``num_groups`` = ceil(heads / 64); ``fused`` as in ``few.meta``; ``rows128``: the
-    producer's gather in 128 contiguous bytes of 4 rows a warp instruction."""
+    producer's gather in 128 contiguous bytes of 4 rows a warp instruction (else 64 bytes of 8 rows);
+    ``smem_out``: a bf16 output (one split) through a tile each warpgroup alone reads, out in 16-byte row stores;
+    ``thread_free``: each consumer thread arrives on a buffer half's free mbarrier itself, no warpgroup barrier
+    before a release.  The three are on by default (docs/design/kernels.md has the A/B)."""
     return dict(BPT=bytes_per_row, ROPE=rope_dim, ROPE_OFF=rope_offset if rope_dim else 0, NG=num_groups,
                 HAS_VC=bool(has_valid_counts), NAMED=named, num_warps=4, maxnreg=168,
                 enable_fp_fusion=True, W128=bool(rows128), SO=bool(smem_out), TF=bool(thread_free),
