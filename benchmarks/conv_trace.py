@@ -161,7 +161,7 @@ def traced_call(wl, meta: dict):
     qs, os_, ls_ = q.stride(), out.stride(), lse.stride()
     args = (q, qs[0], qs[1], qr, qs[0], qs[1], rows, idx, idx.stride(0), vc, out, os_[0], 0, os_[1], lse, ls_[0], 0,
             ls_[1], float(wl.sm_scale) * A.LOG2E, float(wl.k_scale), h, k, plan.rows_per_split, 1,
-            trace, 0, 0, lse, 0, 0)
+            trace, 0, 0, lse, 0, 0, programs)
     launch((programs,), args)
     torch.cuda.synchronize()
     return trace.cpu().tolist(), out, -(-min(k, plan.rows_per_split) // 64)

@@ -94,6 +94,12 @@ FUSED_COMBINE = "fused-combine"
 # docs/design/dispatch.md); ``fused_combine=True`` asks for it.
 FUSED_COMBINE_DEFAULT = False
 
+# sm90-conv's persistent grid (``conv.meta(persist=True)``): row kinds that take it where a call has more work items
+# (tokens x splits x head groups) than SMs.  bf16 rows (prefill, and bf16 decode at 128 heads): each program's next
+# item starts while its last one ends.  The quantized kinds keep one item a program: their producer is busy to the
+# end of an item, and its loop needs 8 more registers there (docs/design/kernels.md has the A/B).
+PERSISTENT_KINDS = ("bf16",)
+
 # Row kinds: a format's name, or "staged" (FP8 rows gathered per query, [T, K, D]).
 ROW_KINDS = ("bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "staged")
 
@@ -136,6 +142,8 @@ class KernelPlan:
     fp8_qk: the FP8-QK mode (QK on e4m3 tensor cores; ``sm90-few`` / ``sm90-wide`` over e4m3 rows).
     why: one sentence saying why this kernel takes the call.
     fused_combine: the splits are merged by the kernel's own programs (one launch), not the combine kernel.
+    persistent: at most one program per SM, each serving work items (token, split, head group) in turn
+        (``sm90-conv``, :data:`PERSISTENT_KINDS`, more items than SMs).
     variant: options of the kernel's build that the plan never chooses, as sorted ``(name, value)`` pairs of
         ``conv.meta`` keywords (``sm90-conv`` only; ``dataclasses.replace`` a plan to time a variant beside the
         default, e.g. ``benchmarks/decode.py --conv-variant idx_ahead=1``); empty for every plan the library makes.
@@ -153,6 +161,7 @@ class KernelPlan:
     fp8_qk: bool
     why: str
     fused_combine: bool = False
+    persistent: bool = False
     variant: tuple = ()
 
     @property
@@ -336,8 +345,10 @@ def _plan(kind, num_tokens, num_heads, topk, capability, num_sms, fp8_qk, portab
     want = FUSED_COMBINE_DEFAULT if fused_combine is None else fused_combine
     fused = bool(want and chosen in FUSED_KERNELS and FUSED_COMBINE not in unavailable and splits > 1
                  and num_tokens * groups * splits <= num_sms)
+    persistent = (chosen == "sm90-conv" and kind in PERSISTENT_KINDS and not fused
+                  and num_tokens * groups * splits > num_sms)
     return KernelPlan(chosen, kind, hpp, groups, block_n, warps, stages, splits, rows_per_split, bool(fp8_qk), why,
-                      fused)
+                      fused, persistent)
 
 
 _WHY = {
@@ -401,6 +412,9 @@ def explain(fmt, num_tokens: int, num_heads: int, topk: int, *, mode: str = "dec
              f"  {plan.heads_per_program} heads a program, {plan.num_groups} head group(s), "
              f"block {plan.block_n}, {plan.num_splits} split(s) of {plan.rows_per_split} positions"
              + (", FP8-QK" if plan.fp8_qk else "")]
+    if plan.persistent:
+        lines.append(f"  persistent: {min(num_tokens * plan.grid, int(options.get('num_sms', 132)))} programs serve the "
+                     f"{num_tokens * plan.grid} work items in turn")
     if plan.num_splits > 1:
         lines.append("  splits merged " + ("in the kernel after a grid barrier (one launch)" if plan.fused_combine
                                            else "by the combine kernel (a second launch)"))

@@ -132,6 +132,23 @@ def test_plans_are_cached_and_explained():
     assert "did not build" in explain("bf16", 1, 64, 2048, unavailable=frozenset({"sm90-bf16"}), **H200)
 
 
+def test_persistent_plans():
+    """sm90-conv's persistent grid: bf16 rows with more work items (tokens x splits x head groups) than SMs (prefill,
+    128-head decode at b 128); one item a program where they fit in a wave, for the quantized kinds, for other
+    kernels and for the in-kernel merge; explain says how many programs serve how many items."""
+    assert plan_attention("bf16", 4096, 128, 2048, **H200).persistent
+    assert plan_attention("bf16-nope", 128, 128, 2048, **H200).persistent  # 256 items
+    assert not plan_attention("bf16", 128, 64, 2048, **H200).persistent    # 128 items on 132 SMs
+    assert not plan_attention("bf16", 4096, 128, 2048, num_sms=8192, capability=(9, 0)).persistent
+    for kind in ("fp8", "fp8_ds_mla", "nvfp4_ds_mla"):
+        assert plan_attention(kind, 4096, 128, 2048, **H200).kernel == "sm90-conv"
+        assert not plan_attention(kind, 4096, 128, 2048, **H200).persistent
+    assert not plan_attention("bf16", 4096, 192, 2048, **H200).persistent  # sm90-bf16
+    assert not plan_attention("bf16", 4096, 128, 2048, portable=True, **H200).persistent
+    assert "persistent: 132 programs serve the 8192 work items in turn" in explain("bf16", 4096, 128, 2048, **H200)
+    assert "persistent" not in explain("bf16", 128, 64, 2048, **H200)
+
+
 def test_conv_kernel_plans():
     """sm90-conv (quantized rows, 64 heads a program) takes fp8, fp8_ds_mla and nvfp4 rows above 32 heads past the
     few-heads kernel's waves by itself (not in the FP8-QK mode); a

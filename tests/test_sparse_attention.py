@@ -262,6 +262,22 @@ def test_the_direct_launch_passes_what_the_regular_launch_does(monkeypatch, devi
         assert addrs[3] == q.data_ptr() + 1024  # the RoPE part's address: 512 bf16 values into each q row
 
 
+def test_a_persistent_plan_launches_a_program_per_sm_and_passes_the_item_count():
+    """A persistent plan (bf16 rows, more work items than SMs) launches at most one program per SM and gives the
+    kernel the call's item count (tokens x splits x head groups) as its last argument, which is part of the
+    launch's key; a plan of one item a program launches one program per item and passes the count as well."""
+    from sparsemla.kernels import attention as attn_mod
+    from sparsemla.plan import plan_attention
+    fmt = get_format("bf16")
+    strides = ((128 * 576, 576), (128 * 576, 576), 2048, (128 * 512, 512), (128, 1))
+    p = plan_attention(fmt, 4096, 128, 2048, capability=(9, 0), num_sms=132)
+    b = attn_mod._Bound(p, fmt, True, 4096, 128, 2048, *strides, torch.device("cpu"))
+    assert p.persistent and b.launch.meta["PS"] and b.gx == 132 and b.items == (8192, ) and b.key[-1] == 8192
+    q = plan_attention(fmt, 128, 64, 2048, capability=(9, 0), num_sms=132)
+    b = attn_mod._Bound(q, fmt, True, 128, 64, 2048, *strides, torch.device("cpu"))
+    assert not q.persistent and not b.launch.meta["PS"] and b.gx == 128 and b.items == (128, )
+
+
 def test_a_fused_plan_is_one_launch_when_its_partials_persist(monkeypatch, device):
     """A plan with ``fused_combine`` launches the kernel's FUSED variant and no combine where its partials live in a
     buffer that persists (a runner's ``split_buffers``; the launcher's scratch on a GPU): the partials start

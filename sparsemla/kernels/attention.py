@@ -51,6 +51,9 @@ V_DIM = 512
 
 # Kernels whose runtime arguments include k_scale (rows that may be plain fp8, which hold value / k_scale).
 _TAKES_K_SCALE = ("portable-fp8", "portable-wide", "sm90-few", "sm90-wide", "sm90-conv", "sm90-cluster")
+# Kernels whose runtime arguments end with the call's work-item count (tokens x splits x head groups), after the
+# final out / lse: its persistent variant's programs loop over the items
+_TAKES_ITEMS = ("sm90-conv", "sm90-cluster")
 # fp32 words at the start of every split-partials buffer: the in-kernel merge's grid barrier (count, generation)
 HEADER = 4
 
@@ -80,6 +83,8 @@ def _sm90_launch(plan, fmt, has_vc: bool, fused: bool) -> Launch:
                                                   fp8_qk=plan.fp8_qk, **common), {})
     if plan.kernel in ("sm90-conv", "sm90-cluster"):
         from .sm90 import conv
+        if plan.persistent and meta.get("persist", True):  # (a variant may turn it off: an A/B)
+            meta = dict(conv.PERSISTENT, **meta)
         return Launch(conv.conv_kernel, conv.meta(kind=plan.kind, scale_offset=max(lay.scale_offset, 0),
                                                   cluster=plan.kernel == "sm90-cluster", **common, **meta), {})
     from .sm90 import bf16
@@ -110,7 +115,7 @@ def _launch_for(plan, fmt, has_vc: bool, fused: bool = False) -> Launch:
     if hit is not None and hit[0] is plan:
         return hit[1]
     key = (plan.kernel, plan.kind, plan.heads_per_program, plan.num_groups, plan.block_n, plan.num_warps,
-           plan.num_stages, plan.fp8_qk, fmt.id, has_vc, fused, plan.variant)
+           plan.num_stages, plan.fp8_qk, fmt.id, has_vc, fused, plan.persistent, plan.variant)
     if any(name == "trace" for name, _ in plan.variant):
         raise ValueError("plan.variant: the trace build writes into the final-out argument; "
                          "benchmarks/conv_trace.py launches it")
@@ -279,7 +284,7 @@ class _Bound:
     partials' sizes and the combine's launch (host time: building these on every call costs more than the launch
     itself)."""
 
-    __slots__ = ("plan", "fmt", "launch", "fused", "final", "gx", "o_strides", "l_strides", "tail", "key",
+    __slots__ = ("plan", "fmt", "launch", "fused", "final", "gx", "o_strides", "l_strides", "tail", "items", "key",
                  "takes_k_scale", "n_o", "n_all", "combine", "cgrid", "cints")
 
     def __init__(self, plan, fmt, has_vc: bool, t: int, h: int, k_width: int, qs, rs, is0: int, os_, ls_, device):
@@ -291,6 +296,9 @@ class _Bound:
         # the sm_90 kernels also take the final out / lse and their strides (read by the FUSED variants only)
         self.final = (os_[0], os_[1], ls_[0], ls_[1]) if plan.kernel in _plan.SM90_KERNELS else None
         self.gx = t * plan.grid
+        items = self.gx
+        if getattr(self.launch, "meta", {}).get("PS"):  # a persistent kernel: at most one program per SM
+            self.gx = min(items, _device_facts(device)[1])
         if ns > 1:
             self.n_o = t * ns * h * V_DIM
             self.n_all = self.n_o + t * ns * h
@@ -300,10 +308,11 @@ class _Bound:
             self.o_strides = (os_[0], 0, os_[1])
             self.l_strides = (ls_[0], 0, ls_[1])
         self.tail = (h, k_width, plan.rows_per_split, ns)
+        self.items = (items,) if plan.kernel in _TAKES_ITEMS else ()
         # Every pointer 16-byte aligned: the integers alone decide Triton's specialization (the pointers' dtypes
         # are fixed: q bf16, rows uint8, indices / counts int32, out bf16 or fp32 partials as ns says, lse fp32).
         self.key = (qs[0], qs[1], rs[0], rs[1], is0, *self.o_strides, *self.l_strides, *self.tail,
-                    *(self.final or ()))
+                    *(self.final or ()), *self.items)
         self.takes_k_scale = plan.kernel in _TAKES_K_SCALE
         self.combine = self.cgrid = self.cints = None
         if ns > 1:
@@ -394,7 +403,7 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
     f = b.final
     finals = 0
     if f is not None:
-        addrs = (*addrs, p_out, f[0], f[1], p_lse, f[2], f[3])
+        addrs = (*addrs, p_out, f[0], f[1], p_lse, f[2], f[3], *b.items)
         finals = p_out | p_lse
     aligned = not (pq | pqr | pr | pi | pv | po | pl | finals) & 15
     launch = b.fused if fused else b.launch
@@ -403,7 +412,7 @@ def _run(plan, q, rows, fmt, indices, sm_scale, valid_counts, k_scale, out, lse,
         qr = q_pe if q_pe is not None else (q[..., V_DIM:] if fmt.rope_dim else q)
         args = (q, *addrs[1:3], qr, *addrs[4:6], rows, indices, is0, vc, o_dst, *addrs[11:14], l_dst, *addrs[15:])
         if f is not None:  # the final outputs as tensors
-            args = (*args[:-6], out, f[0], f[1], lse, f[2], f[3])
+            args = (*args[:-6 - len(b.items)], out, f[0], f[1], lse, f[2], f[3], *b.items)
         key = b.key if aligned else None
         if launch.built:
             launch((b.gx,), args, key, addrs)
@@ -459,7 +468,8 @@ def _record(rec, b: "_Bound", launch: Launch, ctx, addrs: tuple, caddrs, values:
         pos.update({10: "out", 14: "lse"})
     if b.takes_k_scale:
         pos[19] = "k_scale"
-    if b.final is not None:  # the sm_90 kernels' final out / lse (the last six arguments)
+    if b.final is not None:  # the sm_90 kernels' final out / lse (six arguments, before the item count if any)
+        n -= len(b.items)
         pos.update({n - 6: "out", n - 3: "lse"})
     rec.add(launch.compiled(ctx, b.key), (b.gx, 1, 1), ctx[1], addrs, pos, values)
     if caddrs is not None:

@@ -22,7 +22,7 @@ from sparsemla.cache import PagedKVCache  # noqa: E402
 from sparsemla.formats import get_format  # noqa: E402
 from sparsemla.indices import convert_indices  # noqa: E402
 from sparsemla.kernels.staging import gather_topk_fp8, upconvert_context  # noqa: E402
-from sparsemla.plan import CLUSTER_KINDS, CONV_KINDS, cluster_builds  # noqa: E402
+from sparsemla.plan import CLUSTER_KINDS, CONV_KINDS, PERSISTENT_KINDS, cluster_builds  # noqa: E402
 
 FORMATS = ["bf16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "fp8_ds_mla-nope", "nvfp4_ds_mla-nope", "fp8-nope",
            "bf16-nope"]
@@ -83,6 +83,11 @@ def main():
             st = gather_topk_fp8(c["cache"].rows, c["fmt"], c["indices"], c["valid_counts"], 1.0)
             run_kernel(c["q"], st.view(torch.uint8).view(-1, st.shape[2]), get_format("fp8", c["fmt"].rope_dim),
                        c["indices"], 0.1, c["valid_counts"], num_splits=splits, staged=True)
+        if name in PERSISTENT_KINDS:  # more work items than SMs: the plan's persistent grid, empty items among them
+            big = make_case(fmt, 140, 128, 192, ctx=256, block_size=64, device="cuda")
+            big["valid_counts"][::7] = 0
+            _attention(big)
+            _attention(big, num_splits=2)
         bt = torch.randint(0, c["cache"].num_blocks, (3, 4), device="cuda", dtype=torch.int32)
         topk = torch.randint(-1, 256, (3, 128), device="cuda", dtype=torch.int32)
         convert_indices(topk, torch.arange(3, device="cuda", dtype=torch.int32), bt, 64,

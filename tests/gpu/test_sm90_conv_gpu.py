@@ -235,6 +235,26 @@ def test_conv_row_prefetch_matches_reference(fmt, heads, topk, splits, options):
         check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
 
 
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_ds_mla-nope", "fp8", "fp8-nope", "nvfp4_ds_mla",
+                                 "nvfp4_ds_mla-nope-compact", "bf16", "bf16-nope"])
+@pytest.mark.parametrize("tokens,heads,topk,splits", [(140, 128, 320, 1), (150, 96, 2051, 2), (300, 64, 130, 1),
+                                                      (5, 33, 64, 1), (70, 128, 200, 3)])
+def test_conv_persistent_matches_reference(fmt, tokens, heads, topk, splits):
+    """The persistent grid (``conv.meta(persist=True)``): more work items than SMs, so that each program serves
+    several in turn (its tiles' phases, q and the hand-offs carried from one item to the next), with empty items
+    among them (valid counts of 0, and of 5 with splits past them) and the kind's default options."""
+    skip_unless_sm90()
+    from sparsemla.kernels.sm90 import conv
+    k_scale = _k_scale(fmt)
+    c = make_case(fmt, tokens, heads, topk, ctx=max(256, topk + 64), block_size=64, device="cuda",
+                  k_scale=k_scale)
+    vc = c["valid_counts"]
+    vc[::7] = 0
+    vc[3::11] = 5
+    with meta_variant(conv, KERNEL, persist=True):
+        check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, k_scale, o_tol=1e-2, lse_tol=2e-3)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "bf16-nope"])
 @pytest.mark.parametrize("heads,topk,splits", [(64, 2048, 1), (33, 64, 1), (96, 2051, 3), (128, 320, 2)])
 def test_conv_bf16_rows64_matches_reference(fmt, heads, topk, splits):

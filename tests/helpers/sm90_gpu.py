@@ -134,7 +134,7 @@ def meta_variant(module, kernel, **options):
             cache.clear()
 
     default = module.meta
-    module.meta = lambda **kw: default(**kw, **options)
+    module.meta = lambda **kw: default(**dict(kw, **options))  # (options over what the launcher passes)
     clear()
     try:
         yield

@@ -61,7 +61,7 @@ def _variants():
     writing fp32 split partials (``-split``, each kind with rope); the conv and pair kernels also with their
     hand-offs through named barriers where that is not their default (``-named``: bf16 rows) and through mbarriers
     where it is (``-mbar``: the conv kernel's quantized kinds, with rope); one variant per kernel family that merges
-    its splits in the kernel (``-fused``)."""
+    its splits in the kernel (``-fused``); the conv kernel's persistent grid (``-persist``)."""
     from sparsemla.kernels.sm90 import bf16, conv, few, wide
     from sparsemla.plan import cluster_builds
     v = {}
@@ -100,6 +100,10 @@ def _variants():
             v[f"conv-{fid}-pf"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                 num_groups=2, has_valid_counts=True, row_prefetch=True))
+        if fid in ("fp8_ds_mla", "bf16"):  # the persistent grid (the plan's for bf16 rows; the converting producer)
+            v[f"conv-{fid}-persist"] = ("conv", "conv_kernel", SIG_K, conv.meta(
+                kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
+                num_groups=2, has_valid_counts=True, persist=True))
         if fid in ("nvfp4_ds_mla-nope", "bf16"):  # idx_ahead for the NoPE rows' and bf16's producer
             v[f"conv-{fid}-idx2"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
@@ -206,6 +210,8 @@ def compile_variant(name: str):
     options = {k: meta[k] for k in ("num_warps", "maxnreg", "enable_fp_fusion", "num_ctas", "launch_cooperative_grid")
                if k in meta}
     cons = {k: v for k, v in meta.items() if k not in options}
+    if fn_name == "conv_kernel":  # its last runtime argument: the work-item count
+        sig = dict(sig, n_items="i32")
     sig = dict(sig, **{k: "constexpr" for k in cons})
     log = io.StringIO()
     with tempfile.TemporaryDirectory() as cache, contextlib.redirect_stdout(log):

@@ -88,17 +88,34 @@ def program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG: gl.constexpr, H
     that the programs that read the same rows run side by side (L2 reuse).  The portable kernels map
     program ids the same way (the split plan is shared); positions past the token's valid count (``vc_ptr``,
     when HAS_VC) are not read."""
-    pid = gl.program_id(0)
+    return item_coords(gl.program_id(0), H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+
+
+@gluon.jit
+def item_coords(pid, H, K, vc_ptr, rows_per_split, num_splits, NG: gl.constexpr, HAS_VC: gl.constexpr, n=None):
+    """:func:`program_coords` of work item ``pid`` (a persistent program's items are what the programs of the
+    one-item-a-program grid would be); ``n``: the item's token's valid rows (:func:`valid_rows`) when loaded
+    ahead."""
     g = pid % NG
     ts = pid // NG
     s = ts % num_splits
     t = ts // num_splits
-    n = K
-    if HAS_VC:
-        n = gl.minimum(gl.maximum(gl.load(vc_ptr + t), 0), K)
+    if n is None:
+        n = K
+        if HAS_VC:
+            n = gl.minimum(gl.maximum(gl.load(vc_ptr + t), 0), K)
     k_begin = s * rows_per_split
     k_end = gl.minimum(k_begin + rows_per_split, n)
     return t, s, g, k_begin, k_end
+
+
+@gluon.jit
+def valid_rows(pid, K, vc_ptr, num_splits, NG: gl.constexpr, HAS_VC: gl.constexpr):
+    """Work item ``pid``'s token's valid rows (``vc_ptr``'s count within [0, K]; K without counts)."""
+    n = K
+    if HAS_VC:
+        n = gl.minimum(gl.maximum(gl.load(vc_ptr + pid // NG // num_splits), 0), K)
+    return n
 
 
 @gluon.jit

@@ -72,7 +72,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ...plan import triton_release
 from . import compat
 from .common import (NEG_BIG, PER_THREAD, PUBLISH, combine_in_kernel, fused_meta, named_asm, named_barrier,
-                     normalizer, program_coords, publish, store_via_tile)
+                     normalizer, item_coords, publish, store_via_tile, valid_rows)
 from .rows import L_ROWS128, block_indices, copy_rows, e4m3_words_bf16, e4m3_words_f16, fp4_words_f16, pow2_scale
 
 # HINT's load of a thread's 4 consecutive words (pack 4: the first of its 4 addresses): FlashMLA's gather hint
@@ -107,6 +107,7 @@ P_FREE_SYNC = named_asm("sync", 15)
 # 3.6 (docs/design/kernels.md has the A/B per release).
 WG1_REGS = gl.constexpr(160)
 PRODUCER_REGS = gl.constexpr(136)
+PS_PRODUCER_REGS = gl.constexpr(144)
 # bf16 rows: the producer only copies (cp.async, as sm90-bf16's producer), so it needs few registers and
 # warpgroup 0 gets 256
 B16_PRODUCER_REGS = gl.constexpr(40)
@@ -476,8 +477,35 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
               DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, B16: gl.constexpr,
               CL: gl.constexpr, HINT: gl.constexpr = False, W128: gl.constexpr = False, tr=None,
               TRACE: gl.constexpr = False, EARLY: gl.constexpr = False, LATE: gl.constexpr = False,
-              IDX2: gl.constexpr = False, EI: gl.constexpr = False, PF: gl.constexpr = False):
-    """Stages q, then converts each 64-row block into tile i % 2 (see the module docstring).  Loads run two
+              IDX2: gl.constexpr = False, EI: gl.constexpr = False, PF: gl.constexpr = False,
+              PS: gl.constexpr = False):
+    """The producer partition: the program's item (PS: each of its items in turn, ``_produce_item``)."""
+    if PS:
+        K, vc_ptr, num_splits, n_items = args[11], args[9], args[13], args[14]
+        step = gl.num_programs(0)
+        gb = 0
+        j = 0
+        nv = valid_rows(gl.program_id(0), K, vc_ptr, num_splits, NG, HAS_VC)
+        for item in range(gl.program_id(0), n_items, step):
+            # the next item's valid rows loaded ahead, out of the item's chain
+            nv_next = valid_rows(gl.minimum(item + step, n_items - 1), K, vc_ptr, num_splits, NG, HAS_VC)
+            gb = _produce_item(args, item, j, gb, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT,
+                               W128, tr, TRACE, EARLY, LATE, IDX2, EI, PF, PS, nv)
+            nv = nv_next
+            j += 1
+    else:
+        _produce_item(args, gl.program_id(0), 0, 0, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL,
+                      HINT, W128, tr, TRACE, EARLY, LATE, IDX2, EI, PF, PS)
+
+
+@gluon.jit
+def _produce_item(args, item, j, gb, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr,
+                  ROPE_OFF: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr,
+                  HAS_VC: gl.constexpr, B16: gl.constexpr, CL: gl.constexpr, HINT: gl.constexpr, W128: gl.constexpr,
+                  tr, TRACE: gl.constexpr, EARLY: gl.constexpr, LATE: gl.constexpr, IDX2: gl.constexpr,
+                  EI: gl.constexpr, PF: gl.constexpr, PS: gl.constexpr, nv=None):
+    """Item ``item`` (the ``j``-th of the program, after ``gb`` blocks; ``nv``: its valid rows, loaded ahead): stages q, then converts each 64-row block
+    into tile (gb + i) % 2 (see the module docstring); returns gb + its block count.  Loads run two
     pieces ahead of the conversion: piece P + 2 (after the last value piece: the rope, then the next block's
     first two pieces) is loaded before piece P is converted; the next block's rows are looked up at the start
     of a block.  fp8_ds_mla's bf16 rope needs no conversion: it is copied into the tile by cp.async as soon as
@@ -488,11 +516,11 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     next) prefetched into L2, so that their loads, which each wait for every load in flight (one scoreboard),
     find them there."""
     (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K,
-     rows_per_split, num_splits, smem,
+     rows_per_split, num_splits, n_items, smem,
      bars) = args
     qL, qR, qE, kLw, kRw, kEw, sQ, sV = smem
-    q_bar, ready, free = bars
-    t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    q_bar, ready, free, q_free = bars
+    t, s, g, k_begin, k_end = item_coords(item, H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC, nv)
     _stamp(tr, 2, 0, TRACE)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     k_stop = gl.minimum(k_begin + rows_per_split, K)  # the split's end, without the valid count's load
@@ -504,13 +532,15 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     hm = heads < H
     q_row = gl.multiple_of(q_ptr + t.to(gl.int64) * stride_qt + gl.where(hm, heads, 0).to(gl.int64) * stride_qh, 16)
     qe_row = gl.multiple_of(qr_ptr + t.to(gl.int64) * stride_rt + gl.where(hm, heads, 0).to(gl.int64) * stride_rh, 16)
-    if DS or B16:
-        # bf16, as it is, by cp.async
-        copy_rows(qL.index(0), q_row, 0, 256, hm, LB)
-        copy_rows(qR.index(0), q_row, 256, 256, hm, LB)
-        if ROPE:
-            copy_rows(qE.index(0), qe_row, 0, 64, hm, LB)
-        async_copy.mbarrier_arrive(q_bar, increment_count=False)
+    # bf16 rows, persistent: the item's first block is copied before its q, whose buffer waits for warpgroup 0's
+    # last QK of the previous item (_copy_blocks)
+    QLATE: gl.constexpr = PS and B16
+    if PS and not QLATE:  # warpgroup 0 is done with the previous item's q (a fresh mbarrier passes phase 1 at once)
+        mbarrier.wait(q_free, (j & 1) ^ 1)
+    if QLATE:
+        pass
+    elif DS or B16:
+        _copy_q(q_row, qe_row, hm, qL, qR, qE, q_bar, ROPE, LB)
     else:
         _stage_q_f16(q_row, qe_row, hm, qL, qR, qE, sQ, ROPE, CL)
         fence_async_shared()  # q is read by the consumers' wgmma (async proxy)
@@ -518,9 +548,11 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     _stamp(tr, 3, 0, TRACE)
 
     n_blocks = gl.cdiv(k_end - k_begin, 64)
+    if PS:  # an empty item still publishes one (all-invalid) block: its epilogue goes out through that tile
+        n_blocks = gl.maximum(n_blocks, 1)
     if B16:
         _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE, ROPE_OFF,
-                     W128, tr, TRACE, IDX2, k_stop, EI)
+                     W128, tr, TRACE, IDX2, k_stop, EI, gb, QLATE, (q_row, qe_row, hm, qL, qR, qE, q_bar, q_free, j))
     elif CL:
         _convert_blocks_cl(idx_row, k_begin, k_end, n_blocks, kv_ptr, kLw, kRw, kEw, sV, ready, free, BPT, ROPE,
                            SCALE_OFF, ROPE_OFF, DS, FP4)
@@ -542,7 +574,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
         if IDX2:
             nidx = _bidx(idx_row, k_begin + 64, k_end, k_stop, rl, EI)
         for i in range(n_blocks):
-            b = i % 2
+            b = (gb + i) % 2
             if IDX2:  # block i + 1's rows were looked up a block ago; block i + 2's now
                 nbase, nvalid = _ptrs(nidx, kv_ptr, BPT)
                 nidx = _bidx(idx_row, k_begin + (i + 2) * 64, k_end, k_stop, rl, EI)
@@ -553,7 +585,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
             if EARLY:  # every value piece in flight before the wait: none of their loads inside free -> ready
                 raw3, sc3 = _load_piece(base, valid, 3, SCALE_OFF, DS, FP4, False, HINT)
             _stamp(tr, 17, i, TRACE)
-            mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
+            mbarrier.wait(free.index(b), (((gb + i) // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
             _stamp(tr, 0, i, TRACE)
             if ROPE and DS:
                 _copy_rope_bf16(kEw.index(b), base, valid, ROPE_OFF)  # kEw: the bf16 tile for fp8_ds_mla
@@ -602,19 +634,33 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
             if LATE:  # the next block's first pieces issued after the fence: none of them in flight across it
                 raw, sc = _load_piece(nbase, nvalid, 0, SCALE_OFF, DS, FP4, False, HINT)
                 raw1, sc1 = _load_piece(nbase, nvalid, 1, SCALE_OFF, DS, FP4, False, HINT)
+    return gb + n_blocks
+
+
+@gluon.jit
+def _copy_q(q_row, qe_row, hm, qL, qR, qE, q_bar, ROPE: gl.constexpr, LB: gl.constexpr):
+    """bf16 q as it is, by cp.async (heads off ``hm`` zero-filled); each thread arrives on q_bar once its copies
+    have landed."""
+    copy_rows(qL.index(0), q_row, 0, 256, hm, LB)
+    copy_rows(qR.index(0), q_row, 256, 256, hm, LB)
+    if ROPE:
+        copy_rows(qE.index(0), qe_row, 0, 64, hm, LB)
+    async_copy.mbarrier_arrive(q_bar, increment_count=False)
 
 
 @gluon.jit
 def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, ready, free, BPT: gl.constexpr,
                  ROPE: gl.constexpr, ROPE_OFF: gl.constexpr, W128: gl.constexpr = False, tr=None,
-                 TRACE: gl.constexpr = False, IDX2: gl.constexpr = False, k_stop=0, EI: gl.constexpr = False):
-    """bf16 rows: each 64-row block copied into tile i % 2 by cp.async as it is (no conversion).  The producer
+                 TRACE: gl.constexpr = False, IDX2: gl.constexpr = False, k_stop=0, EI: gl.constexpr = False, gb=0,
+                 QLATE: gl.constexpr = False, qa=None):
+    """bf16 rows: each 64-row block copied into tile (gb + i) % 2 by cp.async as it is (no conversion).  The producer
     does not wait for its copies: each thread's cp.async arrival on ready[b] fires when that thread's copies have
     landed, so the next block's copies are issued as soon as its tile is free and both tiles can be in flight.
     ready[b] counts those 128 arrivals and one more for sV[b] (the validity, stored by every thread, published
     after a warpgroup barrier by one thread's ordinary arrival).  The consumers fence for the async proxy after
     their wait.  W128: a warp's 16-byte copies cover 128 contiguous bytes of 4 rows (L_ROWS128, FlashInfer's
-    gather), not 64 bytes of 8 rows."""
+    gather), not 64 bytes of 8 rows.  QLATE: q (``qa``: its rows, row mask, buffers, q_bar and q_free, the item's
+    index in the program) copied once the first block's copies are issued, after warpgroup 0 frees its buffer."""
     if W128:
         lay: gl.constexpr = L_ROWS128
     else:
@@ -624,7 +670,7 @@ def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, read
     if IDX2:
         nidx = _bidx(idx_row, k_begin + 64, k_end, k_stop, rl, EI)
     for i in range(n_blocks):
-        b = i % 2
+        b = (gb + i) % 2
         if IDX2:  # block i + 1's rows were looked up a block ago; block i + 2's now
             nbase, nvalid = _ptrs(nidx, kv_ptr, BPT)
             nidx = _bidx(idx_row, k_begin + (i + 2) * 64, k_end, k_stop, rl, EI)
@@ -633,13 +679,18 @@ def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, read
         _stamp(tr, 16, i, TRACE, nbase)
         rows = base.to(gl.pointer_type(gl.bfloat16))
         _stamp(tr, 17, i, TRACE)
-        mbarrier.wait(free.index(b), ((i // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
+        mbarrier.wait(free.index(b), (((gb + i) // 2) & 1) ^ 1)  # fresh mbarriers pass phase 1 at once
         _stamp(tr, 0, i, TRACE)
         copy_rows(kL.index(b), rows, 0, 256, valid, lay)
         copy_rows(kR.index(b), rows, 256, 256, valid, lay)
         if ROPE:
             copy_rows(kE.index(b), rows, ROPE_OFF // 2, 64, valid, lay)
         async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
+        if QLATE:
+            if i == 0:
+                q_row, qe_row, hm, qL, qR, qE, q_bar, q_free, j = qa
+                mbarrier.wait(q_free, (j & 1) ^ 1)  # (a fresh mbarrier passes phase 1 at once)
+                _copy_q(q_row, qe_row, hm, qL, qR, qE, q_bar, ROPE, L_B16)
         _stamp(tr, 1, i, TRACE)
         sV.index(b).store(valid.to(gl.float32))
         base = nbase
@@ -676,10 +727,10 @@ def _qk(qL, qR, qE, kL, kR, kE, b, z, s_zero, ROPE: gl.constexpr):
 
 
 @gluon.jit
-def _stage(k):
-    """Tile 0 of ``k`` (kL or kR, [2, 64, 256] of the tiles' 16-bit type) as bf16 [64, 256], the same bytes."""
+def _stage(k, b):
+    """Tile b of ``k`` (kL or kR, [2, 64, 256] of the tiles' 16-bit type) as bf16 [64, 256], the same bytes."""
     return compat.reinterpret(k, gl.bfloat16, [2, 64, 256],
-                              gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)).index(0)
+                              gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)).index(b)
 
 
 @gluon.jit
@@ -747,14 +798,39 @@ def _release(sig, free, b, CL: gl.constexpr):
 @gluon.jit
 def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
          NAMED: gl.constexpr, CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True,
-         FF: gl.constexpr = False, SO: gl.constexpr = False):
-    """Warpgroup 0: QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse."""
+         FF: gl.constexpr = False, SO: gl.constexpr = False, PS: gl.constexpr = False):
+    """Warpgroup 0: the program's item (PS: each of its items in turn, ``_wg0_item``)."""
+    if PS:
+        vc_ptr, K, num_splits, n_items = args[2], args[14], args[16], args[17]
+        step = gl.num_programs(0)
+        gb = 0
+        j = 0
+        nv = valid_rows(gl.program_id(0), K, vc_ptr, num_splits, NG, HAS_VC)
+        for item in range(gl.program_id(0), n_items, step):
+            nv_next = valid_rows(gl.minimum(item + step, n_items - 1), K, vc_ptr, num_splits, NG, HAS_VC)
+            gb = _wg0_item(args, item, j, gb, ROPE, DS, FP4, NG, HAS_VC, NAMED, CL, tr, TRACE, CF, FF, SO, PS, nv)
+            nv = nv_next
+            j += 1
+    else:
+        _wg0_item(args, gl.program_id(0), 0, 0, ROPE, DS, FP4, NG, HAS_VC, NAMED, CL, tr, TRACE, CF, FF, SO, PS)
+
+
+@gluon.jit
+def _wg0_item(args, item, j, gb, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr,
+              HAS_VC: gl.constexpr, NAMED: gl.constexpr, CL: gl.constexpr, tr, TRACE: gl.constexpr,
+              CF: gl.constexpr, FF: gl.constexpr, SO: gl.constexpr, PS: gl.constexpr, nv=None):
+    """Warpgroup 0 on item ``item`` (the ``j``-th of the program, after ``gb`` blocks; block i in tile (gb + i) %
+    2): QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse.  Returns gb + its block
+    count.  PS: the producer may stage the next item's q once this item's last QK is done (``q_free``), and the
+    last block's tile is released only after the output went out through it."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
-     sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
+     sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, n_items, smem, bars) = args
     qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV, sig = smem
-    q_bar, ready, free, p_ready, p_free, l_bar = bars
-    t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    q_bar, ready, free, p_ready, p_free, l_bar, q_free = bars
+    t, s, g, k_begin, k_end = item_coords(item, H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC, nv)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
+    if PS:  # (the producer publishes one all-invalid block for an empty item)
+        n_blocks = gl.maximum(n_blocks, 1)
     SL: gl.constexpr = cga(S_LAYOUT, CL)
     OL: gl.constexpr = cga(O_LAYOUT, CL)
     HM: gl.constexpr = 64 * head_groups(CL)
@@ -766,15 +842,19 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
     l_i = gl.zeros([HM], gl.float32, gl.SliceLayout(1, SL))
     acc = gl.zeros([HM, 256], gl.float32, OL)
     _stamp(tr, 9, 0, TRACE)
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, j & 1)
     if not DS:
         ss = ss * sQ.load(gl.SliceLayout(1, SL))  # fp16 q: each head's power-of-two scale undone on its scores
+    if PS:  # == 0, opaque as z below: the item's first QK descriptors are not hoisted out of the item loop
+        z0 = item // (n_items + 1)
+    else:
+        z0 = 0
     if n_blocks > 0:
         _stamp(tr, 6, 0, TRACE)
-        mbarrier.wait(ready.index(0), 0)
+        mbarrier.wait(ready.index(gb % 2), (gb // 2) & 1)
         _stamp(tr, 7, 0, TRACE)
         fence_async_shared()
-        sc = _qk(qL, qR, qE, kL, kR, kE, 0, 0, s_zero, ROPE)
+        sc = _qk(qL, qR, qE, kL, kR, kE, gb % 2 + z0, z0, s_zero, ROPE)
         sc = warpgroup_mma_wait(0, deps=(sc, ))
         _stamp(tr, 4, 0, TRACE)
     else:
@@ -782,12 +862,12 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
     # every block but the last: its softmax and P hand-off, its PV, the next block's QK behind it (the last block,
     # which has no next QK, is peeled off below: no branch on it inside the loop)
     for i in range(n_blocks - 1):
-        b = i % 2
+        b = (gb + i) % 2
         # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in the
         # loop instead of their wgmma descriptors being hoisted out of it (and spilled)
         z = i // (n_blocks + 1)
-        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
-                                          CL)
+        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, gb + i, DS,
+                                          NAMED, CL)
         _stamp(tr, 5, i, TRACE)
         # P for this warpgroup's PV from shared memory as well: as a register operand its 16 registers would be
         # live beside O and the next S, past the 192 that ptxas needs to keep the wgmma pipeline unserialized
@@ -801,7 +881,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
             _stamp(tr, 8, i, TRACE)
             _release(sig, free, b, CL)
             _stamp(tr, 6, i + 1, TRACE)
-            mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
+            mbarrier.wait(ready.index(nb), ((gb + i + 1) // 2) & 1)
             _stamp(tr, 7, i + 1, TRACE)
             if CF:
                 fence_async_shared()
@@ -810,7 +890,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
             _stamp(tr, 4, i + 1, TRACE)
         else:
             _stamp(tr, 6, i + 1, TRACE)
-            mbarrier.wait(ready.index(nb), ((i + 1) // 2) & 1)
+            mbarrier.wait(ready.index(nb), ((gb + i + 1) // 2) & 1)
             _stamp(tr, 7, i + 1, TRACE)
             if CF:  # LEAN: a converted tile was fenced by the producer before its arrival
                 fence_async_shared()
@@ -823,16 +903,20 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
             _release(sig, free, b, CL)
             sc = warpgroup_mma_wait(0, deps=(sc, ))
             _stamp(tr, 4, i + 1, TRACE)
+    if PS:  # every QK of this item is done: the producer may stage the next item's q
+        compat.barrier()
+        mbarrier.arrive(q_free, count=1)
+    bL = (gb + n_blocks - 1) % 2  # the last block's tile
     if n_blocks > 0:
         i = n_blocks - 1
-        b = i % 2
-        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS, NAMED,
-                                          CL)
+        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, bL, m_i, l_i, acc, sP, sA, p_free, p_ready, gb + i, DS,
+                                          NAMED, CL)
         _stamp(tr, 5, i, TRACE)
-        acc = warpgroup_mma(sP, kL.index(b), acc, is_async=True)
+        acc = warpgroup_mma(sP, kL.index(bL), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         _stamp(tr, 8, i, TRACE)
-        _release(sig, free, b, CL)
+        if not PS:
+            _release(sig, free, bL, CL)
     # both warpgroups normalize with these row sums
     sL.store(l_i)
     publish(l_bar)
@@ -840,41 +924,74 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
     if not DS and not FP4:
         inv_l = inv_l * k_scale
     if SO:
+        if PS:
+            stage = _stage(kL, bL)
+        else:
+            stage = _stage(kL, 0)
         _out_store(acc, gl.convert_layout(inv_l, gl.SliceLayout(1, OL)), 0, o_ptr, stride_ot, stride_os, stride_oh,
-                   t, s, g, H, CL, _stage(kL), True)
+                   t, s, g, H, CL, stage, True)
     else:
         _out_store(acc, gl.convert_layout(inv_l, gl.SliceLayout(1, OL)), 0, o_ptr, stride_ot, stride_os, stride_oh,
                    t, s, g, H, CL)
     heads = g * 64 + gl.arange(0, HM, layout=gl.SliceLayout(1, SL))
     gl.store(lse_ptr + t.to(gl.int64) * stride_lt + s * stride_ls + heads * stride_lh, lse, mask=heads < H)
+    if PS:  # the output went out through the last block's tile: it goes back to the producer now
+        _release(sig, free, bL, CL)
     _stamp(tr, 10, 0, TRACE)
+    return gb + n_blocks
 
 
 @gluon.jit
 def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr, NAMED: gl.constexpr,
-         CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True, SO: gl.constexpr = False):
-    """Warpgroup 1: PV for output columns 256-511 with warpgroup 0's P and alpha."""
+         CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True, SO: gl.constexpr = False,
+         PS: gl.constexpr = False):
+    """Warpgroup 1: the program's item (PS: each of its items in turn, ``_wg1_item``)."""
+    if PS:
+        vc_ptr, K, num_splits, n_items = args[2], args[14], args[16], args[17]
+        step = gl.num_programs(0)
+        gb = 0
+        j = 0
+        nv = valid_rows(gl.program_id(0), K, vc_ptr, num_splits, NG, HAS_VC)
+        for item in range(gl.program_id(0), n_items, step):
+            nv_next = valid_rows(gl.minimum(item + step, n_items - 1), K, vc_ptr, num_splits, NG, HAS_VC)
+            gb = _wg1_item(args, item, j, gb, DS, FP4, NG, HAS_VC, NAMED, CL, tr, TRACE, CF, SO, PS, nv)
+            nv = nv_next
+            j += 1
+    else:
+        _wg1_item(args, gl.program_id(0), 0, 0, DS, FP4, NG, HAS_VC, NAMED, CL, tr, TRACE, CF, SO, PS)
+
+
+@gluon.jit
+def _wg1_item(args, item, j, gb, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
+              NAMED: gl.constexpr, CL: gl.constexpr, tr, TRACE: gl.constexpr, CF: gl.constexpr, SO: gl.constexpr,
+              PS: gl.constexpr, nv=None):
+    """Warpgroup 1 on item ``item`` (as ``_wg0_item``): PV for output columns 256-511 with warpgroup 0's P and
+    alpha.  Returns gb + its block count."""
     (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
-     sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, smem, bars) = args
+     sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, n_items, smem, bars) = args
     qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV, sig = smem
-    q_bar, ready, free, p_ready, p_free, l_bar = bars
-    t, s, g, k_begin, k_end = program_coords(H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC)
+    q_bar, ready, free, p_ready, p_free, l_bar, q_free = bars
+    t, s, g, k_begin, k_end = item_coords(item, H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC, nv)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
+    if PS:  # (the producer publishes one all-invalid block for an empty item)
+        n_blocks = gl.maximum(n_blocks, 1)
     OL: gl.constexpr = cga(O_LAYOUT, CL)
     OR: gl.constexpr = gl.SliceLayout(1, OL)
     acc = gl.zeros([64 * head_groups(CL), 256], gl.float32, OL)
-    if NAMED:
+    if NAMED and not PS:
         if n_blocks > 0:
             named_barrier(P_FREE_ARRIVE)  # sP is free for block 0's P
     for i in range(n_blocks):
-        b = i % 2
+        b = (gb + i) % 2
         z = i // (n_blocks + 1)  # == 0; see _wg0
-        mbarrier.wait(ready.index(b), (i // 2) & 1)
+        if NAMED and PS:  # sP is free for this block's P (the previous block's PV, this program's, is done)
+            named_barrier(P_FREE_ARRIVE)
+        mbarrier.wait(ready.index(b), ((gb + i) // 2) & 1)
         _stamp(tr, 13, i, TRACE)
         if NAMED:
             named_barrier(P_READY_SYNC)
         else:
-            mbarrier.wait(p_ready, i & 1)
+            mbarrier.wait(p_ready, (gb + i) & 1)
         _stamp(tr, 11, i, TRACE)
         if CF:  # LEAN: P was fenced by warpgroup 0, a converted tile by the producer, before their arrivals
             fence_async_shared()
@@ -882,7 +999,7 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
         acc = warpgroup_mma(sP, kR.index(b + z), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         _stamp(tr, 12, i, TRACE)
-        if NAMED:
+        if NAMED and not PS:
             if i + 1 < n_blocks:  # (warpgroup 0 syncs once a block: as many arrivals as syncs)
                 named_barrier(P_FREE_ARRIVE)
         compat.barrier()  # every warp's MMA has read P, alpha and tile b
@@ -890,24 +1007,36 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
             mbarrier.arrive(p_free, count=1)
         if CL:
             _signal(sig.index(2 * b + 1), free.index(b))
+        elif PS:
+            if i + 1 < n_blocks:  # the last block's tile: after the output went out through it
+                mbarrier.arrive(free.index(b), count=1)
         else:
             mbarrier.arrive(free.index(b), count=1)
-    mbarrier.wait(l_bar, 0)
+    mbarrier.wait(l_bar, j & 1)
     # the same normalizer as warpgroup 0 (m does not enter 1 / l)
     inv_l, lse_unused = normalizer(gl.zeros([64 * head_groups(CL)], gl.float32, OR), sL.load(OR))
     if not DS and not FP4:
         inv_l = inv_l * k_scale
+    bL = (gb + n_blocks - 1) % 2
     if SO:
-        _out_store(acc, inv_l, 256, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H, CL, _stage(kR), True)
+        if PS:
+            stage = _stage(kR, bL)
+        else:
+            stage = _stage(kR, 0)
+        _out_store(acc, inv_l, 256, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H, CL, stage, True)
     else:
         _out_store(acc, inv_l, 256, o_ptr, stride_ot, stride_os, stride_oh, t, s, g, H, CL)
+    if PS:
+        compat.barrier()  # every warp's output is out of the tile
+        mbarrier.arrive(free.index(bL), count=1)
+    return gb + n_blocks
 
 
 @gluon.jit
 def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr,
                 o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls, stride_lh,
                 sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-                fo_ptr, stride_ft, stride_fh, fl_ptr, stride_gt, stride_gh,
+                fo_ptr, stride_ft, stride_fh, fl_ptr, stride_gt, stride_gh, n_items,
                 BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
                 NG: gl.constexpr, HAS_VC: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr,
                 B16: gl.constexpr = False, NAMED: gl.constexpr = False, CL: gl.constexpr = False,
@@ -915,10 +1044,12 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 W128: gl.constexpr = False, TRACE: gl.constexpr = False, EARLY: gl.constexpr = False,
                 LATE: gl.constexpr = False, LEAN: gl.constexpr = False, IDX2: gl.constexpr = False,
                 FF: gl.constexpr = False, SO: gl.constexpr = False, EI: gl.constexpr = False,
-                PF: gl.constexpr = False):
-    """One program = one query token x 64 heads (head group g of NG) x one split; launch with num_warps=4 (the
-    default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  CL: one program = a cluster of two CTAs (launch
-    with num_ctas=2) x 128 heads x one split, NG = 1."""
+                PF: gl.constexpr = False, PS: gl.constexpr = False):
+    """One program = one work item, a query token x 64 heads (head group g of NG) x one split; launch with
+    num_warps=4 (the default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  ``n_items``: tokens x splits x
+    NG.  PS (persistent): a grid of at most one program per SM, program p serving items p, p + grid, ... in turn,
+    each partition running ahead into the next item as far as the shared buffers allow.  CL: one program = a
+    cluster of two CTAs (launch with num_ctas=2) x 128 heads x one split, NG = 1."""
     # the 16-bit type of q, the tiles and P: fp16 where the values are exact in it (nvfp4, fp8), else bf16
     Q16: gl.constexpr = DS or B16  # bf16 q and tiles, q copied as it is, one softmax scale for every head
     if Q16:
@@ -963,6 +1094,10 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     p_ready = gl.allocate_shared_memory(gl.int64, [NC], bl)
     p_free = gl.allocate_shared_memory(gl.int64, [NC], bl)
     l_bar = gl.allocate_shared_memory(gl.int64, [NC], bl)
+    if PS:
+        q_free = gl.allocate_shared_memory(gl.int64, [NC], bl)  # warpgroup 0 is done with an item's q
+    else:
+        q_free = l_bar  # (unused)
     if CL:
         # the consumers' signals (``_signal``): [tile x warpgroup, destination CTA, source CTA, SIG_N]
         sig = gl.allocate_shared_memory(gl.int32, [4, 2, 2, SIG_N],
@@ -985,13 +1120,15 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     mbarrier.init(p_ready, count=1)
     mbarrier.init(p_free, count=1)
     mbarrier.init(l_bar, count=PUBLISH)  # warpgroup 0's publish() of its row sums
+    if PS:
+        mbarrier.init(q_free, count=1)
     if CL:
         compat.fence_mbarrier_init_cluster()
         compat.cluster_barrier(relaxed=True)  # both CTAs' mbarriers initialized before either sends to the other
     # (constexprs reach a partition as constexprs only when written into warp_specialize's argument tuples)
     ca = (idx_ptr, stride_it, vc_ptr, o_ptr, stride_ot, stride_os, stride_oh, lse_ptr, stride_lt, stride_ls,
-          stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits,
-          (qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV, sig), (q_bar, ready, free, p_ready, p_free, l_bar))
+          stride_lh, sm_scale_log2, k_scale, H, K, rows_per_split, num_splits, n_items,
+          (qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV, sig), (q_bar, ready, free, p_ready, p_free, l_bar, q_free))
     # the producer stores bf16 pairs as 32-bit words: the same bytes under the same 128-byte swizzle
     words: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     if B16:
@@ -1013,10 +1150,12 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     else:
         kEw = compat.reinterpret(kE, gl.int32, [2, 64, 32], words)
     pa = (q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_ptr, idx_ptr, stride_it, vc_ptr, H, K,
-          rows_per_split, num_splits,
-          (qL, qR, qE, kLw, kRw, kEw, sQ, sV), (q_bar, ready, free))
+          rows_per_split, num_splits, n_items,
+          (qL, qR, qE, kLw, kRw, kEw, sQ, sV), (q_bar, ready, free, q_free))
     if B16:
         PR: gl.constexpr = B16_PRODUCER_REGS
+    elif PS:
+        PR: gl.constexpr = PS_PRODUCER_REGS
     else:
         PR: gl.constexpr = PRODUCER_REGS
     # TRACE: the final-out pointer (read by FUSED variants only) carries the trace buffer (``_stamp``)
@@ -1025,10 +1164,10 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     CF: gl.constexpr = B16 or CL or not LEAN
     # SO: a bf16 output (one split) goes out through a tile (the partials of several splits are fp32)
     SOB: gl.constexpr = SO and o_ptr.dtype.element_ty == gl.bfloat16
-    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, FF, SOB)),
-                        (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, SOB)),
+    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, FF, SOB, PS)),
+                        (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, SOB, PS)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT, W128,
-                                     fo_ptr, TRACE, EARLY, LATE, IDX2, EI, PF))],
+                                     fo_ptr, TRACE, EARLY, LATE, IDX2, EI, PF, PS))],
                        [4, 4], [WG1_REGS, PR])
     if CL:
         # neither CTA exits while the other may still send to it (Triton 3.9 adds this barrier itself, 3.8 not)
@@ -1067,6 +1206,10 @@ TUNED = {"bf16": dict(rows128=True, free_first=True, smem_out=True),
                             named=True)}
 
 
+# The options of a persistent plan (plan.PERSISTENT_KINDS, more work items than SMs)
+PERSISTENT = dict(persist=True)
+
+
 # nvfp4_ds_mla's producer with fp8_ds_mla's L2 handling (the next block's rows prefetched into L2, plain loads, the
 # indices not prefetched): where it measured faster than TUNED's entry.  H100, decode b 128, one process, us at 64 /
 # 128 heads, TUNED -> ROWS_PF: NoPE rows on Triton 3.6 112.4 / 203.1 -> 102.1 / 184.0; RoPE rows on 3.9 118.2 / 215.5
@@ -1096,7 +1239,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
          l2_hint: bool | None = None, rows128: bool | None = None, early: bool | None = None,
          late_next: bool | None = None, lean_fences: bool | None = None, idx_ahead: bool | None = None,
          free_first: bool | None = None, smem_out: bool | None = None, early_idx: bool | None = None,
-         row_prefetch: bool | None = None, trace: bool = False) -> dict:
+         row_prefetch: bool | None = None, persist: bool = False, trace: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
@@ -1111,7 +1254,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     (warpgroup 0 frees a tile when its PV on it is done, before it waits for the next block), ``smem_out`` (a bf16
     output through a tile, out in 16-byte row stores), ``row_prefetch`` (the quantized kinds: the producer prefetches
     the next block's rows into L2, two blocks ahead with ``idx_ahead``), ``named`` (P and alpha handed from
-    warpgroup 0 to warpgroup 1 through named barriers, ``NAMED`` in the module docstring).  ``trace``: the diagnostic
+    warpgroup 0 to warpgroup 1 through named barriers, ``NAMED`` in the module docstring), ``persist`` (``PS``: at
+    most one program per SM, each serving its items in turn; the launcher sizes the grid).  ``trace``: the diagnostic
     build that writes the SM clock at every hand-off into the buffer passed as ``fo_ptr``
     (``benchmarks/conv_trace.py`` launches it and reads the timeline).  (Variants that
     measured slower -- the next QK before the softmax or before this block's PV, P in registers for warpgroup 0's
@@ -1131,6 +1275,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
                          f"cluster={cluster}")
     if cluster and (free_first or smem_out or early_idx):
         raise ValueError("free_first / smem_out / early_idx: options of the one-CTA kernel")
+    if persist and (cluster or fused or trace):
+        raise ValueError("persist: a one-CTA kernel whose splits the combine kernel merges, not traced")
     if trace and (cluster or fused):
         raise ValueError("trace: its buffer is the final-out argument, which the 2-CTA and FUSED variants use")
     if cluster and idx_ahead:
@@ -1146,7 +1292,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
              FP4=fp4, B16=kind == "bf16", NAMED=named, CL=bool(cluster), num_warps=4, maxnreg=168,
              enable_fp_fusion=True, HINT=bool(l2_hint), W128=bool(rows128), TRACE=bool(trace), EARLY=bool(early),
              LATE=bool(late_next), LEAN=bool(lean_fences), IDX2=bool(idx_ahead), FF=bool(free_first),
-             SO=bool(smem_out), EI=bool(early_idx), PF=bool(row_prefetch), **fused_meta(fused))
+             SO=bool(smem_out), EI=bool(early_idx), PF=bool(row_prefetch), PS=bool(persist), **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m
