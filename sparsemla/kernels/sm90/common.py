@@ -101,9 +101,7 @@ def item_coords(pid, H, K, vc_ptr, rows_per_split, num_splits, NG: gl.constexpr,
     s = ts % num_splits
     t = ts // num_splits
     if n is None:
-        n = K
-        if HAS_VC:
-            n = gl.minimum(gl.maximum(gl.load(vc_ptr + t), 0), K)
+        n = valid_rows(pid, K, vc_ptr, num_splits, NG, HAS_VC)
     k_begin = s * rows_per_split
     k_end = gl.minimum(k_begin + rows_per_split, n)
     return t, s, g, k_begin, k_end

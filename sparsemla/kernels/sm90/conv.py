@@ -487,8 +487,7 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
         j = 0
         nv = valid_rows(gl.program_id(0), K, vc_ptr, num_splits, NG, HAS_VC)
         for item in range(gl.program_id(0), n_items, step):
-            # the next item's valid rows loaded ahead, out of the item's chain
-            nv_next = valid_rows(gl.minimum(item + step, n_items - 1), K, vc_ptr, num_splits, NG, HAS_VC)
+            nv_next = _next_rows(item, step, n_items, K, vc_ptr, num_splits, NG, HAS_VC)
             gb = _produce_item(args, item, j, gb, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT,
                                W128, tr, TRACE, EARLY, LATE, IDX2, EI, PF, PS, nv)
             nv = nv_next
@@ -496,6 +495,13 @@ def _producer(args, BPT: gl.constexpr, ROPE: gl.constexpr, SCALE_OFF: gl.constex
     else:
         _produce_item(args, gl.program_id(0), 0, 0, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL,
                       HINT, W128, tr, TRACE, EARLY, LATE, IDX2, EI, PF, PS)
+
+
+@gluon.jit
+def _next_rows(item, step, n_items, K, vc_ptr, num_splits, NG: gl.constexpr, HAS_VC: gl.constexpr):
+    """PS: the valid rows of the program's item after ``item`` (the last item's own past the end), loaded while
+    ``item`` is served, out of the next item's chain."""
+    return valid_rows(gl.minimum(item + step, n_items - 1), K, vc_ptr, num_splits, NG, HAS_VC)
 
 
 @gluon.jit
@@ -537,10 +543,9 @@ def _produce_item(args, item, j, gb, BPT: gl.constexpr, ROPE: gl.constexpr, SCAL
     QLATE: gl.constexpr = PS and B16
     if PS and not QLATE:  # warpgroup 0 is done with the previous item's q (a fresh mbarrier passes phase 1 at once)
         mbarrier.wait(q_free, (j & 1) ^ 1)
-    if QLATE:
-        pass
-    elif DS or B16:
-        _copy_q(q_row, qe_row, hm, qL, qR, qE, q_bar, ROPE, LB)
+    if DS or B16:
+        if not QLATE:
+            _copy_q(q_row, qe_row, hm, qL, qR, qE, q_bar, ROPE, LB)
     else:
         _stage_q_f16(q_row, qe_row, hm, qL, qR, qE, sQ, ROPE, CL)
         fence_async_shared()  # q is read by the consumers' wgmma (async proxy)
@@ -807,7 +812,7 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         j = 0
         nv = valid_rows(gl.program_id(0), K, vc_ptr, num_splits, NG, HAS_VC)
         for item in range(gl.program_id(0), n_items, step):
-            nv_next = valid_rows(gl.minimum(item + step, n_items - 1), K, vc_ptr, num_splits, NG, HAS_VC)
+            nv_next = _next_rows(item, step, n_items, K, vc_ptr, num_splits, NG, HAS_VC)
             gb = _wg0_item(args, item, j, gb, ROPE, DS, FP4, NG, HAS_VC, NAMED, CL, tr, TRACE, CF, FF, SO, PS, nv)
             nv = nv_next
             j += 1
@@ -953,7 +958,7 @@ def _wg1(args, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl
         j = 0
         nv = valid_rows(gl.program_id(0), K, vc_ptr, num_splits, NG, HAS_VC)
         for item in range(gl.program_id(0), n_items, step):
-            nv_next = valid_rows(gl.minimum(item + step, n_items - 1), K, vc_ptr, num_splits, NG, HAS_VC)
+            nv_next = _next_rows(item, step, n_items, K, vc_ptr, num_splits, NG, HAS_VC)
             gb = _wg1_item(args, item, j, gb, DS, FP4, NG, HAS_VC, NAMED, CL, tr, TRACE, CF, SO, PS, nv)
             nv = nv_next
             j += 1
