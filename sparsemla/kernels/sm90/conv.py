@@ -1254,7 +1254,7 @@ KINDS = ("fp8", "fp8_ds_mla", "nvfp4_ds_mla", "bf16")  # the row formats this ke
 # 64 / 128 heads: fp8_ds_mla 108.6 / 199.0 against 115.1 / 207.9; nvfp4 106.7 / 199.3 against 104.8-117.5 / 195.0,
 # plain fp8 (two blocks ahead with its idx_ahead) 103.3 / 190.0 against 99.9 / 181.3 (kept off); two blocks ahead on
 # fp8_ds_mla 126.1 / 211.7.  The quantized kinds' named-barrier hand-off: NAMED in the module docstring.
-TUNED = {"bf16": dict(rows128=True, free_first=True, smem_out=True),
+TUNED = {"bf16": dict(rows128=True, free_first=True, smem_out=True, named=True),
          "nvfp4_ds_mla": dict(l2_hint=True, early_idx=True, smem_out=True, named=True),
          "fp8": dict(early=True, late_next=True, lean_fences=True, idx_ahead=True, smem_out=True, named=True),
          "fp8_ds_mla": dict(early=True, late_next=True, lean_fences=True, smem_out=True, row_prefetch=True,
