@@ -267,23 +267,6 @@ def test_conv_bf16_rows64_matches_reference(fmt, heads, topk, splits):
         check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, 1.0, o_tol=1e-2, lse_tol=2e-3)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "bf16-nope"])
-@pytest.mark.parametrize("persist", [False, True])
-@pytest.mark.parametrize("tokens,heads,topk,splits", [(5, 64, 2048, 1), (5, 33, 64, 1), (4, 96, 128, 1),
-                                                      (5, 128, 130, 1), (6, 96, 2051, 3), (140, 128, 320, 1),
-                                                      (300, 64, 200, 2)])
-def test_conv_defer_pv_matches_reference(fmt, persist, tokens, heads, topk, splits):
-    """Warpgroup 0's PV of each block under the next block's softmax (``conv.meta(defer_pv=True)``): one, two,
-    three and many blocks an item (the first and last blocks are peeled off), one item a program and the
-    persistent grid, empty items (valid counts of 0) among them."""
-    skip_unless_sm90()
-    from sparsemla.kernels.sm90 import conv
-    c = make_case(fmt, tokens, heads, topk, ctx=max(256, topk + 64), block_size=64, device="cuda")
-    c["valid_counts"][::7] = 0
-    with meta_variant(conv, KERNEL, defer_pv=True, persist=persist):
-        check_case(c, c["fmt"].head_dim ** -0.5, KERNEL, splits, 1.0, o_tol=1e-2, lse_tol=2e-3)
-
-
 CLUSTER_SHAPES = [(5, 128, 2048, 1), (5, 128, 2051, 3), (3, 65, 64, 1), (4, 96, 320, 2), (1, 128, 2048, 32),
                   (128, 128, 2048, 1)]
 

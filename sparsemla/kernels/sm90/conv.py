@@ -758,8 +758,10 @@ def _out_store(acc, inv_l, col0: gl.constexpr, o_ptr, stride_ot, stride_os, stri
 
 
 @gluon.jit
-def _softmax(sc, ss, sV, b, m_i, l_i, DS: gl.constexpr, CL: gl.constexpr = False):
-    """Block i's online softmax on its scores sc (tile b's invalid rows masked).  Returns (m, l, P, alpha)."""
+def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS: gl.constexpr,
+                      NAMED: gl.constexpr, CL: gl.constexpr = False):
+    """Block i's online softmax on its scores sc (tile b's invalid rows masked), O rescaled; P and alpha handed to
+    warpgroup 1 (through sP / sA once it is done with block i - 1's).  Returns (m, l, O)."""
     # tile b's valid rows (the producer's, behind ready[b])
     ok = sV.index(b).load(gl.SliceLayout(0, cga(S_LAYOUT, CL))) != 0.0
     if DS:
@@ -771,23 +773,7 @@ def _softmax(sc, ss, sV, b, m_i, l_i, DS: gl.constexpr, CL: gl.constexpr = False
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(sc - m_new[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
-    return m_new, l_i, p, alpha
-
-
-@gluon.jit
-def _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, i, DS: gl.constexpr,
-                      NAMED: gl.constexpr, CL: gl.constexpr = False):
-    """Block i's online softmax on its scores sc (tile b's invalid rows masked), O rescaled; P and alpha handed to
-    warpgroup 1 (through sP / sA once it is done with block i - 1's).  Returns (m, l, O)."""
-    m_new, l_i, p, alpha = _softmax(sc, ss, sV, b, m_i, l_i, DS, CL)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, cga(O_LAYOUT, CL)))[:, None]
-    _hand_off(p, alpha, sP, sA, p_free, p_ready, i, NAMED)
-    return m_new, l_i, acc
-
-
-@gluon.jit
-def _hand_off(p, alpha, sP, sA, p_free, p_ready, i, NAMED: gl.constexpr):
-    """P and alpha of block i to warpgroup 1 (through sP / sA once it is done with block i - 1's)."""
     if NAMED:
         named_barrier(P_FREE_SYNC)
     else:
@@ -800,6 +786,7 @@ def _hand_off(p, alpha, sP, sA, p_free, p_ready, i, NAMED: gl.constexpr):
         named_barrier(P_READY_ARRIVE)
     else:
         mbarrier.arrive(p_ready, count=1)
+    return m_new, l_i, acc
 
 
 @gluon.jit
@@ -816,7 +803,7 @@ def _release(sig, free, b, CL: gl.constexpr):
 @gluon.jit
 def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr, HAS_VC: gl.constexpr,
          NAMED: gl.constexpr, CL: gl.constexpr, tr=None, TRACE: gl.constexpr = False, CF: gl.constexpr = True,
-         FF: gl.constexpr = False, SO: gl.constexpr = False, PS: gl.constexpr = False, DP: gl.constexpr = False):
+         FF: gl.constexpr = False, SO: gl.constexpr = False, PS: gl.constexpr = False):
     """Warpgroup 0: the program's item (PS: each of its items in turn, ``_wg0_item``)."""
     if PS:
         vc_ptr, K, num_splits, n_items = args[2], args[14], args[16], args[17]
@@ -826,19 +813,17 @@ def _wg0(args, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.c
         nv = valid_rows(gl.program_id(0), K, vc_ptr, num_splits, NG, HAS_VC)
         for item in range(gl.program_id(0), n_items, step):
             nv_next = _next_rows(item, step, n_items, K, vc_ptr, num_splits, NG, HAS_VC)
-            gb = _wg0_item(args, item, j, gb, ROPE, DS, FP4, NG, HAS_VC, NAMED, CL, tr, TRACE, CF, FF, SO, PS, DP,
-                           nv)
+            gb = _wg0_item(args, item, j, gb, ROPE, DS, FP4, NG, HAS_VC, NAMED, CL, tr, TRACE, CF, FF, SO, PS, nv)
             nv = nv_next
             j += 1
     else:
-        _wg0_item(args, gl.program_id(0), 0, 0, ROPE, DS, FP4, NG, HAS_VC, NAMED, CL, tr, TRACE, CF, FF, SO, PS, DP)
+        _wg0_item(args, gl.program_id(0), 0, 0, ROPE, DS, FP4, NG, HAS_VC, NAMED, CL, tr, TRACE, CF, FF, SO, PS)
 
 
 @gluon.jit
 def _wg0_item(args, item, j, gb, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.constexpr,
               HAS_VC: gl.constexpr, NAMED: gl.constexpr, CL: gl.constexpr, tr, TRACE: gl.constexpr,
-              CF: gl.constexpr, FF: gl.constexpr, SO: gl.constexpr, PS: gl.constexpr, DP: gl.constexpr = False,
-              nv=None):
+              CF: gl.constexpr, FF: gl.constexpr, SO: gl.constexpr, PS: gl.constexpr, nv=None):
     """Warpgroup 0 on item ``item`` (the ``j``-th of the program, after ``gb`` blocks; block i in tile (gb + i) %
     2): QK, softmax, P and alpha for warpgroup 1, PV for output columns 0-255, the lse.  Returns gb + its block
     count.  PS: the producer may stage the next item's q once this item's last QK is done (``q_free``), and the
@@ -879,89 +864,54 @@ def _wg0_item(args, item, j, gb, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.c
         _stamp(tr, 4, 0, TRACE)
     else:
         sc = s_zero
-    if DP:
-        # DEFER_PV: block i's PV (this warpgroup's half) runs under block i + 1's softmax, not before block i + 1's
-        # QK, so that the tensor cores are busy while the softmax runs.  Block 0 (no PV before its softmax) and the
-        # last block (its softmax after the loop) are peeled off: no branch inside the loop.
-        i0 = 1
-        if n_blocks > 1:
-            b = gb % 2
-            m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b, m_i, l_i, acc, sP, sA, p_free, p_ready, gb, DS,
-                                              NAMED, CL)
-            mbarrier.wait(ready.index(1 - b), ((gb + 1) // 2) & 1)
-            fence_async_shared()
-            sc = _qk(qL, qR, qE, kL, kR, kE, 1 - b + z0, z0, s_zero, ROPE)
-            sc = warpgroup_mma_wait(0, deps=(sc, ))
-    else:
-        i0 = 0
     # every block but the last: its softmax and P hand-off, its PV, the next block's QK behind it (the last block,
     # which has no next QK, is peeled off below: no branch on it inside the loop)
-    for i in range(i0, n_blocks - 1):
-        if DP:
-            b = (gb + i) % 2
-            pb = 1 - b  # block i - 1's tile, and block i + 1's
-            z = i // (n_blocks + 1)
-            acc = warpgroup_mma(sP, kL.index(pb + z), acc, is_async=True)  # block i - 1's PV
-            m_i, l_i, p, alpha = _softmax(sc, ss, sV, b + z, m_i, l_i, DS, CL)
+    for i in range(n_blocks - 1):
+        b = (gb + i) % 2
+        # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in the
+        # loop instead of their wgmma descriptors being hoisted out of it (and spilled)
+        z = i // (n_blocks + 1)
+        m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, gb + i, DS,
+                                          NAMED, CL)
+        _stamp(tr, 5, i, TRACE)
+        # P for this warpgroup's PV from shared memory as well: as a register operand its 16 registers would be
+        # live beside O and the next S, past the 192 that ptxas needs to keep the wgmma pipeline unserialized
+        # (measured: issuing that PV from registers before the hand-off, FlashMLA's order, was no faster)
+        acc = warpgroup_mma(sP, kL.index(b + z), acc, is_async=True)
+        nb = 1 - b
+        if FF:
+            # FREE_FIRST: tile b goes back to the producer as soon as this PV is done, before the wait for block
+            # i + 1: the producer's refill of tile b (block i + 2) no longer waits for block i + 1 to be ready
             acc = warpgroup_mma_wait(0, deps=(acc, ))
-            _release(sig, free, pb, CL)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, OL))[:, None]
-            _hand_off(p, alpha, sP, sA, p_free, p_ready, gb + i, NAMED)
-            mbarrier.wait(ready.index(pb), ((gb + i + 1) // 2) & 1)
-            fence_async_shared()
-            sc = _qk(qL, qR, qE, kL, kR, kE, pb + z, z, s_zero, ROPE)
+            _stamp(tr, 8, i, TRACE)
+            _release(sig, free, b, CL)
+            _stamp(tr, 6, i + 1, TRACE)
+            mbarrier.wait(ready.index(nb), ((gb + i + 1) // 2) & 1)
+            _stamp(tr, 7, i + 1, TRACE)
+            if CF:
+                fence_async_shared()
+            sc = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)
             sc = warpgroup_mma_wait(0, deps=(sc, ))
+            _stamp(tr, 4, i + 1, TRACE)
         else:
-            b = (gb + i) % 2
-            # z == 0, but the compiler cannot know it: shared-memory views indexed with it are recomputed in the
-            # loop instead of their wgmma descriptors being hoisted out of it (and spilled)
-            z = i // (n_blocks + 1)
-            m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, b + z, m_i, l_i, acc, sP, sA, p_free, p_ready, gb + i, DS,
-                                              NAMED, CL)
-            _stamp(tr, 5, i, TRACE)
-            # P for this warpgroup's PV from shared memory as well: as a register operand its 16 registers would be
-            # live beside O and the next S, past the 192 that ptxas needs to keep the wgmma pipeline unserialized
-            # (measured: issuing that PV from registers before the hand-off, FlashMLA's order, was no faster)
-            acc = warpgroup_mma(sP, kL.index(b + z), acc, is_async=True)
-            nb = 1 - b
-            if FF:
-                # FREE_FIRST: tile b goes back to the producer as soon as this PV is done, before the wait for block
-                # i + 1: the producer's refill of tile b (block i + 2) no longer waits for block i + 1 to be ready
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                _stamp(tr, 8, i, TRACE)
-                _release(sig, free, b, CL)
-                _stamp(tr, 6, i + 1, TRACE)
-                mbarrier.wait(ready.index(nb), ((gb + i + 1) // 2) & 1)
-                _stamp(tr, 7, i + 1, TRACE)
-                if CF:
-                    fence_async_shared()
-                sc = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)
-                sc = warpgroup_mma_wait(0, deps=(sc, ))
-                _stamp(tr, 4, i + 1, TRACE)
-            else:
-                _stamp(tr, 6, i + 1, TRACE)
-                mbarrier.wait(ready.index(nb), ((gb + i + 1) // 2) & 1)
-                _stamp(tr, 7, i + 1, TRACE)
-                if CF:  # LEAN: a converted tile was fenced by the producer before its arrival
-                    fence_async_shared()
-                sc = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)
-                # tile b is released once this PV and the next QK's kL and kR parts are done (wgmma groups retire in
-                # order, and each of the QK's wgmma is a group of its own).  Releasing it after the PV alone (waiting
-                # with the QK's two or three groups outstanding) measured no faster (CHANGELOG).
-                acc = warpgroup_mma_wait(1, deps=(acc, ))
-                _stamp(tr, 8, i, TRACE)
-                _release(sig, free, b, CL)
-                sc = warpgroup_mma_wait(0, deps=(sc, ))
-                _stamp(tr, 4, i + 1, TRACE)
+            _stamp(tr, 6, i + 1, TRACE)
+            mbarrier.wait(ready.index(nb), ((gb + i + 1) // 2) & 1)
+            _stamp(tr, 7, i + 1, TRACE)
+            if CF:  # LEAN: a converted tile was fenced by the producer before its arrival
+                fence_async_shared()
+            sc = _qk(qL, qR, qE, kL, kR, kE, nb + z, z, s_zero, ROPE)
+            # tile b is released once this PV and the next QK's kL and kR parts are done (wgmma groups retire in
+            # order, and each of the QK's wgmma is a group of its own).  Releasing it after the PV alone (waiting
+            # with the QK's two or three groups outstanding) measured no faster (CHANGELOG).
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            _stamp(tr, 8, i, TRACE)
+            _release(sig, free, b, CL)
+            sc = warpgroup_mma_wait(0, deps=(sc, ))
+            _stamp(tr, 4, i + 1, TRACE)
     if PS:  # every QK of this item is done: the producer may stage the next item's q
         compat.barrier()
         mbarrier.arrive(q_free, count=1)
     bL = (gb + n_blocks - 1) % 2  # the last block's tile
-    if DP:
-        if n_blocks > 1:  # the last PV but one, before the last softmax
-            acc = warpgroup_mma(sP, kL.index(1 - bL), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            _release(sig, free, 1 - bL, CL)
     if n_blocks > 0:
         i = n_blocks - 1
         m_i, l_i, acc = _softmax_hand_off(sc, ss, sV, bL, m_i, l_i, acc, sP, sA, p_free, p_ready, gb + i, DS,
@@ -1099,7 +1049,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
                 W128: gl.constexpr = False, TRACE: gl.constexpr = False, EARLY: gl.constexpr = False,
                 LATE: gl.constexpr = False, LEAN: gl.constexpr = False, IDX2: gl.constexpr = False,
                 FF: gl.constexpr = False, SO: gl.constexpr = False, EI: gl.constexpr = False,
-                PF: gl.constexpr = False, PS: gl.constexpr = False, DP: gl.constexpr = False):
+                PF: gl.constexpr = False, PS: gl.constexpr = False):
     """One program = one work item, a query token x 64 heads (head group g of NG) x one split; launch with
     num_warps=4 (the default partition, warpgroup 0) and maxnreg=168 (see ``meta``).  ``n_items``: tokens x splits x
     NG.  PS (persistent): a grid of at most one program per SM, program p serving items p, p + grid, ... in turn,
@@ -1219,7 +1169,7 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
     CF: gl.constexpr = B16 or CL or not LEAN
     # SO: a bf16 output (one split) goes out through a tile (the partials of several splits are fp32)
     SOB: gl.constexpr = SO and o_ptr.dtype.element_ty == gl.bfloat16
-    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, FF, SOB, PS, DP)),
+    gl.warp_specialize([(_wg0, (ca, ROPE, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, FF, SOB, PS)),
                         (_wg1, (ca, Q16, FP4, NG, HAS_VC, NAMED, CL, fo_ptr, TRACE, CF, SOB, PS)),
                         (_producer, (pa, BPT, ROPE, SCALE_OFF, ROPE_OFF, DS, FP4, NG, HAS_VC, B16, CL, HINT, W128,
                                      fo_ptr, TRACE, EARLY, LATE, IDX2, EI, PF, PS))],
@@ -1294,8 +1244,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
          l2_hint: bool | None = None, rows128: bool | None = None, early: bool | None = None,
          late_next: bool | None = None, lean_fences: bool | None = None, idx_ahead: bool | None = None,
          free_first: bool | None = None, smem_out: bool | None = None, early_idx: bool | None = None,
-         row_prefetch: bool | None = None, persist: bool = False, defer_pv: bool | None = None,
-         trace: bool = False) -> dict:
+         row_prefetch: bool | None = None, persist: bool = False, trace: bool = False) -> dict:
     """``conv_kernel``'s constexprs and launch options for one variant (the arguments as in ``few.meta``;
     ``num_groups`` = ceil(heads / 64)).  ``cluster``: the 2-CTA kernel (module docstring; fp8, fp8_ds_mla and
     nvfp4_ds_mla rows, 65-128 heads, Triton >= 3.8), one program per token and split: ``num_groups`` must then be
@@ -1326,9 +1275,6 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
     idx_ahead, free_first = pick("idx_ahead", idx_ahead), pick("free_first", free_first)
     smem_out, early_idx = pick("smem_out", smem_out), pick("early_idx", early_idx)
     row_prefetch, named = pick("row_prefetch", row_prefetch), pick("named", named)
-    defer_pv = pick("defer_pv", False if trace and defer_pv is None else defer_pv)  # (the trace times the old order)
-    if defer_pv and (cluster or trace or not free_first):
-        raise ValueError("defer_pv: an option of the one-CTA kernel with free_first, not traced")
     if row_prefetch and (cluster or kind == "bf16"):
         raise ValueError(f"row_prefetch: an option of the one-CTA kernel's converting producer, got kind={kind!r}, "
                          f"cluster={cluster}")
@@ -1351,8 +1297,7 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
              FP4=fp4, B16=kind == "bf16", NAMED=named, CL=bool(cluster), num_warps=4, maxnreg=168,
              enable_fp_fusion=True, HINT=bool(l2_hint), W128=bool(rows128), TRACE=bool(trace), EARLY=bool(early),
              LATE=bool(late_next), LEAN=bool(lean_fences), IDX2=bool(idx_ahead), FF=bool(free_first),
-             SO=bool(smem_out), EI=bool(early_idx), PF=bool(row_prefetch), PS=bool(persist), DP=bool(defer_pv),
-             **fused_meta(fused))
+             SO=bool(smem_out), EI=bool(early_idx), PF=bool(row_prefetch), PS=bool(persist), **fused_meta(fused))
     if cluster:
         m["num_ctas"] = 2
     return m
