@@ -114,11 +114,11 @@ def test_cluster_kernel_protocol(compiled, name):
     assert c["init_fence"] and c["cluster_barriers"] >= 2, c
 
 
-@pytest.mark.parametrize("named,mbar", [(f"conv-{kind}", f"conv-{kind}-mbar") for kind in conv.KINDS if kind != "bf16"]
-                         + [(f"{k}-bf16-named", f"{k}-bf16") for k in ("conv", "bf16")])
+@pytest.mark.parametrize("named,mbar", [(f"conv-{kind}", f"conv-{kind}-mbar") for kind in conv.KINDS]
+                         + [("bf16-bf16-named", "bf16-bf16")])
 def test_named_hand_off_spills_no_more_and_runs_fewer_instructions(compiled, named, mbar):
     """``sm90-conv`` and the pair kernel with their hand-offs between MMA warpgroups through named barriers
-    (``meta(named=True)``; conv's quantized kinds by default) against mbarriers: what makes them faster is fewer
+    (``meta(named=True)``; conv's default) against mbarriers: what makes them faster is fewer
     instructions (no mbarrier try-wait loops, fewer warpgroup barriers) and, for conv on 3.9, the shared-memory
     descriptors no longer built ahead and spilled -- so each must keep both on every release."""
     n, m = compiled[named], compiled[mbar]
@@ -193,7 +193,7 @@ def test_conv_meta_takes_each_kinds_tuned_producer_options():
             assert not any(cl[c] for c in flags.values()), kind
     ell = {"early": True, "late_next": True, "lean_fences": True}
     so, nso = {"smem_out": True}, {"smem_out": True, "named": True}
-    assert conv.TUNED == {"bf16": dict(so, rows128=True, free_first=True),
+    assert conv.TUNED == {"bf16": dict(nso, rows128=True, free_first=True),
                           "nvfp4_ds_mla": dict(nso, l2_hint=True, early_idx=True),
                           "fp8": dict(ell, **nso, idx_ahead=True), "fp8_ds_mla": dict(ell, **nso, row_prefetch=True)}
     # nvfp4_ds_mla: fp8_ds_mla's L2 handling for NoPE rows, and for RoPE rows from Triton 3.9

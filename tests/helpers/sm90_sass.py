@@ -59,8 +59,8 @@ def _variants():
     """name -> (module, kernel, signature, meta); meta from the module's own ``meta`` (what ``launch`` uses),
     with two head groups and valid counts; the conv kernel also without valid counts (``-novc``, nvfp4),
     writing fp32 split partials (``-split``, each kind with rope); the conv and pair kernels also with their
-    hand-offs through named barriers where that is not their default (``-named``: bf16 rows) and through mbarriers
-    where it is (``-mbar``: the conv kernel's quantized kinds, with rope); one variant per kernel family that merges
+    hand-offs through named barriers where that is not their default (``-named``: the pair kernel) and through
+    mbarriers where it is (``-mbar``: the conv kernel, each kind with rope); one variant per kernel family that merges
     its splits in the kernel (``-fused``); the conv kernel's persistent grid (``-persist``)."""
     from sparsemla.kernels.sm90 import bf16, conv, few, wide
     from sparsemla.plan import cluster_builds
@@ -117,12 +117,17 @@ def _variants():
                     args.update(kind=kind, scale_offset=scale_off)
                 v[name] = (mod, f"{mod}_kernel", SIG_SPLIT if mod == "bf16" else SIG_K_SPLIT, module.meta(**args))
         if kind == "bf16":
+            # the pair kernel: mbarrier hand-offs by default (``-named``: the other); the conv kernel: named
+            # barriers by default (``-mbar``: the other)
             for suffix, named in (("", False), ("-named", True)):
                 if suffix and fid != kind:
                     continue
                 v[f"bf16-{fid}{suffix}"] = ("bf16", "bf16_kernel", SIG, bf16.meta(
                     bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, num_groups=2, has_valid_counts=True,
                     named=named))
+            for suffix, named in (("", None), ("-mbar", False)):
+                if suffix and fid != kind:
+                    continue
                 v[f"conv-{fid}{suffix}"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                     kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                     num_groups=2, has_valid_counts=True, named=named))

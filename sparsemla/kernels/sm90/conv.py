@@ -45,13 +45,13 @@ Shared memory: q 72 KB + 2 tiles x 72 KB + P 8 KB + small vectors, 231,120 bytes
 block (NoPE 206,512: no rope buffers).  Registers: 168 at launch for 12 warps; warpgroup 0 gets 208 (O 128 +
 S 32 + the next QK), warpgroup 1 160, the producer 136 (bf16 rows: the producer 40, warpgroup 0 256).
 
-``NAMED`` (``meta(named=True)``; the quantized kinds' default, :data:`TUNED`): P and alpha go from warpgroup 0 to
+``NAMED`` (``meta(named=True)``; every kind's default, :data:`TUNED`): P and alpha go from warpgroup 0 to
 warpgroup 1 through two named hardware barriers (``bar.arrive`` / ``bar.sync`` on ids 14 and 15, 256 threads) instead
 of the ``p_ready`` / ``p_free`` mbarriers, FlashInfer's hand-off: no try-wait loops and one warpgroup barrier less a
 block in warpgroup 0.  On Triton 3.9 the mbarrier hand-off makes ptxas build warpgroup 0's wgmma descriptors ahead
 and spill them (120-136 bytes of stack; named: none, fp8_ds_mla 24): decode b 128 on an H100 ran 0-14 % faster
-with it on 3.9 and 0-2 % faster on 3.6 (docs/design/kernels.md).  bf16 rows keep the mbarriers (no spill on any release;
-on the H200 the named hand-off was 1-2 % slower there).
+with it on 3.9 and 0-2 % faster on 3.6 (docs/design/kernels.md).  bf16 rows (no spill either way): prefill 2-5 % and
+decode at 128 heads 2 % faster with it on an H100 (Triton 3.6), 64 heads the same.
 
 ``CL`` (``meta(cluster=True)``; plan kernel ``sm90-cluster``, Triton >= 3.8, quantized rows, 65-128 heads): a
 cluster of two CTAs serves a token's 128 heads, 64 each, and each CTA's producer converts 32 of every block's 64
