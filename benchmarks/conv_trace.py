@@ -6,17 +6,20 @@
     python3 benchmarks/conv_trace.py --dry-run                  # CPU: the analysis on a synthetic trace
 
 The trace build (``conv.meta(trace=True)``) has thread 0 of each of the kernel's three partitions write the SM clock
-(``%clock64``) at every hand-off into ``trace[program, event, block]`` (int64; the events are listed in
+(``%clock64``) at every hand-off into ``trace[item, event, block]`` (int64; the events are listed in
 ``kernels/sm90/conv.py`` beside ``TRACE_EVENTS``).  This driver builds the decode table's workload (b requests of
 32,768-token contexts in shuffled 64-token blocks, ``sparsemla.bench.workload``; for ``P-32k`` / ``P-h<H>`` the
 prefill table's: 4,096 queries over one 32,768-token context, native reads), plans the call with the kernel
-forced to ``sm90-conv`` and one split (each program walks its token's whole top-k), and launches the trace build
-with the trace buffer as the final-out argument (only the FUSED variants read it).  The traced call's output is
+forced to ``sm90-conv`` and one split (each work item is a token's whole top-k), and launches the trace build
+with the trace buffer as the final-out argument (only the FUSED variants read it).  A persistent plan (bf16 rows
+with more items than SMs, or ``--meta persist=1``) is traced as it runs: at most one program per SM, each serving
+its items in turn, every item's stamps in its own row of the buffer (the clock is the SM's, so an item's intervals
+are comparable with the one-item grid's, and its start-up overlaps the previous item's end).  The traced call's output is
 checked against float64 before anything is read.  ``--meta key=value`` builds a variant of the kernel
 (``conv.meta``'s options: ``idx_ahead``, ``named``, ``early``, ...), repeatable.
 
-Printed (and written to ``--out`` as JSON with the raw trace): medians over programs and inner blocks (the first
-and last block of each program left out) of the intervals that make up a block's period, in SM cycles:
+Printed (and written to ``--out`` as JSON with the raw trace): medians over work items and inner blocks (the first
+and last block of each item left out) of the intervals that make up a block's period, in SM cycles:
 
 - ``period``: warpgroup 0's ready wait returning for block i + 1 minus for block i;
 - producer: ``fill`` (its free wait returned -> its ready arrival: the block's loads, conversion, stores and
@@ -26,7 +29,7 @@ and last block of each program left out) of the intervals that make up a block's
 - warpgroup 0: ``wait_ready``, ``qk`` (ready -> QK done), ``softmax`` (QK done -> P and alpha handed over),
   ``pv_next`` (P handed over -> this block's PV done, with the next block's ready wait and QK issue inside);
 - warpgroup 1: ``wait_p`` (its ready wait returned -> P received), ``pv`` (P received -> its PV done);
-- per program: ``q_staged`` (producer start -> q staged) and ``wg0_total`` (warpgroup 0's start -> end).
+- per item: ``q_staged`` (producer start -> q staged) and ``wg0_total`` (warpgroup 0's start -> end).
 """
 from __future__ import annotations
 
@@ -154,7 +157,9 @@ def traced_call(wl, meta: dict):
     launch = A._sm90_launch(replace(plan, variant=tuple(sorted(dict(meta, trace=True).items()))), wl.fmt, True, False)
     out = torch.full((t, h, A.V_DIM), float("nan"), dtype=torch.bfloat16, device=q.device)  # poisoned
     lse = torch.full((t, h), float("nan"), dtype=torch.float32, device=q.device)
-    programs = t * plan.grid
+    programs = t * plan.grid  # work items; a persistent build runs at most one program per SM over them
+    grid = min(programs, torch.cuda.get_device_properties(q.device).multi_processor_count) \
+        if launch.meta.get("PS") else programs
     trace = torch.zeros(programs, conv.TRACE_EVENTS.value, conv.TRACE_BLOCKS.value, dtype=torch.int64,
                         device=q.device)
     qr = q[..., A.V_DIM:] if wl.fmt.rope_dim else q
@@ -162,7 +167,7 @@ def traced_call(wl, meta: dict):
     args = (q, qs[0], qs[1], qr, qs[0], qs[1], rows, idx, idx.stride(0), vc, out, os_[0], 0, os_[1], lse, ls_[0], 0,
             ls_[1], float(wl.sm_scale) * A.LOG2E, float(wl.k_scale), h, k, plan.rows_per_split, 1,
             trace, 0, 0, lse, 0, 0, programs)
-    launch((programs,), args)
+    launch((grid,), args)
     torch.cuda.synchronize()
     return trace.cpu().tolist(), out, -(-min(k, plan.rows_per_split) // 64)
 
@@ -199,7 +204,7 @@ def main(argv=None) -> int:
         print(f"traced: {a.config} {a.format} sm90-conv {meta or ''}; output within {err:.1e} of float64")
     res = analyze(trace, n)
     text = format_analysis(res, n)
-    print(f"{name}: medians over {len(trace)} programs, blocks 1..{n - 2} of {n}\n{text}")
+    print(f"{name}: medians over {len(trace)} work items, blocks 1..{n - 2} of {n}\n{text}")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, f"trace-{name}.json"), "w") as f:

@@ -91,6 +91,10 @@ def _variants():
             v[f"conv-{fid}-trace"] = ("conv", "conv_kernel", SIG_K, conv.meta(
                 kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
                 num_groups=2, has_valid_counts=True, trace=True))
+        if fid == "bf16":  # the trace build of the persistent grid (prefill's plan), a row of stamps per item
+            v[f"conv-{fid}-persist-trace"] = ("conv", "conv_kernel", SIG_K, conv.meta(
+                kind=kind, bytes_per_row=bpr, rope_dim=rope, rope_offset=rope_off, scale_offset=scale_off,
+                num_groups=2, has_valid_counts=True, persist=True, trace=True))
         if fid == "fp8_ds_mla":  # a tile freed before the next ready wait, the indices early (not its default; its
             # row_prefetch off: the three together spill 48 bytes)
             v[f"conv-{fid}-ffei"] = ("conv", "conv_kernel", SIG_K, conv.meta(

@@ -78,7 +78,7 @@ from .rows import L_ROWS128, block_indices, copy_rows, e4m3_words_bf16, e4m3_wor
 # HINT's load of a thread's 4 consecutive words (pack 4: the first of its 4 addresses): FlashMLA's gather hint
 NC_LOAD = gl.constexpr("ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];")
 # TRACE (a diagnostic variant): each partition's thread 0 writes the SM clock at named events into
-# trace[program, event, block] (int64, the final-out pointer's bytes); blocks past TRACE_BLOCKS are not written
+# trace[item, event, block] (int64, the final-out pointer's bytes); blocks past TRACE_BLOCKS are not written
 TRACE_BLOCKS = gl.constexpr(64)
 TRACE_EVENTS = gl.constexpr(18)
 # events: the producer's (0: its free wait returned, 1: before its ready arrival, 2: start, 3: q staged),
@@ -527,6 +527,7 @@ def _produce_item(args, item, j, gb, BPT: gl.constexpr, ROPE: gl.constexpr, SCAL
     qL, qR, qE, kLw, kRw, kEw, sQ, sV = smem
     q_bar, ready, free, q_free = bars
     t, s, g, k_begin, k_end = item_coords(item, H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC, nv)
+    tr = _trace_row(tr, item, TRACE)
     _stamp(tr, 2, 0, TRACE)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     k_stop = gl.minimum(k_begin + rows_per_split, K)  # the split's end, without the valid count's load
@@ -705,11 +706,21 @@ def _copy_blocks(idx_row, k_begin, k_end, n_blocks, kv_ptr, kL, kR, kE, sV, read
 
 
 @gluon.jit
-def _stamp(tr, e: gl.constexpr, i, TRACE: gl.constexpr, after=None):
-    """TRACE: thread 0 of the calling 4-warp partition writes %clock64 to trace[program, e, i].  ``after``: a
-    tensor whose first element the clock read waits for (a value loaded or computed just before)."""
+def _trace_row(tr, item, TRACE: gl.constexpr):
+    """TRACE: the trace buffer's row of work item ``item``, ``trace[item]`` as int64 words (``_stamp`` writes into
+    it); ``tr`` itself otherwise."""
     if TRACE:
-        off = (gl.program_id(0).to(gl.int64) * TRACE_EVENTS + e) * TRACE_BLOCKS + i
+        tr = tr.to(gl.pointer_type(gl.int64), bitcast=True) + item.to(gl.int64) * (TRACE_EVENTS * TRACE_BLOCKS)
+    return tr
+
+
+@gluon.jit
+def _stamp(tr, e: gl.constexpr, i, TRACE: gl.constexpr, after=None):
+    """TRACE: thread 0 of the calling 4-warp partition writes %clock64 to trace[item, e, i] (``tr``: the item's
+    row, ``_trace_row``).  ``after``: a tensor whose first element the clock read waits for (a value loaded or
+    computed just before)."""
+    if TRACE:
+        off = e * TRACE_BLOCKS + i
         if after is None:
             tid = gl.arange(0, 128, layout=PER_THREAD)
             clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [tid], gl.int64, False, 1)
@@ -833,6 +844,7 @@ def _wg0_item(args, item, j, gb, ROPE: gl.constexpr, DS: gl.constexpr, FP4: gl.c
     qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV, sig = smem
     q_bar, ready, free, p_ready, p_free, l_bar, q_free = bars
     t, s, g, k_begin, k_end = item_coords(item, H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC, nv)
+    tr = _trace_row(tr, item, TRACE)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     if PS:  # (the producer publishes one all-invalid block for an empty item)
         n_blocks = gl.maximum(n_blocks, 1)
@@ -977,6 +989,7 @@ def _wg1_item(args, item, j, gb, DS: gl.constexpr, FP4: gl.constexpr, NG: gl.con
     qL, qR, qE, kL, kR, kE, sP, sA, sL, sQ, sV, sig = smem
     q_bar, ready, free, p_ready, p_free, l_bar, q_free = bars
     t, s, g, k_begin, k_end = item_coords(item, H, K, vc_ptr, rows_per_split, num_splits, NG, HAS_VC, nv)
+    tr = _trace_row(tr, item, TRACE)
     n_blocks = gl.cdiv(k_end - k_begin, 64)
     if PS:  # (the producer publishes one all-invalid block for an empty item)
         n_blocks = gl.maximum(n_blocks, 1)
@@ -1280,8 +1293,8 @@ def meta(*, kind: str, bytes_per_row: int, rope_dim: int, rope_offset: int, scal
                          f"cluster={cluster}")
     if cluster and (free_first or smem_out or early_idx):
         raise ValueError("free_first / smem_out / early_idx: options of the one-CTA kernel")
-    if persist and (cluster or fused or trace):
-        raise ValueError("persist: a one-CTA kernel whose splits the combine kernel merges, not traced")
+    if persist and (cluster or fused):
+        raise ValueError("persist: a one-CTA kernel whose splits the combine kernel merges")
     if trace and (cluster or fused):
         raise ValueError("trace: its buffer is the final-out argument, which the 2-CTA and FUSED variants use")
     if cluster and idx_ahead:
