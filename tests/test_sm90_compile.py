@@ -192,7 +192,7 @@ def test_conv_meta_takes_each_kinds_tuned_producer_options():
             cl = conv.meta(**args, cluster=True)
             assert not any(cl[c] for c in flags.values()), kind
     ell = {"early": True, "late_next": True, "lean_fences": True}
-    so, nso = {"smem_out": True}, {"smem_out": True, "named": True}
+    nso = {"smem_out": True, "named": True}
     assert conv.TUNED == {"bf16": dict(nso, rows128=True, free_first=True),
                           "nvfp4_ds_mla": dict(nso, l2_hint=True, early_idx=True),
                           "fp8": dict(ell, **nso, idx_ahead=True), "fp8_ds_mla": dict(ell, **nso, row_prefetch=True)}
