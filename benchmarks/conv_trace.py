@@ -158,8 +158,7 @@ def traced_call(wl, meta: dict):
     out = torch.full((t, h, A.V_DIM), float("nan"), dtype=torch.bfloat16, device=q.device)  # poisoned
     lse = torch.full((t, h), float("nan"), dtype=torch.float32, device=q.device)
     programs = t * plan.grid  # work items; a persistent build runs at most one program per SM over them
-    grid = min(programs, torch.cuda.get_device_properties(q.device).multi_processor_count) \
-        if launch.meta.get("PS") else programs
+    grid = A.programs(launch, programs, q.device)
     trace = torch.zeros(programs, conv.TRACE_EVENTS.value, conv.TRACE_BLOCKS.value, dtype=torch.int64,
                         device=q.device)
     qr = q[..., A.V_DIM:] if wl.fmt.rope_dim else q

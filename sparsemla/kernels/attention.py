@@ -295,10 +295,8 @@ class _Bound:
         self.fused = _launch_for(plan, fmt, has_vc, True) if plan.fused_combine else None
         # the sm_90 kernels also take the final out / lse and their strides (read by the FUSED variants only)
         self.final = (os_[0], os_[1], ls_[0], ls_[1]) if plan.kernel in _plan.SM90_KERNELS else None
-        self.gx = t * plan.grid
-        items = self.gx
-        if getattr(self.launch, "meta", {}).get("PS"):  # a persistent kernel: at most one program per SM
-            self.gx = min(items, _device_facts(device)[1])
+        items = t * plan.grid
+        self.gx = programs(self.launch, items, device)
         if ns > 1:
             self.n_o = t * ns * h * V_DIM
             self.n_all = self.n_o + t * ns * h
@@ -321,6 +319,14 @@ class _Bound:
             self.combine = _combine_launch(ns, pdl)
             self.cgrid = (t, h, V_DIM // 128)
             self.cints = (os_[0], os_[1], ls_[0], ls_[1], h, ns)
+
+
+def programs(launch: Launch, items: int, device) -> int:
+    """The grid of ``launch`` over ``items`` work items: a program each, or for a persistent build (``PS``) at most
+    one per SM, each serving items in turn."""
+    if getattr(launch, "meta", {}).get("PS"):
+        return min(items, _device_facts(device)[1])
+    return items
 
 
 _BOUND: dict = {}

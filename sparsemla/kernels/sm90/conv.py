@@ -728,8 +728,7 @@ def _stamp(tr, e: gl.constexpr, i, TRACE: gl.constexpr, after=None):
             v = after.to(gl.int64, bitcast=True)
             tid = gl.arange(0, v.shape[0], layout=v.type.layout)
             clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,l", [v], gl.int64, False, 1)
-        gl.store(tr.to(gl.pointer_type(gl.int64), bitcast=True) + off + tid * 0, clk,
-                 mask=(tid == 0) & (i < TRACE_BLOCKS))
+        gl.store(tr + off + tid * 0, clk, mask=(tid == 0) & (i < TRACE_BLOCKS))
 
 
 @gluon.jit
