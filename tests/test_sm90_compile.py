@@ -84,6 +84,16 @@ def test_compiles_for_sm90_within_limits(compiled, name):
 
 
 @pytest.mark.parametrize("name", list(sm90_sass.VARIANTS))
+def test_no_shared_access_over_an_initialized_mbarrier(compiled, name):
+    """No ordinary shared load or store addresses an initialized mbarrier's bytes: an mbarrier no partition uses
+    (conv's P hand-off ones under NAMED) must not be initialized, or the allocator places scratch over it --
+    sm90-conv's producer then read its row pointers back as the mbarrier's state under compute-sanitizer."""
+    r = compiled[name]
+    assert "error" not in r, r.get("error")
+    assert r["mbarrier_overlap"] == [], r["mbarrier_overlap"]
+
+
+@pytest.mark.parametrize("name", list(sm90_sass.VARIANTS))
 def test_only_fused_variants_merge_in_the_kernel(compiled, name):
     """A FUSED variant (``-fused``: its splits merged by its own programs, common.combine_in_kernel) is launched
     cooperatively and its PTX has the grid barrier once (thread 0's fence and arrival, the last arrival's release,

@@ -252,7 +252,35 @@ def report(name: str) -> dict:
                 regs=regs, stack=stack, smem=k.metadata.shared, setmaxnreg="setmaxnreg" in ptx,
                 mbarrier_cp_async="cp.async.mbarrier.arrive.noinc" in ptx, serialized="serialized" in log,
                 ops={op: counts[op] for op in sorted(counts)}, cluster=_cluster_protocol(ptx),
-                grid_barrier=_grid_barrier(ptx), cooperative=bool(getattr(k.metadata, "launch_cooperative_grid", 0)))
+                grid_barrier=_grid_barrier(ptx), cooperative=bool(getattr(k.metadata, "launch_cooperative_grid", 0)),
+                mbarrier_overlap=mbarrier_overlap(ptx))
+
+
+def mbarrier_overlap(ptx: str) -> list:
+    """The shared-memory offsets of initialized mbarriers that an ordinary shared load or store of the PTX also
+    addresses as its constant offset (``[%r+N]`` or ``[global_smem+N]``, N the mbarrier's own: a scratch buffer
+    placed there; Triton's warp-switch state read at ``[%r+N+4]``, N + 4 + the warp's id, lies past it).  PTX wants an mbarrier's
+    memory invalidated before any other use; Triton's allocator places scratch over an mbarrier that no partition
+    uses once it is initialized, and such a kernel read its own row pointers back as the mbarrier's state."""
+    base = set(re.findall(r"mov\.(?:b32|u32)\s+(%r\d+), global_smem;", ptx))
+    reg_off = {}
+    for dst, src, n in re.findall(r"add\.s32\s+(%r\d+), (%r\d+), (\d+);", ptx):
+        if src in base:
+            reg_off[dst] = int(n)
+    inits = set()
+    for target in re.findall(r"mbarrier\.init\S*\s+\[([^\]]+)\]", ptx):
+        m = re.fullmatch(r"global_smem\+(\d+)", target.strip())
+        if m:
+            inits.add(int(m.group(1)))
+        elif target.strip() in reg_off:
+            inits.add(reg_off[target.strip()])
+    touched = set()
+    for line in ptx.splitlines():
+        if "mbarrier" in line or not re.search(r"\b(ld|st)\.shared", line):
+            continue
+        for n in re.findall(r"\[(?:%r\d+|global_smem)\+(\d+)\]", line):
+            touched.add(int(n))
+    return sorted(inits & touched)
 
 
 def _grid_barrier(ptx: str) -> dict:

@@ -1134,8 +1134,13 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
             mbarrier.init(free.index(b), count=1)  # the producer's expect; the bytes of four warpgroups' signals
         else:
             mbarrier.init(free.index(b), count=2)   # both consumer warpgroups
-    mbarrier.init(p_ready, count=1)
-    mbarrier.init(p_free, count=1)
+    if not NAMED:
+        # (NAMED hands P over through named barriers, and these two stay uninitialized: an initialized mbarrier that
+        # no partition uses is dead to Triton's allocator, which placed plain fp8's producer scratch over it, and PTX
+        # wants an mbarrier's memory invalidated before any other use -- the producer read two of its row pointers
+        # back as the mbarrier's state, wild addresses)
+        mbarrier.init(p_ready, count=1)
+        mbarrier.init(p_free, count=1)
     mbarrier.init(l_bar, count=PUBLISH)  # warpgroup 0's publish() of its row sums
     if PS:
         mbarrier.init(q_free, count=1)
