@@ -85,11 +85,13 @@ def test_compiles_for_sm90_within_limits(compiled, name):
 
 @pytest.mark.parametrize("name", list(sm90_sass.VARIANTS))
 def test_no_shared_access_over_an_initialized_mbarrier(compiled, name):
-    """No ordinary shared load or store addresses an initialized mbarrier's bytes: an mbarrier no partition uses
-    (conv's P hand-off ones under NAMED) must not be initialized, or the allocator places scratch over it --
-    sm90-conv's producer then read its row pointers back as the mbarrier's state under compute-sanitizer."""
+    """Every mbarrier a variant initializes is used (TTGIR), and no ordinary shared load or store addresses an
+    initialized mbarrier's offset (PTX): one that no partition uses (conv's P hand-off pair under NAMED, before)
+    is dead to the allocator, which placed scratch over it -- sm90-conv's producer then read its row pointers
+    back as the mbarrier's state under compute-sanitizer."""
     r = compiled[name]
     assert "error" not in r, r.get("error")
+    assert r["unused_mbarriers"] == [], r["unused_mbarriers"]
     assert r["mbarrier_overlap"] == [], r["mbarrier_overlap"]
 
 

@@ -253,7 +253,25 @@ def report(name: str) -> dict:
                 mbarrier_cp_async="cp.async.mbarrier.arrive.noinc" in ptx, serialized="serialized" in log,
                 ops={op: counts[op] for op in sorted(counts)}, cluster=_cluster_protocol(ptx),
                 grid_barrier=_grid_barrier(ptx), cooperative=bool(getattr(k.metadata, "launch_cooperative_grid", 0)),
-                mbarrier_overlap=mbarrier_overlap(ptx))
+                mbarrier_overlap=mbarrier_overlap(ptx), unused_mbarriers=unused_mbarriers(k.asm["ttgir"]))
+
+
+def unused_mbarriers(ttgir: str) -> list:
+    """The shared-memory buffers the TTGIR initializes as mbarriers (``ttng.init_barrier``) and uses in no other op:
+    dead to Triton's allocator once initialized, which may place scratch over them (``mbarrier_overlap``)."""
+    root = {}
+    for dst, src in re.findall(r"(%[\w.]+) = ttg\.memdesc_(?:index|subslice|subview|reinterpret)\w* (%[\w.]+)", ttgir):
+        root[dst] = root.get(src, src)
+    inits, used = set(), set()
+    for line in ttgir.splitlines():
+        names = re.findall(r"%[\w.]+", line.split(" loc(")[0])
+        if "ttng.init_barrier" in line:
+            inits.add(root.get(names[0], names[0]))
+        elif re.search(r"= ttg\.(local_alloc|memdesc_(index|subslice|subview|reinterpret))", line):
+            continue
+        else:
+            used.update(root.get(n, n) for n in names)
+    return sorted(inits - used)
 
 
 def mbarrier_overlap(ptx: str) -> list:
