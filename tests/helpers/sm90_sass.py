@@ -277,9 +277,10 @@ def unused_mbarriers(ttgir: str) -> list:
 def mbarrier_overlap(ptx: str) -> list:
     """The shared-memory offsets of initialized mbarriers that an ordinary shared load or store of the PTX also
     addresses as its constant offset (``[%r+N]`` or ``[global_smem+N]``, N the mbarrier's own: a scratch buffer
-    placed there; Triton's warp-switch state read at ``[%r+N+4]``, N + 4 + the warp's id, lies past it).  PTX wants an mbarrier's
-    memory invalidated before any other use; Triton's allocator places scratch over an mbarrier that no partition
-    uses once it is initialized, and such a kernel read its own row pointers back as the mbarrier's state."""
+    placed there; Triton's warp-switch state, read at ``[%r+N+4]`` with the warp's id in ``%r``, lies past it).
+    PTX wants an mbarrier's memory invalidated before any other use; Triton's allocator places scratch over an
+    mbarrier that no partition uses once it is initialized, and such a kernel read its own row pointers back as
+    the mbarrier's state."""
     base = set(re.findall(r"mov\.(?:b32|u32)\s+(%r\d+), global_smem;", ptx))
     reg_off = {}
     for dst, src, n in re.findall(r"add\.s32\s+(%r\d+), (%r\d+), (\d+);", ptx):
