@@ -391,9 +391,9 @@ def bf16_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
         # one consumer warpgroup frees each half: one arrival after a warpgroup barrier, or each thread's (TF)
         mbarrier.init(free_l.index(b), count=128 if TF else 1)
         mbarrier.init(free_r.index(b), count=128 if TF else 1)
-    if not NAMED:  # (NAMED: named barriers instead; an initialized mbarrier no op uses is dead to the allocator,
-        # which may place scratch over it -- sm90-conv's producer read wild pointers so -- and Triton 3.9 drops the
-        # waits predicated off below, leaving these unused)
+    if not NAMED:  # NAMED: named barriers instead (Triton 3.9 drops the waits predicated off below), and an
+        # initialized mbarrier that nothing uses is dead to the allocator, which may put scratch over it (conv_kernel
+        # read wild row pointers so)
         mbarrier.init(m0_bar, count=PUBLISH)  # the vectors' hand-offs (publish())
         mbarrier.init(m1_bar, count=PUBLISH)
         mbarrier.init(p0_bar, count=1)

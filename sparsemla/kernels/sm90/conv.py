@@ -1135,10 +1135,10 @@ def conv_kernel(q_ptr, stride_qt, stride_qh, qr_ptr, stride_rt, stride_rh, kv_pt
         else:
             mbarrier.init(free.index(b), count=2)   # both consumer warpgroups
     if not NAMED:
-        # (NAMED hands P over through named barriers, and these two stay uninitialized: an initialized mbarrier that
-        # no partition uses is dead to Triton's allocator, which placed plain fp8's producer scratch over it, and PTX
-        # wants an mbarrier's memory invalidated before any other use -- the producer read two of its row pointers
-        # back as the mbarrier's state, wild addresses)
+        # NAMED hands P over through named barriers and leaves these uninitialized: an initialized mbarrier that no
+        # partition uses is dead to Triton's allocator, which put plain fp8's producer scratch over it (PTX wants an
+        # mbarrier's memory invalidated before other use), and two row pointers read back as the mbarrier's state
+        # (tests/test_sm90_compile.py checks every variant for an initialized mbarrier left unused)
         mbarrier.init(p_ready, count=1)
         mbarrier.init(p_free, count=1)
     mbarrier.init(l_bar, count=PUBLISH)  # warpgroup 0's publish() of its row sums
