@@ -73,13 +73,18 @@ def flush_buffer(device) -> torch.Tensor:
 def graph_replay(fn: Callable[[], object]) -> Callable[[], None]:
     """``fn`` (a CUDA call with no arguments, the same work every time) run once, captured in a CUDA graph,
     and returned as the graph's replay: timed, it is the GPU time without Python launch overhead (what an
-    engine that captures its decode step sees)."""
+    engine that captures its decode step sees).  The replay holds ``fn`` (and so the tensors its closure
+    holds): the graph reads and writes their memory, which must not be freed while the replay lives."""
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return g.replay
+
+    def replay() -> None:
+        g.replay()
+    replay.captured = (g, fn)
+    return replay
 
 
 def time_fn(fn: Callable[[], object], *, device=None, reps: int = 50, warmup: int = 5,

@@ -13,6 +13,8 @@ so within the suite's tolerance).  Every 40 steps a runner's cache gets new cont
 
 Mismatches are counted on the device and read back every 500 steps.  Steps: ``RELIAB_GRAPH_STEPS``
 (default 10,000); seed: ``RELIAB_SEED`` (default fresh, printed, and in ``$OUT/reliability/graph_long.json``).
+Also: the benchmarks' graph replay (``bench.timing.graph_replay``) keeps alive what its graph reads and writes.
+
 Run: ``python3 -m pytest -m gpu tests/gpu/test_graph_long_gpu.py -q -s`` (about 30-40 s on an H200 once the
 kernels are compiled).
 """
@@ -191,3 +193,28 @@ def test_10000_graph_replays_equal_eager_runs():
     path = rp.write_summary(summary, "graph_long.json")
     print(f"graph run: {summary}; summary {path}", flush=True)
     assert summary["mismatches"] == [0, 0, 0]
+
+
+def test_bench_graph_replay_keeps_what_its_graph_reads():
+    """``bench.timing.graph_replay`` holds the captured call, and with it the tensors of its closure: a replay
+    whose buffers were freed (the caller kept only the replay) wrote into memory the allocator had handed out
+    again, and raised an illegal address once that memory was released."""
+    import gc
+    import weakref
+
+    from sparsemla.bench.timing import graph_replay
+
+    x = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+
+    def make():
+        y = torch.zeros_like(x)
+        return graph_replay(lambda: y.copy_(x * 2)), weakref.ref(y)
+
+    replay, y = make()
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert y() is not None, "the replay let go of the tensor its graph writes"
+    y().zero_()
+    replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y(), x * 2)
