@@ -17,7 +17,7 @@ from sparsemla.bench.chart import write_svg
 from sparsemla.bench.configs import QUICK_NAMES, STANDARD_CONFIGS, BenchConfig, select_configs
 from sparsemla.bench.runner import (add_peer_ratios, compare_to_reference, format_table, resolve_formats,
                                     run_benchmarks)
-from sparsemla.bench.timing import time_fn
+from sparsemla.bench.timing import time_fn, time_fns
 from sparsemla.bench.workload import (build_cache, build_queries, build_workload, heavy_tailed, make_layout,
                                       random_topk_positions, source_tokens)
 from sparsemla.reference import sparse_mla
@@ -214,6 +214,18 @@ def test_time_fn_cpu():
     assert t.min_s <= t.p20_s <= t.median_s <= t.p80_s
     with pytest.raises(ValueError, match="reps"):
         time_fn(lambda: None, device="cpu", reps=0)
+
+
+def test_time_fns_interleaves_the_calls_cpu():
+    """After each call's warm-up, every round runs each call once in turn: calls compared with each other see the
+    same span of the process (the prefill driver times its formats and FlashMLA this way)."""
+    order = []
+    ts = time_fns([lambda: order.append("a"), lambda: order.append("b"), lambda: order.append("c")], device="cpu",
+                  reps=3, warmup=1)
+    assert order == ["a", "b", "c"] + ["a", "b", "c"] * 3
+    assert [t.reps for t in ts] == [3, 3, 3] and all(t.method == "perf_counter" for t in ts)
+    with pytest.raises(ValueError, match="warmup"):
+        time_fns([lambda: None], device="cpu", reps=1, warmup=-1)
 
 
 def test_torch_floor_matches_reference(no_interpreter):

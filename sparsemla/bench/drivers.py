@@ -67,19 +67,28 @@ class Recorder:
     def time(self, fn: Callable[[], object], graph: bool = True):
         """(median us, timing) of ``fn``: CUDA-graph replay when ``graph`` and the call can be captured,
         else one direct call between CUDA events; L2 flushed before each timed call (CPU: perf_counter)."""
-        from .timing import graph_replay, time_fn
+        return self.time_many([fn], graph)[0]
+
+    def time_many(self, fns: List[Callable[[], object]], graph: bool = True):
+        """[(median us, timing)] of several calls timed interleaved (``timing.time_fns``), each as ``time``
+        times one."""
+        from .timing import graph_replay, time_fns
         reps, warmup = (3, 1) if self.dry else (self.args.reps, self.args.warmup)
-        timing = "eager"
-        if graph and self.device.type == "cuda":
-            try:
-                fn = graph_replay(fn)
-                timing = "graph"
-            except Exception as e:  # a call that cannot be captured is timed directly, and says so
-                print(f"    (graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}; eager)")
-                import torch
-                torch.cuda.synchronize()
-        t = time_fn(fn, device=self.device, reps=reps, warmup=warmup)
-        return t.median_us, timing
+        calls, kinds = [], []
+        for fn in fns:
+            timing = "eager"
+            if graph and self.device.type == "cuda":
+                try:
+                    fn = graph_replay(fn)
+                    timing = "graph"
+                except Exception as e:  # a call that cannot be captured is timed directly, and says so
+                    print(f"    (graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}; eager)")
+                    import torch
+                    torch.cuda.synchronize()
+            calls.append(fn)
+            kinds.append(timing)
+        ts = time_fns(calls, device=self.device, reps=reps, warmup=warmup)
+        return [(t.median_us, k) for t, k in zip(ts, kinds)]
 
     # --- rows --------------------------------------------------------------------------------------
     def add(self, *, flush: bool = True, **fields) -> dict:

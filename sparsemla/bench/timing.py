@@ -98,45 +98,57 @@ def time_fn(fn: Callable[[], object], *, device=None, reps: int = 50, warmup: in
         warmup: untimed runs first (compilation, autotuning, allocator warm-up).
         flush_l2: write a buffer larger than L2, then read half of it, before each timed run (CUDA only).
     """
+    return time_fns([fn], device=device, reps=reps, warmup=warmup, flush_l2=flush_l2)[0]
+
+
+def time_fns(fns: List[Callable[[], object]], *, device=None, reps: int = 50, warmup: int = 5,
+             flush_l2: bool = True) -> List[Timing]:
+    """Time several calls interleaved: ``warmup`` untimed runs of each, then ``reps`` rounds, each running every
+    call once in turn (``time_fn``'s arguments otherwise).  The calls whose times are compared see the same
+    device state (clocks, temperature) over the same span, where timing them one after the other puts whatever
+    drifts during a process into their ratios."""
     if reps < 1:
         raise ValueError(f"reps: expected >= 1, got {reps}")
     if warmup < 0:
         raise ValueError(f"warmup: expected >= 0, got {warmup}")
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
-        return _time_cuda(fn, device, reps, warmup, flush_l2)
-    return _time_cpu(fn, reps, warmup)
+        return _time_cuda(fns, device, reps, warmup, flush_l2)
+    return _time_cpu(fns, reps, warmup)
 
 
-def _time_cuda(fn, device, reps, warmup, flush_l2) -> Timing:
+def _time_cuda(fns, device, reps, warmup, flush_l2) -> List[Timing]:
     with torch.cuda.device(device):
         buf = flush_buffer(device) if flush_l2 else None
+        for fn in fns:
+            for _ in range(warmup):
+                fn()
+        torch.cuda.synchronize()
+        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+                  for _ in fns]
+        for i in range(reps):
+            for fn, ev in zip(fns, events):
+                if buf is not None:
+                    buf.zero_()
+                    buf[: buf.numel() // 2].view(torch.float32).amax()  # read back: clean lines in L2
+                ev[i][0].record()
+                fn()
+                ev[i][1].record()
+        torch.cuda.synchronize()
+        return [_summary([s.elapsed_time(e) * 1e-3 for s, e in ev], "cuda-events", buf is not None) for ev in events]
+
+
+def _time_cpu(fns, reps, warmup) -> List[Timing]:
+    for fn in fns:
         for _ in range(warmup):
             fn()
-        torch.cuda.synchronize()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for i in range(reps):
-            if buf is not None:
-                buf.zero_()
-                buf[: buf.numel() // 2].view(torch.float32).amax()  # read back: clean lines in L2
-            starts[i].record()
-            fn()
-            ends[i].record()
-        torch.cuda.synchronize()
-        times = [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)]
-    return _summary(times, "cuda-events", buf is not None)
-
-
-def _time_cpu(fn, reps, warmup) -> Timing:
-    for _ in range(warmup):
-        fn()
-    times = []
+    times = [[] for _ in fns]
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return _summary(times, "perf_counter", False)
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [_summary(ts, "perf_counter", False) for ts in times]
 
 
-__all__ = ["Timing", "time_fn", "flush_buffer", "FLUSH_BYTES"]
+__all__ = ["Timing", "time_fn", "time_fns", "flush_buffer", "FLUSH_BYTES"]
