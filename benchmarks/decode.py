@@ -24,7 +24,9 @@ through the library's cache write), then per head count the same queries and ind
   bf16 and fp8 (page size 1), prepared once outside the timed call (``sparsemla.bench.peers``).
 
 Every call is timed by CUDA-graph replay (kernel time, no launch gaps), the L2 flushed before each replay,
-median of ``--reps``; SOL by ``docs/benchmarking.md``'s accounting with ceilings measured in this process.
+median of ``--reps``; the calls of one (format, configuration) -- ours, the forced kernels, the peer -- are timed
+interleaved, a round of each in turn (``timing.time_fns``), so that drift during the process stays out of their
+ratios; SOL by ``docs/benchmarking.md``'s accounting with ceilings measured in this process.
 Our output is checked against the float64 reference on a few tokens before it is timed.
 """
 from __future__ import annotations
@@ -129,19 +131,28 @@ def check_against_reference(wl, call, out) -> float:
     return err
 
 
-def measure(rec, cfg_name: str, wl, impl: str, make, *, variant=None, check=True):
-    """Time one implementation on one workload and record the row."""
+def prepare(entries, cfg_name: str, wl, impl: str, make, *, variant=None, check=True):
+    """Build one implementation's call on one workload (``make() -> (call, out)``), check its output against
+    float64 (``check``), and append it to ``entries`` for ``time_and_record``."""
     call, out = make()
     err = check_against_reference(wl, call, out) if check else None
-    us, timing = rec.time(call)
-    fmt = wl.fmt
-    work = attention_work(wl.q, wl.indices, fmt.bytes_per_token, wl.valid_counts)
-    a = achieved(us * 1e-6, work, rec.ceilings)
-    cfg = wl.config
-    row = rec.add(config=cfg_name, kind="decode", fmt=fmt.id, heads=cfg.num_heads, batch=cfg.batch, s_q=cfg.s_q,
-                  topk=cfg.topk, impl=impl, timing=timing, value=us, sol_pct=a["pct_sol"], sol_us=a["sol_us"],
-                  tflops=a["tflops"], bytes=work.nbytes, context=cfg.context, variant=variant, rel_err=err)
-    D.print_row(row)
+    entries.append((cfg_name, wl, impl, call, variant, err))
+
+
+def time_and_record(rec, entries):
+    """Time the prepared calls of one workload interleaved (``Recorder.time_many``: a round of each in turn, so that
+    what drifts during the process does not go into their ratios) and record a row for each."""
+    if not entries:
+        return
+    timed = rec.time_many([e[3] for e in entries])
+    for (cfg_name, wl, impl, _, variant, err), (us, timing) in zip(entries, timed):
+        fmt, cfg = wl.fmt, wl.config
+        work = attention_work(wl.q, wl.indices, fmt.bytes_per_token, wl.valid_counts)
+        a = achieved(us * 1e-6, work, rec.ceilings)
+        row = rec.add(config=cfg_name, kind="decode", fmt=fmt.id, heads=cfg.num_heads, batch=cfg.batch, s_q=cfg.s_q,
+                      topk=cfg.topk, impl=impl, timing=timing, value=us, sol_pct=a["pct_sol"], sol_us=a["sol_us"],
+                      tflops=a["tflops"], bytes=work.nbytes, context=cfg.context, variant=variant, rel_err=err)
+        D.print_row(row)
 
 
 def run_decode(rec, config_names, formats, *, fp8qk=True, peers=True, conv=False, cluster=False, fused=False,
@@ -166,44 +177,44 @@ def run_decode(rec, config_names, formats, *, fp8qk=True, peers=True, conv=False
             print(f"{fname}: cache of {b} x {ctx} tokens ({cache.rows.numel() / 2 ** 30:.2f} GiB)", flush=True)
             for name, cfg in group:
                 wl = base if cfg is group[0][1] else build_queries(cfg, cache, layout)
-                rec.attempt(f"{name} {fname} sparsemla", lambda: measure(rec, name, wl, "sparsemla",
+                entries = []  # this workload's calls: each checked, then all timed interleaved
+                rec.attempt(f"{name} {fname} sparsemla", lambda: prepare(entries, name, wl, "sparsemla",
                                                                           lambda: ours_call(wl)))
                 if fp8qk and fname in FP8QK_FORMATS:
                     rec.attempt(f"{name} {fname} {FP8QK_BACKEND}",
-                                lambda: measure(rec, name, wl, "sparsemla-fp8qk",
+                                lambda: prepare(entries, name, wl, "sparsemla-fp8qk",
                                                 lambda: ours_call(wl, FP8QK_BACKEND)))
                 if conv and fmt.name in CONV_KINDS and not rec.dry:  # a Gluon kernel: not under the interpreter
                     rec.attempt(f"{name} {fname} {CONV_KERNEL}",
-                                lambda: measure(rec, name, wl, "sparsemla-conv",
+                                lambda: prepare(entries, name, wl, "sparsemla-conv",
                                                 lambda: forced_call(wl, CONV_KERNEL)))
                 for v in conv_variants:
                     if fmt.name not in CONV_KINDS or rec.dry:
                         continue
                     label = variant_label(v)
                     rec.attempt(f"{name} {fname} {CONV_KERNEL} {label}",
-                                lambda: measure(rec, name, wl, "sparsemla-conv", lambda: forced_call(wl, CONV_KERNEL,
-                                                                                                     variant=v),
-                                                variant=label))
+                                lambda: prepare(entries, name, wl, "sparsemla-conv",
+                                                lambda: forced_call(wl, CONV_KERNEL, variant=v), variant=label))
                 if (cluster and fmt.name in CLUSTER_KINDS and CLUSTER_HEADS[0] <= cfg.num_heads <= CLUSTER_HEADS[1]
                         and not rec.dry):
                     rec.attempt(f"{name} {fname} {CLUSTER_KERNEL}",
-                                lambda: measure(rec, name, wl, "sparsemla-cluster",
+                                lambda: prepare(entries, name, wl, "sparsemla-cluster",
                                                 lambda: forced_call(wl, CLUSTER_KERNEL)))
                 if fused and not rec.dry and fused_applies(wl):  # a Gluon kernel: not under the interpreter
                     rec.attempt(f"{name} {fname} fused",
-                                lambda: measure(rec, name, wl, "sparsemla-fused",
+                                lambda: prepare(entries, name, wl, "sparsemla-fused",
                                                 lambda: forced_call(wl, fused_combine=True),
                                                 variant="splits merged in the kernel"))
-                if not peers:
-                    continue
-                for peer, fmts in P.PEER_FORMATS.items():
+                for peer, fmts in (P.PEER_FORMATS.items() if peers else ()):
                     if fname in fmts:
                         variant = ("heads padded to 64" if peer == "flashmla" and cfg.num_heads < 64 else
                                    "fa3, page size 1" if peer == "flashinfer" else None)
                         rec.attempt(f"{name} {fname} {peer}",
-                                    lambda: measure(rec, name, wl, peer,
+                                    lambda: prepare(entries, name, wl, peer,
                                                     lambda: (P.DECODE_BUILDERS[peer](wl), None),
                                                     variant=variant, check=False))
+                rec.attempt(f"{name} {fname} timing", lambda: time_and_record(rec, entries))
+                del entries
             del base, cache, layout
 
 

@@ -501,6 +501,26 @@ def test_drivers_dry_run_write_valid_rows(tmp_path, driver, args):
     assert rows and all(row["gpu"] == "cpu" and "dry run" in row["variant"] for row in rows)
 
 
+def test_decode_driver_times_a_workloads_calls_together(monkeypatch):
+    """decode.py checks each call of one (format, configuration), then times ours and the peer in one
+    ``time_many`` (a round of each in turn), not one after the other; a row per call, in the order prepared."""
+    import argparse
+
+    from sparsemla.bench import drivers as D
+    from sparsemla.bench import peers as P
+    decode = _load_script("benchmarks/decode.py")
+    ran = []
+    monkeypatch.setitem(P.DECODE_BUILDERS, "flashinfer", lambda wl: (lambda: ran.append("peer")))
+    rec = D.Recorder(D.common_args(argparse.ArgumentParser(), formats="bf16").parse_args(["--dry-run"]))
+    batches, time_many = [], rec.time_many
+    monkeypatch.setattr(rec, "time_many", lambda fns, graph=True: batches.append(len(fns)) or time_many(fns, graph))
+    decode.run_decode(rec, ["D-h16", "D-h64"], ["bf16"], fp8qk=False)
+    assert batches == [2, 2] and ran
+    assert [(r["config"], r["impl"]) for r in rec.rows] == [("D-h16", "sparsemla"), ("D-h16", "flashinfer"),
+                                                            ("D-h64", "sparsemla"), ("D-h64", "flashinfer")]
+    assert rec.rows[0]["rel_err"] is not None and rec.rows[1].get("rel_err") is None
+
+
 def test_render_each_table_from_the_newest_run_of_its_driver():
     """A decode run at a newer commit leaves the prefill and host tables on the commit that measured them."""
     render = _load_script("benchmarks/render.py")
