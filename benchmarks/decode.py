@@ -139,6 +139,17 @@ def prepare(entries, cfg_name: str, wl, impl: str, make, *, variant=None, check=
     entries.append((cfg_name, wl, impl, call, variant, err))
 
 
+def record(rec, kind: str, cfg_name: str, wl, impl: str, us: float, timing: str, variant, err) -> dict:
+    """Add the row of one timed call on ``wl`` (``kind``: "decode" or "prefill"), with its speed-of-light accounting;
+    returns the row."""
+    fmt, cfg = wl.fmt, wl.config
+    work = attention_work(wl.q, wl.indices, fmt.bytes_per_token, wl.valid_counts)
+    a = achieved(us * 1e-6, work, rec.ceilings)
+    return rec.add(config=cfg_name, kind=kind, fmt=fmt.id, heads=cfg.num_heads, batch=cfg.batch, s_q=cfg.s_q,
+                   topk=cfg.topk, impl=impl, timing=timing, value=us, sol_pct=a["pct_sol"], sol_us=a["sol_us"],
+                   tflops=a["tflops"], bytes=work.nbytes, context=cfg.context, variant=variant, rel_err=err)
+
+
 def time_and_record(rec, entries):
     """Time the prepared calls of one workload interleaved (``Recorder.time_many``: a round of each in turn, so that
     what drifts during the process does not go into their ratios) and record a row for each."""
@@ -146,13 +157,7 @@ def time_and_record(rec, entries):
         return
     timed = rec.time_many([e[3] for e in entries])
     for (cfg_name, wl, impl, _, variant, err), (us, timing) in zip(entries, timed):
-        fmt, cfg = wl.fmt, wl.config
-        work = attention_work(wl.q, wl.indices, fmt.bytes_per_token, wl.valid_counts)
-        a = achieved(us * 1e-6, work, rec.ceilings)
-        row = rec.add(config=cfg_name, kind="decode", fmt=fmt.id, heads=cfg.num_heads, batch=cfg.batch, s_q=cfg.s_q,
-                      topk=cfg.topk, impl=impl, timing=timing, value=us, sol_pct=a["pct_sol"], sol_us=a["sol_us"],
-                      tflops=a["tflops"], bytes=work.nbytes, context=cfg.context, variant=variant, rel_err=err)
-        D.print_row(row)
+        D.print_row(record(rec, "decode", cfg_name, wl, impl, us, timing, variant, err))
 
 
 def run_decode(rec, config_names, formats, *, fp8qk=True, peers=True, conv=False, cluster=False, fused=False,

@@ -32,10 +32,9 @@ prepare_environment()
 import torch  # noqa: E402
 
 from sparsemla.bench import drivers as D  # noqa: E402
-from sparsemla.bench.accounting import achieved, attention_work  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import decode  # noqa: E402  (its forced_call: a plan forced to one kernel)
+import decode  # noqa: E402  (its forced_call, a plan forced to one kernel, and its rows)
 
 REL_TOL = 2e-2
 
@@ -76,13 +75,8 @@ def prepared(entries, wl, impl, call, out, variant):
 
 
 def record(rec, name, wl, impl, us, timing, variant, err):
-    work = attention_work(wl.q, wl.indices, wl.fmt.bytes_per_token, wl.valid_counts)
-    a = achieved(us * 1e-6, work, rec.ceilings)
-    c = wl.config
-    row = rec.add(config=name, kind="prefill", fmt=wl.fmt.id, heads=c.num_heads, batch=c.batch, s_q=c.s_q,
-                  topk=c.topk, impl=impl, timing=timing, value=us, tflops=a["tflops"], sol_pct=a["pct_sol"],
-                  sol_us=a["sol_us"], bytes=work.nbytes, context=c.context, variant=variant, rel_err=err)
-    D.print_row(row, f"  {a['tflops']:.0f} TFLOP/s")
+    row = decode.record(rec, "prefill", name, wl, impl, us, timing, variant, err)
+    D.print_row(row, f"  {row['tflops']:.0f} TFLOP/s")
 
 
 def main(argv=None) -> int:
